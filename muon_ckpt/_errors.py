@@ -1,0 +1,31 @@
+"""The error classes of muon_ckpt. Everything raised on purpose derives from CheckpointError."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error muon_ckpt raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint (or not the requested step) at the URL."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A file of a committed checkpoint is missing, truncated, or fails its checksum."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The model/optimizer does not match the checkpoint (missing key, shape or dtype)."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """The step is already committed and the caller did not ask to overwrite it."""

@@ -1,0 +1,120 @@
+"""Checkpoint layout and key format: the names every other module and the README agree on.
+
+Layout::
+
+    <url>/step-00000500/            one directory per step (8 digits, zero-padded)
+        .metadata, __0_0.distcp ... DCP files, written first
+        manifest.json               written LAST, by rank 0, after every rank finished:
+                                    the commit marker. A step without it does not exist.
+
+Keys (DCP state-dict keys, by parameter FQN, never by position)::
+
+    model.<fqn>                        parameter / buffer tensors
+    optim.state.<fqn>.<state key>      e.g. optim.state.layers.0.w.momentum_buffer
+    optim.param_groups.<fqn>.<hparam>  e.g. optim.param_groups.layers.0.w.lr
+    extra.<name>.<key path>            state_dict() of each ``extra`` object, flattened
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from muon_ckpt._errors import CheckpointCorruptError
+
+STEP_PREFIX = "step-"
+MANIFEST = "manifest.json"
+FORMAT = "muon-ckpt"
+FORMAT_VERSION = 1
+KEY_FORMAT_VERSION = 1
+
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dirname(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def model_key(fqn: str) -> str:
+    return f"model.{fqn}"
+
+
+def optim_state_key(fqn: str, key: str) -> str:
+    return f"optim.state.{fqn}.{key}"
+
+
+def optim_group_key(fqn: str, hparam: str) -> str:
+    return f"optim.param_groups.{fqn}.{hparam}"
+
+
+def split_last(key: str, prefix: str) -> tuple[str, str] | None:
+    """``optim.state.a.b.momentum_buffer`` with prefix ``optim.state.`` -> (``a.b``, key)."""
+    if not key.startswith(prefix):
+        return None
+    rest = key[len(prefix) :]
+    fqn, _, last = rest.rpartition(".")
+    return (fqn, last) if fqn else None
+
+
+@dataclass
+class FileEntry:
+    size: int
+    crc32: str  # 8 hex digits of zlib.crc32
+
+
+@dataclass
+class Manifest:
+    step: int
+    world_size: int
+    files: dict[str, FileEntry]
+    time: str  # ISO 8601, UTC
+    torch_version: str
+    muon_ckpt_version: str
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+    key_format_version: int = KEY_FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        try:
+            d = json.loads(data)
+            if d.get("format") != FORMAT:
+                raise ValueError(f"format is {d.get('format')!r}, expected {FORMAT!r}")
+            if int(d["format_version"]) > FORMAT_VERSION:
+                raise ValueError(
+                    f"format_version {d['format_version']} is newer than this muon-ckpt "
+                    f"understands ({FORMAT_VERSION}); upgrade muon-ckpt"
+                )
+            files = {k: FileEntry(int(v["size"]), str(v["crc32"])) for k, v in d["files"].items()}
+            return cls(
+                step=int(d["step"]),
+                world_size=int(d["world_size"]),
+                files=files,
+                time=str(d["time"]),
+                torch_version=str(d["torch_version"]),
+                muon_ckpt_version=str(d["muon_ckpt_version"]),
+                format=d["format"],
+                format_version=int(d["format_version"]),
+                key_format_version=int(d.get("key_format_version", 1)),
+                extra=dict(d.get("extra", {})),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointCorruptError(
+                f"{where}: manifest is unreadable ({e}); the step cannot be trusted. "
+                "Load another step (muon-ckpt ls lists them) or delete this one"
+            ) from e

@@ -1,0 +1,6 @@
+"""Distributed Muon optimizer (Newton-Schulz on owner ranks, AdamW for non-matrix params)."""
+
+from optim.muon import Muon
+from optim.newton_schulz import set_ns_compile
+
+__all__ = ["Muon", "set_ns_compile"]

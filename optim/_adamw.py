@@ -1,0 +1,54 @@
+"""AdamW for the ``use_muon=False`` groups: decoupled weight decay, bias-corrected moments.
+
+Works on local shards (elementwise, so no communication). Like the Muon path it uses only
+single-rounding ops so a shard gives the same bits as the full tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def adamw_step(params: list[Tensor], group: dict, state: dict) -> None:
+    """One AdamW step for ``params`` (all have a grad and an initialised state)."""
+    lr = float(group["lr"])
+    wd = float(group["weight_decay"])
+    b1, b2 = (float(b) for b in group["adamw_betas"])
+    eps = float(group["adamw_eps"])
+    # Params can be at different step counts (one skipped a step without a grad).
+    by_step: dict[float, list[Tensor]] = {}
+    for p in params:
+        st = state[p]
+        st["step"] += 1
+        by_step.setdefault(float(st["step"]), []).append(p)
+    for step, ps in by_step.items():
+        ps = [p for p in ps if _local(p).numel() > 0]
+        if not ps:
+            continue
+        p_l = [_local(p) for p in ps]
+        g_l = [_local(p.grad) for p in ps]
+        m_l = [_local(state[p]["moment1"]) for p in ps]
+        v_l = [_local(state[p]["moment2"]) for p in ps]
+        bc1 = 1.0 - b1**step
+        bc2 = 1.0 - b2**step
+        if wd:
+            torch._foreach_mul_(p_l, 1.0 - lr * wd)
+        torch._foreach_mul_(m_l, b1)
+        torch._foreach_add_(m_l, torch._foreach_mul(g_l, 1.0 - b1))
+        g2 = torch._foreach_mul(g_l, g_l)
+        torch._foreach_mul_(g2, 1.0 - b2)
+        torch._foreach_mul_(v_l, b2)
+        torch._foreach_add_(v_l, g2)
+        denom = torch._foreach_sqrt(v_l)
+        torch._foreach_div_(denom, math.sqrt(bc2))
+        torch._foreach_add_(denom, eps)
+        upd = torch._foreach_div(m_l, denom)
+        torch._foreach_mul_(upd, lr / bc1)
+        torch._foreach_sub_(p_l, upd)

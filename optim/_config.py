@@ -1,0 +1,130 @@
+"""Validation of Muon's constructor arguments and param groups (ValueErrors name field and value)."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+ADJUST_LR_FNS = ("match_rms_adamw", "original")
+
+GROUP_DEFAULTS: dict[str, Any] = {
+    "lr": 0.02,
+    "weight_decay": 0.0,
+    "momentum": 0.95,
+    "nesterov": True,
+    "ns_steps": 5,
+    "none_grad": False,
+    "use_muon": True,
+    "adamw_betas": (0.9, 0.95),
+    "adamw_eps": 1e-8,
+}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _where(gi: int) -> str:
+    return f"param group {gi}"
+
+
+def check_constructor(chunk_size: Any, warmup_step: Any, adjust_lr_fn: Any) -> None:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if not isinstance(warmup_step, int) or isinstance(warmup_step, bool) or warmup_step < 0:
+        raise ValueError(f"warmup_step must be an int >= 0, got {warmup_step!r}")
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+
+
+def check_group(group: dict, gi: int) -> None:
+    """Raise ValueError for the first bad hyperparameter or parameter of ``group``."""
+    where = _where(gi)
+    lr = group["lr"]
+    if not _is_number(lr) or lr < 0:
+        raise ValueError(f"{where}: lr must be a number >= 0, got {lr!r}")
+    wd = group["weight_decay"]
+    if not _is_number(wd) or wd < 0:
+        raise ValueError(f"{where}: weight_decay must be a number >= 0, got {wd!r}")
+    for key in ("use_muon", "nesterov", "none_grad"):
+        if not isinstance(group[key], bool):
+            raise ValueError(f"{where}: {key} must be a bool, got {group[key]!r}")
+    m = group["momentum"]
+    if not _is_number(m) or not 0.0 <= m < 1.0:
+        raise ValueError(f"{where}: momentum must be in [0, 1), got {m!r}")
+    ns = group["ns_steps"]
+    if not isinstance(ns, int) or isinstance(ns, bool) or not 1 <= ns < 100:
+        raise ValueError(f"{where}: ns_steps must be an int in [1, 100), got {ns!r}")
+    betas = group["adamw_betas"]
+    if (
+        not isinstance(betas, (tuple, list))
+        or len(betas) != 2
+        or not all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        raise ValueError(f"{where}: adamw_betas must be two numbers in [0, 1), got {betas!r}")
+    eps = group["adamw_eps"]
+    if not _is_number(eps) or eps < 0:
+        raise ValueError(f"{where}: adamw_eps must be a number >= 0, got {eps!r}")
+
+    params = group["params"]
+    names = group.get("names")
+    if names is not None:
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{where}: names must be a list of str, got {names!r}")
+        if len(names) != len(params):
+            raise ValueError(
+                f"{where}: names has {len(names)} entries but the group has {len(params)} "
+                "params; give one name per param, in the same order"
+            )
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if list(names).count(n) > 1})
+            raise ValueError(f"{where}: names must be unique, got duplicates {dup}")
+
+    for pi, p in enumerate(params):
+        label = repr(names[pi]) if names is not None else f"#{pi}"
+        if not p.is_floating_point():
+            raise ValueError(f"{where}: param {label} must be floating point, got {p.dtype}")
+        if group["use_muon"] and p.ndim < 2:
+            raise ValueError(
+                f"{where}: param {label} has shape {tuple(p.shape)} but a use_muon=True group "
+                "needs >= 2-D matrices; put 0-D/1-D params (biases, norms) in a group with "
+                "use_muon=False (AdamW)"
+            )
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            if mesh.ndim != 1:
+                raise ValueError(
+                    f"{where}: param {label} is a DTensor on a {mesh.ndim}-D mesh; Muon supports "
+                    "1-D meshes (FSDP2 fully_shard over one dimension)"
+                )
+            pl = p.placements[0]
+            if not isinstance(pl, (Shard, Replicate)) or type(pl).__name__ == "_StridedShard":
+                raise ValueError(
+                    f"{where}: param {label} has placement {pl}; Muon supports Shard(dim) and "
+                    "Replicate() on a 1-D mesh"
+                )
+
+
+def param_label(group: dict, index: int, gi: int) -> str:
+    names = group.get("names")
+    return names[index] if names is not None else f"group{gi}.param{index}"
+
+
+def check_same_mesh(groups: list[dict]) -> None:
+    meshes = []
+    for g in groups:
+        for p in g["params"]:
+            if isinstance(p, DTensor) and all(p.device_mesh is not m for m in meshes):
+                meshes.append(p.device_mesh)
+    if len({id(m.get_group()) for m in meshes}) > 1:
+        raise ValueError(
+            f"all DTensor params must live on one device mesh, found {len(meshes)} meshes: "
+            f"{[str(m) for m in meshes]}"
+        )
+
+
+def to_float(v: Any) -> float:
+    return float(v.item()) if isinstance(v, torch.Tensor) else float(v)

@@ -1,0 +1,235 @@
+"""The Muon update, pipelined in chunks: momentum on the shards, Newton-Schulz on owner ranks.
+
+Per chunk:
+1. every rank updates the momentum of its shards and forms the (Nesterov) update, cast to bf16;
+2. gather: one ``all_to_all_single`` sends each shard to the matrix's owner (async);
+3. the owner reassembles the FULL matrix and runs Newton-Schulz once;
+4. scatter: one ``all_to_all_single`` returns each rank's slice of the result (async);
+5. every rank applies decoupled weight decay and the lr-scaled update to its shard.
+With ``warmup_step = w``, the gathers of w chunks are in flight while a chunk computes, and a
+chunk's scatter overlaps the next chunk's Newton-Schulz.
+
+Bitwise reproducibility (N ranks == 1 process, same device type): the elementwise work uses
+only single-rounding ops (mul, add, sub; no lerp/addcmul/alpha=, which may fuse into an FMA in
+one code path and not another), so it gives the same bits on a shard as on the full tensor;
+Newton-Schulz always runs on the same full bf16 matrix.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from optim._plan import Item, Plan
+from optim.newton_schulz import newton_schulz
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def adjusted_lr(lr: float, rows: int, cols: int, adjust_lr_fn: str) -> float:
+    if adjust_lr_fn == "original":
+        return lr * max(1.0, rows / cols) ** 0.5
+    return lr * 0.2 * max(rows, cols) ** 0.5
+
+
+def _momentum_updates(items: list[Item], state: dict) -> list[Tensor]:
+    """Update momentum buffers in place; return each item's local bf16 update, in order."""
+    out: list[Tensor | None] = [None] * len(items)
+    by_hp: dict[tuple, list[int]] = {}
+    for i, it in enumerate(items):
+        by_hp.setdefault((it.group["momentum"], it.group["nesterov"]), []).append(i)
+    for (m, nesterov), idx in by_hp.items():
+        bufs = [_local(state[items[i].param]["momentum_buffer"]) for i in idx]
+        grads = [_local(_grad_like_param(items[i].param)) for i in idx]
+        scaled = torch._foreach_mul(grads, 1.0 - m)  # (1 - m) * g
+        torch._foreach_mul_(bufs, m)
+        torch._foreach_add_(bufs, scaled)  # buf = m * buf + (1 - m) * g
+        if nesterov:
+            upd = torch._foreach_mul(bufs, m)
+            torch._foreach_add_(upd, scaled)  # (1 - m) * g + m * buf
+        else:
+            upd = bufs
+        for i, u in zip(idx, upd):
+            out[i] = u.to(torch.bfloat16)
+    return out  # type: ignore[return-value]
+
+
+def _grad_like_param(p: Tensor) -> Tensor:
+    g = p.grad
+    if hasattr(g, "placements") and g.placements != p.placements:
+        g = g.redistribute(p.device_mesh, p.placements)
+    return g
+
+
+def _apply(it: Item, update_local: Tensor, adjust_lr_fn: str) -> None:
+    g = it.group
+    p = _local(it.param)
+    if update_local.numel() == 0:
+        return
+    lr = float(g["lr"])
+    if g["weight_decay"]:
+        p.mul_(1.0 - lr * g["weight_decay"])
+    rows, cols = it.matrix_dims()
+    upd = update_local.reshape(p.shape).to(p.dtype)
+    upd.mul_(adjusted_lr(lr, rows, cols, adjust_lr_fn))
+    p.sub_(upd)
+
+
+class _Inflight:
+    __slots__ = ("items", "local_updates", "recv", "work")
+
+    def __init__(self, items, local_updates, recv, work):
+        self.items = items
+        self.local_updates = local_updates
+        self.recv = recv
+        self.work = work
+
+
+def _split_by_owner(plan: Plan, items: list[Item]) -> list[list[int]]:
+    by_owner: list[list[int]] = [[] for _ in range(plan.world)]
+    for i, it in enumerate(items):
+        by_owner[it.owner].append(i)
+    return by_owner
+
+
+def _start_gather(plan: Plan, items: list[Item], updates: list[Tensor]) -> _Inflight:
+    """Send every exchanged item's shard to its owner (async)."""
+    ex = [i for i, it in enumerate(items) if it.exchanged]
+    if not ex:
+        return _Inflight(items, updates, None, None)
+    r = plan.rank
+    send_parts, in_splits, out_splits = [], [], []
+    by_owner = _split_by_owner(plan, [items[i] for i in ex])
+    for d in range(plan.world):
+        n = 0
+        for j in by_owner[d]:
+            it = items[ex[j]]
+            if it.shard_dim is not None:
+                send_parts.append(updates[ex[j]].reshape(-1))
+                n += it.piece_numel(r)
+        in_splits.append(n)
+    for s in range(plan.world):
+        out_splits.append(
+            sum(items[ex[j]].piece_numel(s) for j in by_owner[r] if items[ex[j]].shard_dim is not None)
+        )
+    dev = updates[ex[0]].device
+    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.bfloat16, device=dev)
+    recv = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=dev)
+    work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=plan.pg, async_op=True)
+    return _Inflight(items, updates, (recv, out_splits), work)
+
+
+def _orthogonalise_and_scatter(plan: Plan, fl: _Inflight, adjust_lr_fn: str) -> _Inflight | None:
+    """Wait for the gather, run Newton-Schulz on owned/local matrices, start the scatter."""
+    items, updates = fl.items, fl.local_updates
+    r = plan.rank
+    # Local (non-exchanged) matrices: whole on this rank, nothing to wait for.
+    for i, it in enumerate(items):
+        if not it.exchanged:
+            _apply(it, newton_schulz(updates[i], it.group["ns_steps"]), adjust_lr_fn)
+    if fl.work is None:
+        return None
+    fl.work.wait()  # Sync: shards of owned matrices must have arrived before reassembly.
+    recv, out_splits = fl.recv
+    ex = [i for i, it in enumerate(items) if it.exchanged]
+    by_owner = _split_by_owner(plan, [items[i] for i in ex])
+    mine = [ex[j] for j in by_owner[r]]
+    # recv layout: [from rank 0: owned items' pieces in order][from rank 1: ...]...
+    pieces: dict[int, list[Tensor]] = {i: [] for i in mine}
+    off = 0
+    for s in range(plan.world):
+        for i in mine:
+            it = items[i]
+            if it.shard_dim is None:
+                continue
+            n = it.piece_numel(s)
+            pieces[i].append(recv[off : off + n].view(it.pieces[s]))
+            off += n
+    results: dict[int, Tensor] = {}
+    for i in mine:
+        it = items[i]
+        full = updates[i] if it.shard_dim is None else torch.cat(pieces[i], dim=it.shard_dim)
+        results[i] = newton_schulz(full, it.group["ns_steps"])
+    # Scatter: to each rank d, its slice of every matrix this rank owns.
+    send_parts, in_splits, out_splits2 = [], [], []
+    for d in range(plan.world):
+        n = 0
+        for i in mine:
+            it = items[i]
+            res = results[i]
+            if it.shard_dim is not None:
+                start = sum(p[it.shard_dim] for p in it.pieces[:d])
+                part = res.narrow(it.shard_dim, start, it.pieces[d][it.shard_dim])
+            else:
+                part = res
+            send_parts.append(part.reshape(-1))
+            n += part.numel()
+        in_splits.append(n)
+    for s in range(plan.world):
+        out_splits2.append(sum(items[ex[j]].piece_numel(r) for j in by_owner[s]))
+    dev = recv.device
+    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.bfloat16, device=dev)
+    back = torch.empty(sum(out_splits2), dtype=torch.bfloat16, device=dev)
+    work = dist.all_to_all_single(back, send, out_splits2, in_splits, group=plan.pg, async_op=True)
+    return _Inflight(items, None, (back, by_owner, ex), work)
+
+
+def _finish_scatter(plan: Plan, fl: _Inflight, adjust_lr_fn: str) -> None:
+    fl.work.wait()  # Sync: this rank's slices must have arrived before they are applied.
+    back, by_owner, ex = fl.recv
+    off = 0
+    for s in range(plan.world):
+        for j in by_owner[s]:
+            it = fl.items[ex[j]]
+            n = it.piece_numel(plan.rank)
+            _apply(it, back[off : off + n], adjust_lr_fn)
+            off += n
+
+
+def muon_step(
+    plan: Plan,
+    active: set[int],
+    state: dict,
+    adjust_lr_fn: str,
+    warmup_step: int,
+    before_chunk: Callable[[int], None] | None = None,
+    after_momentum: Callable[[int], None] | None = None,
+) -> None:
+    """Run one Muon step over ``plan``; ``active`` holds ids of params that have a gradient.
+
+    ``before_chunk(ci)`` runs before chunk ``ci`` touches its momentum buffers and
+    ``after_momentum(ci)`` right after (the offload pool reloads and parks them there).
+    """
+    gathers: deque[_Inflight] = deque()
+    scatters: deque[_Inflight] = deque()
+
+    def drain_one_gather():
+        sc = _orthogonalise_and_scatter(plan, gathers.popleft(), adjust_lr_fn)
+        if sc is not None:
+            scatters.append(sc)
+        # Apply the previous chunk's scatter only now, so it overlapped this Newton-Schulz.
+        while len(scatters) > 1:
+            _finish_scatter(plan, scatters.popleft(), adjust_lr_fn)
+
+    for ci, chunk in enumerate(plan.chunks):
+        items = [it for it in chunk if id(it.param) in active]
+        if before_chunk is not None:
+            before_chunk(ci)
+        if items:
+            updates = _momentum_updates(items, state)
+        if after_momentum is not None:
+            after_momentum(ci)
+        if items:
+            gathers.append(_start_gather(plan, items, updates))
+        while len(gathers) > warmup_step:
+            drain_one_gather()
+    while gathers:
+        drain_one_gather()
+    while scatters:
+        _finish_scatter(plan, scatters.popleft(), adjust_lr_fn)

@@ -1,0 +1,274 @@
+"""Muon: Newton-Schulz-orthogonalised momentum for matrices, AdamW for everything else.
+
+A real ``torch.optim.Optimizer``: LR schedulers, ``zero_grad``, ``add_param_group``,
+``state_dict``/``load_state_dict`` and grad clipping keep working. Parameters may be plain
+tensors or DTensors on a 1-D mesh (what FSDP2 ``fully_shard`` makes; Shard(dim) with uneven
+shards, or Replicate). See README.md for every param-group key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from offload import CPUOffloadPool
+from optim import _config
+from optim._adamw import adamw_step
+from optim._muon_step import muon_step
+from optim._plan import Plan, build_plan
+
+__all__ = ["Muon"]
+
+_SAVE_MSG = (
+    "Muon.state_dict() was called while CPU offload is on: the optimizer states are parked in "
+    "CPU buffers. Call turn_off_cpu_offload() before checkpoint save (muon_ckpt's "
+    "CheckpointManager does this for you)."
+)
+_LOAD_MSG = (
+    "Muon.load_state_dict() was called while CPU offload is on. Call turn_off_cpu_offload() "
+    "before checkpoint load, then turn_on_cpu_offload() again (muon_ckpt's CheckpointManager "
+    "does this for you)."
+)
+
+
+class Muon(torch.optim.Optimizer):
+    """Distributed Muon with AdamW for non-matrix params and optional CPU offload of states.
+
+    Args:
+        params: params or param groups (dicts with the keys documented in README.md).
+        chunk_size: matrices per pipeline chunk (one gather and one scatter per chunk).
+        warmup_step: chunks whose gathers are in flight while a chunk computes.
+        adjust_lr_fn: ``"match_rms_adamw"`` (0.2 * sqrt(max(A, B))) or ``"original"``
+            (sqrt(max(1, A / B))), as torch.optim.Muon defines them.
+        **defaults: default values for the group keys (``lr``, ``weight_decay``, ...).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        chunk_size: int = 8,
+        warmup_step: int = 1,
+        adjust_lr_fn: str = "match_rms_adamw",
+        **defaults: Any,
+    ) -> None:
+        _config.check_constructor(chunk_size, warmup_step, adjust_lr_fn)
+        unknown = set(defaults) - set(_config.GROUP_DEFAULTS)
+        if unknown:
+            raise ValueError(
+                f"unknown Muon argument(s) {sorted(unknown)}; expected group keys "
+                f"{sorted(_config.GROUP_DEFAULTS)} or chunk_size/warmup_step/adjust_lr_fn"
+            )
+        self.chunk_size = chunk_size
+        self.warmup_step = warmup_step
+        self.adjust_lr_fn = adjust_lr_fn
+        self._plan: Plan | None = None
+        self._plan_key: tuple | None = None
+        self._cpu_offload = False
+        self._cpu_offload_pool = CPUOffloadPool()
+        self._pool_key: tuple | None = None
+        super().__init__(params, {**_config.GROUP_DEFAULTS, **defaults})
+        _config.check_same_mesh(self.param_groups)
+
+    # ------------------------------------------------------------------ groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
+        if isinstance(group.get("names"), tuple):
+            group["names"] = list(group["names"])
+        try:
+            _config.check_group(group, gi)
+            if gi > 0:
+                _config.check_same_mesh(self.param_groups)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        self._plan = None
+
+    def _get_plan(self) -> Plan:
+        key = tuple(
+            (g["use_muon"], tuple(id(p) for p in g["params"])) for g in self.param_groups
+        )
+        if self._plan is None or key != self._plan_key:
+            self._plan = build_plan(self.param_groups, self.chunk_size)
+            self._plan_key = key
+        return self._plan
+
+    # ------------------------------------------------------------------ state
+    def _init_param_state(self, p: Tensor, use_muon: bool) -> bool:
+        st = self.state[p]
+        if use_muon:
+            if "momentum_buffer" in st:
+                return False
+            st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        else:
+            if "moment1" in st:
+                return False
+            st["moment1"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            st["moment2"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+        return True
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create the state of every param (zeros; ``step`` = 0) without taking a step.
+
+        Used to load a checkpoint into a fresh optimizer. Existing state is left untouched.
+        Call it on every rank (it may build the distributed plan, a collective).
+        """
+        created = False
+        for g in self.param_groups:
+            for p in g["params"]:
+                created |= self._init_param_state(p, g["use_muon"])
+        if self._cpu_offload and created:
+            self._sync_pool()
+            self._cpu_offload_pool.offload()
+
+    def _state_buckets(self) -> dict[int, tuple[Tensor, Any]]:
+        """Map id(state tensor) -> (tensor, pool bucket) for every offloadable state."""
+        plan = self._get_plan()
+        out: dict[int, tuple[Tensor, Any]] = {}
+        for it in plan.items:
+            st = self.state.get(it.param)
+            if st and "momentum_buffer" in st:
+                t = st["momentum_buffer"]
+                out[id(t)] = (t, ("muon", it.chunk))
+        for gi, g in enumerate(self.param_groups):
+            if g["use_muon"]:
+                continue
+            for p in g["params"]:
+                st = self.state.get(p)
+                if st and "moment1" in st:
+                    for k in ("moment1", "moment2"):
+                        out[id(st[k])] = (st[k], ("adamw", gi))
+        return out
+
+    def _sync_pool(self) -> None:
+        """Make the pool track exactly the current states, bucketed by the current plan."""
+        want = self._state_buckets()
+        key = (self._plan_key, tuple(sorted(want)))
+        if key == self._pool_key:
+            return
+        pool = self._cpu_offload_pool
+        pool.clear()
+        for t, bucket in want.values():
+            pool.track(t, bucket)
+        self._pool_key = key
+
+    # ------------------------------------------------------------------ offload toggle
+    @property
+    def cpu_offload(self) -> bool:
+        """True while optimizer states are parked in CPU memory between steps."""
+        return self._cpu_offload
+
+    @torch.no_grad()
+    def turn_on_cpu_offload(self) -> None:
+        """Park all states in (pinned) CPU memory now and after every step. Idempotent."""
+        if self._cpu_offload:
+            return
+        self._sync_pool()
+        self._cpu_offload_pool.offload()
+        self._cpu_offload = True
+
+    @torch.no_grad()
+    def turn_off_cpu_offload(self) -> None:
+        """Bring all states back to their devices and keep them there. Idempotent."""
+        if not self._cpu_offload:
+            return
+        self._cpu_offload_pool.reload()
+        self._cpu_offload_pool.synchronize()
+        self._cpu_offload = False
+
+    # ------------------------------------------------------------------ checkpoint guards
+    def state_dict(self) -> dict[str, Any]:
+        if self._cpu_offload:
+            raise RuntimeError(_SAVE_MSG)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._cpu_offload:
+            raise RuntimeError(_LOAD_MSG)
+        super().load_state_dict(state_dict)
+        # New state tensors replaced the tracked ones: the pool re-learns them at turn-on.
+        self._cpu_offload_pool.clear()
+        self._pool_key = None
+
+    # ------------------------------------------------------------------ step
+    def _active(self, plan: Plan) -> set[int]:
+        """ids of params with a grad; all ranks of the mesh must agree for exchanged ones."""
+        active = {id(p) for g in self.param_groups for p in g["params"] if p.grad is not None}
+        exchanged = [it for it in plan.items if it.exchanged]
+        if exchanged:
+            has = torch.tensor(
+                [id(it.param) in active for it in exchanged], dtype=torch.int32, device=plan.device
+            )
+            dist.all_reduce(has, group=plan.pg)
+            for it, n in zip(exchanged, has.tolist()):
+                if n not in (0, plan.world):
+                    raise RuntimeError(
+                        f"a Muon param of shape {tuple(it.gshape)} has a grad on {n} of "
+                        f"{plan.world} ranks; every rank must have a grad for it, or none"
+                    )
+        return active
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = self._get_plan()
+        active = self._active(plan)
+        created = False
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) in active:
+                    created |= self._init_param_state(p, g["use_muon"])
+        offload = self._cpu_offload
+        pool = self._cpu_offload_pool
+        if offload:
+            self._sync_pool()  # cheap unless states were created or the plan changed
+            # Prefetch AdamW moments now: they copy in while the Muon chunks compute.
+            for gi, g in enumerate(self.param_groups):
+                if not g["use_muon"]:
+                    pool.reload(("adamw", gi))
+
+        def before_chunk(ci: int) -> None:
+            pool.reload(("muon", ci))
+            pool.reload(("muon", ci + 1))  # prefetch the next chunk's momentum
+            pool.wait_reload(("muon", ci))
+
+        def after_momentum(ci: int) -> None:
+            pool.offload(("muon", ci))  # momentum is final for this step: park it
+
+        muon_step(
+            plan,
+            active,
+            self.state,
+            self.adjust_lr_fn,
+            self.warmup_step,
+            before_chunk if offload else None,
+            after_momentum if offload else None,
+        )
+
+        for gi, g in enumerate(self.param_groups):
+            if g["use_muon"]:
+                continue
+            ps = [p for p in g["params"] if id(p) in active]
+            if offload:
+                pool.wait_reload(("adamw", gi))
+            if ps:
+                adamw_step(ps, g, self.state)
+            if offload:
+                pool.offload(("adamw", gi))
+
+        for g in self.param_groups:
+            if g["none_grad"]:
+                for p in g["params"]:
+                    p.grad = None
+        return loss

@@ -1,0 +1,163 @@
+"""Run a test body on N real processes.
+
+``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each with a real
+``torch.distributed`` process group (NCCL on ``cuda:<rank>`` when enough GPUs are present,
+gloo on the CPU otherwise), calls ``fn(rank, world_size, *args)`` in every one and returns the
+list of per-rank return values. A failing rank's traceback is raised in the parent as an
+``AssertionError``; a hang is cut off after ``timeout`` seconds with every rank's Python stack
+dumped, so a test never blocks CI.
+
+``fn`` must be a module-level function (it is pickled by reference into the children).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_CTX = None
+
+
+def _context():
+    # forkserver: children fork from a clean server that has already imported torch, which is
+    # much faster than "spawn" and safe (the server itself never ran a torch op or a thread).
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed"])
+    return _CTX
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dist_device() -> torch.device:
+    """The device this rank computes on: ``cuda:<local rank>`` under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def use_cuda(world_size: int) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+
+
+def _child(fn, rank, world_size, port, args, results, stack_file, timeout):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    with open(stack_file, "w") as stacks:
+        # If the parent's timeout is about to fire, leave every thread's stack behind.
+        faulthandler.dump_traceback_later(max(timeout - 5, 1), file=stacks, exit=False)
+        try:
+            if use_cuda(world_size):
+                torch.cuda.set_device(rank)
+                backend = "nccl"
+            else:
+                backend = "gloo"
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
+            try:
+                out = fn(rank, world_size, *args)
+            finally:
+                dist.destroy_process_group()
+            results.put((rank, True, out))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0
+) -> list[Any]:
+    ctx = _context()
+    port = _free_port()
+    results = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="muon_ckpt_dist_")
+    stack_files = [os.path.join(tmp, f"stack{r}.txt") for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, r, world_size, port, args, results, stack_files[r], timeout),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(outs) + len(failures) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            dead = [r for r in dead if r not in outs and r not in failures]
+            if dead:
+                # A rank died without reporting (segfault, os._exit): the others would hang.
+                for r in dead:
+                    failures[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
+                break
+            continue
+        (outs if ok else failures)[rank] = payload
+        if not ok:
+            break  # one rank failed: the others are likely blocked in a collective
+    for p in procs:
+        p.join(timeout=10 if not failures else 2)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
+    if failures or len(outs) < world_size:
+        parts = [f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items())]
+        missing = [r for r in range(world_size) if r not in outs and r not in failures]
+        if missing and not failures:
+            parts.append(f"timed out after {timeout:.0f}s waiting for ranks {missing}")
+            for r in missing:
+                try:
+                    with open(stack_files[r]) as f:
+                        parts.append(f"--- rank {r} stacks ---\n{f.read()}")
+                except OSError:
+                    pass
+        raise AssertionError(
+            f"distributed test {getattr(fn, '__name__', fn)} on {world_size} ranks:\n"
+            + "\n".join(parts)
+        )
+    return [outs[r] for r in range(world_size)]
+
+
+def run_script(args: list[str], timeout: float = 300.0, env: dict | None = None):
+    """Run a Python command in a fresh interpreter (used for kill/restart tests)."""
+    import subprocess
+
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=full_env
+    )
