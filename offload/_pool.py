@@ -274,7 +274,9 @@ class CPUOffloadPool:
 
     def cpu_nbytes(self) -> int:
         """Bytes held by the flat CPU buffers (allocated once, reused)."""
-        return sum(g["cpu_flat"].numel() * g["cpu_flat"].element_size() for g in self._groups.values())
+        return sum(
+            g["cpu_flat"].numel() * g["cpu_flat"].element_size() for g in self._groups.values()
+        )
 
     def track_many(self, tensors: Iterable[Tensor], bucket: Hashable = 0) -> None:
         for t in tensors:

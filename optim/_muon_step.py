@@ -116,7 +116,11 @@ def _start_gather(plan: Plan, items: list[Item], updates: list[Tensor]) -> _Infl
         in_splits.append(n)
     for s in range(plan.world):
         out_splits.append(
-            sum(items[ex[j]].piece_numel(s) for j in by_owner[r] if items[ex[j]].shard_dim is not None)
+            sum(
+                items[ex[j]].piece_numel(s)
+                for j in by_owner[r]
+                if items[ex[j]].shard_dim is not None
+            )
         )
     dev = updates[ex[0]].device
     send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.bfloat16, device=dev)

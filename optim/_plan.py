@@ -81,7 +81,10 @@ def build_plan(groups: list[dict], chunk_size: int) -> Plan:
         # Each rank's shard length along the shard dim, gathered once per plan: the geometry is
         # read off the real shards rather than re-derived from a chunking rule.
         mine = torch.tensor(
-            [it.param.to_local().shape[it.shard_dim] if it.shard_dim is not None else 0 for it in exchanged],
+            [
+                it.param.to_local().shape[it.shard_dim] if it.shard_dim is not None else 0
+                for it in exchanged
+            ],
             dtype=torch.int64,
             device=device,
         )

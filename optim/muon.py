@@ -91,9 +91,7 @@ class Muon(torch.optim.Optimizer):
         self._plan = None
 
     def _get_plan(self) -> Plan:
-        key = tuple(
-            (g["use_muon"], tuple(id(p) for p in g["params"])) for g in self.param_groups
-        )
+        key = tuple((g["use_muon"], tuple(id(p) for p in g["params"])) for g in self.param_groups)
         if self._plan is None or key != self._plan_key:
             self._plan = build_plan(self.param_groups, self.chunk_size)
             self._plan_key = key

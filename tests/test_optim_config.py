@@ -1,0 +1,79 @@
+"""Bad hyperparameters and bad groups: each a ValueError naming the field and the value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optim import Muon
+
+
+def _w(*shape):
+    return torch.nn.Parameter(torch.zeros(*shape))
+
+
+@pytest.mark.parametrize(
+    ("group_update", "match"),
+    [
+        ({"lr": -0.1}, r"lr must be a number >= 0, got -0\.1"),
+        ({"lr": "fast"}, r"lr must be a number >= 0, got 'fast'"),
+        ({"weight_decay": -1}, r"weight_decay must be a number >= 0, got -1"),
+        ({"momentum": 1.0}, r"momentum must be in \[0, 1\), got 1\.0"),
+        ({"momentum": -0.5}, r"momentum must be in \[0, 1\), got -0\.5"),
+        ({"nesterov": 1}, r"nesterov must be a bool, got 1"),
+        ({"none_grad": "yes"}, r"none_grad must be a bool, got 'yes'"),
+        ({"use_muon": None}, r"use_muon must be a bool, got None"),
+        ({"ns_steps": 0}, r"ns_steps must be an int in \[1, 100\), got 0"),
+        ({"ns_steps": 2.5}, r"ns_steps must be an int in \[1, 100\), got 2\.5"),
+        ({"adamw_betas": (0.9,)}, r"adamw_betas must be two numbers in \[0, 1\), got \(0\.9,\)"),
+        ({"adamw_betas": (0.9, 1.2)}, r"adamw_betas must be two numbers in \[0, 1\)"),
+        ({"adamw_eps": -1e-8}, r"adamw_eps must be a number >= 0, got -1e-08"),
+        ({"names": ["a"]}, r"names has 1 entries but the group has 2 params"),
+        ({"names": ["a", "a"]}, r"names must be unique, got duplicates \['a'\]"),
+        ({"names": "ab"}, r"names must be a list of str"),
+    ],
+)
+def test_bad_group_hyperparameter_is_a_clear_value_error(group_update, match):
+    with pytest.raises(ValueError, match=match):
+        Muon([{"params": [_w(4, 4), _w(4, 4)], **group_update}])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"chunk_size": 0}, r"chunk_size must be an int >= 1, got 0"),
+        ({"warmup_step": -1}, r"warmup_step must be an int >= 0, got -1"),
+        ({"adjust_lr_fn": "sqrt"}, r"adjust_lr_fn must be one of .*got 'sqrt'"),
+        ({"learning_rate": 0.1}, r"unknown Muon argument\(s\) \['learning_rate'\]"),
+    ],
+)
+def test_bad_constructor_argument_is_a_clear_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Muon([_w(4, 4)], **kwargs)
+
+
+def test_vector_in_muon_group_is_an_error_that_names_it():
+    with pytest.raises(ValueError, match=r"param 'ln.bias' has shape \(4,\) .*use_muon=False"):
+        Muon([{"params": [_w(4, 4), _w(4)], "names": ["fc.weight", "ln.bias"]}])
+
+
+def test_integer_param_is_an_error():
+    p = torch.zeros(4, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"must be floating point, got torch.int64"):
+        Muon([{"params": [p]}])
+
+
+def test_bad_group_added_later_is_rejected_and_not_kept():
+    opt = Muon([_w(4, 4)])
+    with pytest.raises(ValueError, match=r"param group 1: momentum must be in \[0, 1\)"):
+        opt.add_param_group({"params": [_w(2, 2)], "momentum": 2.0})
+    assert len(opt.param_groups) == 1
+
+
+def test_add_param_group_then_step_works():
+    a, b = _w(4, 4), _w(3)
+    opt = Muon([{"params": [a]}])
+    opt.add_param_group({"params": [b], "use_muon": False, "lr": 1e-3})
+    a.grad, b.grad = torch.ones(4, 4), torch.ones(3)
+    opt.step()
+    assert set(opt.state[b]) == {"moment1", "moment2", "step"}

@@ -1,0 +1,147 @@
+"""N ranks give bitwise the parameters and states of a single-process Muon on the full tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from tests._dist import dist_device, run_on_ranks
+
+# (name, shape, placement) — a mix of shapes: wide, tall, tiny, 4-D conv-like, uneven shards
+# (10 rows on 3 ranks: 4/4/2; 2 rows on 4 ranks: 1/1/0/0), a Shard(1) and a Replicate matrix.
+MUON_SPECS = [
+    ("w_wide", (64, 128), Shard(0)),
+    ("w_tall", (128, 64), Shard(0)),
+    ("w_tiny", (3, 5), Shard(0)),
+    ("conv", (8, 3, 3, 3), Shard(0)),
+    ("w_uneven", (10, 7), Shard(0)),
+    ("w_two_rows", (2, 6), Shard(0)),
+    ("w_cols", (12, 10), Shard(1)),
+    ("w_repl", (16, 8), Replicate()),
+]
+ADAMW_SPECS = [("bias", (128,), Shard(0)), ("norm", (5,), Shard(0)), ("scale", (3,), Replicate())]
+
+
+def _make(params_full, mesh, placements, names, adamw_full, adamw_pl, adamw_names, **kw):
+    from optim.muon import Muon
+
+    if mesh is None:
+        mp = [torch.nn.Parameter(t.clone()) for t in params_full]
+        ap = [torch.nn.Parameter(t.clone()) for t in adamw_full]
+    else:
+        mp = [
+            torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [pl]))
+            for t, pl in zip(params_full, placements)
+        ]
+        ap = [
+            torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [pl]))
+            for t, pl in zip(adamw_full, adamw_pl)
+        ]
+    groups = [
+        {"params": mp, "names": names, "lr": 0.02, "weight_decay": 0.01, "momentum": 0.95},
+        {"params": ap, "names": adamw_names, "use_muon": False, "lr": 1e-3, "weight_decay": 0.1},
+    ]
+    return Muon(groups, **kw), mp, ap
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def body_n_ranks_equal_single_process(rank, world_size, chunk_size, warmup_step, offload):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from optim.newton_schulz import set_ns_compile
+
+    set_ns_compile(False)
+    dev = dist_device()
+    mesh = init_device_mesh(dev.type, (world_size,))
+    g = torch.Generator().manual_seed(1234)
+    mfull = [torch.randn(s, generator=g).to(dev) for _, s, _ in MUON_SPECS]
+    afull = [torch.randn(s, generator=g).to(dev) for _, s, _ in ADAMW_SPECS]
+    grads = [
+        (
+            [torch.randn(s, generator=g).to(dev) for _, s, _ in MUON_SPECS],
+            [torch.randn(s, generator=g).to(dev) for _, s, _ in ADAMW_SPECS],
+        )
+        for _ in range(5)
+    ]
+    mnames = [n for n, _, _ in MUON_SPECS]
+    anames = [n for n, _, _ in ADAMW_SPECS]
+    mpl = [p for _, _, p in MUON_SPECS]
+    apl = [p for _, _, p in ADAMW_SPECS]
+    kw = {"chunk_size": chunk_size, "warmup_step": warmup_step}
+    ref, rmp, rap = _make(mfull, None, None, mnames, afull, None, anames, **kw)
+    opt, dmp, dap = _make(mfull, mesh, mpl, mnames, afull, apl, anames, **kw)
+    if offload:
+        opt.turn_on_cpu_offload()
+    for gm, ga in grads:
+        for p, gr in zip(rmp, gm):
+            p.grad = gr.clone()
+        for p, gr in zip(rap, ga):
+            p.grad = gr.clone()
+        for p, gr, pl in zip(dmp, gm, mpl):
+            p.grad = distribute_tensor(gr.clone(), mesh, [pl])
+        for p, gr, pl in zip(dap, ga, apl):
+            p.grad = distribute_tensor(gr.clone(), mesh, [pl])
+        ref.step()
+        opt.step()
+    if offload:
+        opt.turn_off_cpu_offload()
+    mismatches = []
+    for name, a, b in zip(mnames + anames, rmp + rap, dmp + dap):
+        if not torch.equal(_full(b.data), a.data):
+            mismatches.append(f"param {name}: max diff {(_full(b.data) - a.data).abs().max()}")
+        for key, val in ref.state[a].items():
+            other = _full(opt.state[b][key])
+            if not torch.equal(other, val):
+                mismatches.append(f"state {name}.{key}")
+    return mismatches
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_n_ranks_bitwise_equal_single_process(world_size):
+    results = run_on_ranks(body_n_ranks_equal_single_process, world_size, 2, 1, False)
+    assert results == [[]] * world_size, results
+
+
+def test_more_ranks_than_params_and_no_pipelining():
+    # chunk_size=1, warmup_step=0 on 4 ranks: most chunks leave ranks without work.
+    results = run_on_ranks(body_n_ranks_equal_single_process, 4, 1, 0, False)
+    assert results == [[]] * 4, results
+
+
+def test_n_ranks_with_offload_bitwise_equal_single_process():
+    results = run_on_ranks(body_n_ranks_equal_single_process, 3, 3, 2, True)
+    assert results == [[]] * 3, results
+
+
+def body_owner_balance(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from optim._plan import _ns_cost
+    from optim.muon import Muon
+
+    dev = dist_device()
+    mesh = init_device_mesh(dev.type, (world_size,))
+    shapes = [(128, 128)] * 8 + [(256, 256)] * 4
+    ps = [
+        torch.nn.Parameter(distribute_tensor(torch.zeros(s, device=dev), mesh, [Shard(0)]))
+        for s in shapes
+    ]
+    opt = Muon([{"params": ps}], chunk_size=4)
+    plan = opt._get_plan()
+    loads = [0.0] * world_size
+    for it in plan.items:
+        loads[it.owner] += _ns_cost(it.gshape)
+    owners_per_chunk = [len({it.owner for it in c}) for c in plan.chunks]
+    return loads, owners_per_chunk
+
+
+def test_owner_assignment_balances_newton_schulz_cost():
+    loads, owners_per_chunk = run_on_ranks(body_owner_balance, 4)[0]
+    # A perfect split exists (one 256^2 and two 128^2 per rank) and LPT must find it.
+    assert max(loads) == min(loads), loads
+    # Interleaving: each chunk of 4 matrices spreads over the 4 owners where it can.
+    assert owners_per_chunk[0] == 4, owners_per_chunk
