@@ -186,7 +186,7 @@ class CPUOffloadPool:
                 cpu = self._groups[key]["cpu_flat"][seg.cpu_start : seg.cpu_start + seg.numel]
                 nbytes = seg.numel * seg.flat.element_size()
                 if key[1].type == "cuda":
-                    h2d, d2h = self._side_streams(key[1])
+                    _, d2h = self._side_streams(key[1])
                     # Sync: the copy must read the values the compute stream has written so
                     # far (e.g. this step's momentum update), so d2h waits for that stream.
                     d2h.wait_stream(torch.cuda.current_stream(key[1]))

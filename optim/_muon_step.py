@@ -140,7 +140,7 @@ def _orthogonalise_and_scatter(plan: Plan, fl: _Inflight, adjust_lr_fn: str) -> 
     if fl.work is None:
         return None
     fl.work.wait()  # Sync: shards of owned matrices must have arrived before reassembly.
-    recv, out_splits = fl.recv
+    recv, _ = fl.recv
     ex = [i for i, it in enumerate(items) if it.exchanged]
     by_owner = _split_by_owner(plan, [items[i] for i in ex])
     mine = [ex[j] for j in by_owner[r]]

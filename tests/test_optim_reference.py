@@ -62,7 +62,7 @@ def test_muon_matches_torch_optim_muon_within_bf16_rounding(adjust_lr_fn, nester
 
 
 def test_muon_tolerance_is_tight_enough_to_catch_a_wrong_adjust_lr_fn():
-    init, ours, ref, _, _ = _run_pair(
+    _, ours, ref, _, _ = _run_pair(
         lambda ps: Muon([{"params": ps, "lr": 0.02}], adjust_lr_fn="original"),
         lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw"),
         [(64, 128)],
