@@ -329,7 +329,7 @@ def body_all_behaviours(rank, world_size):
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"ws{w}")
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"ws{w}")
 def outcomes(request):
     return run_on_ranks(body_all_behaviours, request.param, timeout=150)
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one go (used through the device tool; see README.md).
+#   bash tests/gpu/run_gpu.sh [OUTDIR]
+# 1. the seed offload test, unchanged but for the import path, under torchrun;
+# 2. the optimizer/offload test suite (world size 1 on NCCL; larger ones fall back to gloo
+#    unless that many GPUs are present);
+# 3. the Muon and offload benchmarks.
+set -uo pipefail
+out=${1:-${OUT:-/tmp}}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch; print("torch", torch.__version__)'
+rc=0
+step() { echo; echo "=== $* ==="; "$@" 2>&1 | tee -a "$out/gpu.log"; local r=${PIPESTATUS[0]}; echo "=== exit $r: $1 ==="; [ "$r" = 0 ] || rc=1; }
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  step torchrun --nproc-per-node="$ngpu" tests/gpu/test_cpu_offload.py
+  step python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/test_optim_dist.py tests/test_optim_reference.py tests/test_optim_config.py tests/test_offload_dist.py}
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  step python3 benchmarks/bench_muon.py --device cuda
+  step python3 benchmarks/bench_offload.py --device cuda --chunk-size 2
+  step python3 benchmarks/bench_offload.py --device cuda --chunk-size 8
+fi
+exit $rc
