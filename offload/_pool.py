@@ -257,6 +257,51 @@ class CPUOffloadPool:
                 evt.synchronize()
         self.wait_reload()
 
+    def cpu_views(self) -> dict[int, Tensor]:
+        """A CPU copy of every tracked tensor, served from the flat CPU buffers.
+
+        Resident buckets are first copied into their CPU ranges (one copy per segment); the
+        call returns once every copy has landed. Returns ``id(tracked tensor) -> CPU tensor``
+        viewing the buffer (a DTensor with the same spec for a DTensor). The views alias the
+        pool's buffers: they hold the values of this call until the pool next offloads.
+        """
+        self._ensure_initialized()
+        for b in self._buckets.values():
+            if b.offloaded:
+                continue
+            for key, seg in b.segments.items():
+                cpu = self._groups[key]["cpu_flat"][seg.cpu_start : seg.cpu_start + seg.numel]
+                if key[1].type == "cuda":
+                    _, d2h = self._side_streams(key[1])
+                    # Sync: read the values the compute stream has written so far.
+                    d2h.wait_stream(torch.cuda.current_stream(key[1]))
+                    with torch.cuda.stream(d2h):
+                        cpu.copy_(seg.flat, non_blocking=True)
+                    seg.flat.record_stream(d2h)
+                else:
+                    cpu.copy_(seg.flat)
+        for dev in {key[1] for key in self._groups if key[1].type == "cuda"}:
+            # Sync: the host may read the views as soon as this returns.
+            self._side_streams(dev)[1].synchronize()
+        self.synchronize()
+        out: dict[int, Tensor] = {}
+        for e in self._managed.values():
+            seg = self._buckets[e.bucket].segments[e.key]
+            start = seg.cpu_start + e.offset
+            flat = self._groups[e.key]["cpu_flat"]
+            if e.local is e.obj:
+                out[id(e.obj)] = flat[start : start + e.local.numel()].view(e.local.shape)
+                continue
+            from torch.distributed.tensor import DTensor
+
+            # Wrap a tensor that owns its (empty) storage first, then point it at the buffer:
+            # a DTensor built around an offset view cannot be deep-copied (torch 2.11-2.13).
+            local = torch.empty(0, dtype=flat.dtype)
+            view = DTensor(local, e.obj._spec, requires_grad=False)
+            local.set_(flat.untyped_storage(), start, e.local.shape)
+            out[id(e.obj)] = view
+        return out
+
     # ------------------------------------------------------------------ introspection
     def is_offloaded(self, bucket: Hashable) -> bool:
         self._ensure_initialized()

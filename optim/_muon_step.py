@@ -47,14 +47,22 @@ def _momentum_updates(items: list[Item], state: dict) -> list[Tensor]:
     for (m, nesterov), idx in by_hp.items():
         bufs = [_local(state[items[i].param]["momentum_buffer"]) for i in idx]
         grads = [_local(_grad_like_param(items[i].param)) for i in idx]
-        scaled = torch._foreach_mul(grads, 1.0 - m)  # (1 - m) * g
-        torch._foreach_mul_(bufs, m)
-        torch._foreach_add_(bufs, scaled)  # buf = m * buf + (1 - m) * g
-        if nesterov:
-            upd = torch._foreach_mul(bufs, m)
-            torch._foreach_add_(upd, scaled)  # (1 - m) * g + m * buf
+        if bufs[0].device.type == "cuda":
+            # CUDA: every element goes through the same kernel code wherever it sits in a
+            # tensor, so the fused lerp is shard-invariant; it is also torch.optim.Muon's math.
+            torch._foreach_lerp_(bufs, grads, 1.0 - m)
+            upd = torch._foreach_lerp(grads, bufs, m) if nesterov else bufs
         else:
-            upd = bufs
+            # CPU: vectorised body and scalar tail may round a fused op differently, so only
+            # single-rounding ops here.
+            scaled = torch._foreach_mul(grads, 1.0 - m)  # (1 - m) * g
+            torch._foreach_mul_(bufs, m)
+            torch._foreach_add_(bufs, scaled)  # buf = m * buf + (1 - m) * g
+            if nesterov:
+                upd = torch._foreach_mul(bufs, m)
+                torch._foreach_add_(upd, scaled)  # (1 - m) * g + m * buf
+            else:
+                upd = bufs
         for i, u in zip(idx, upd):
             out[i] = u.to(torch.bfloat16)
     return out  # type: ignore[return-value]
@@ -76,9 +84,24 @@ def _apply(it: Item, update_local: Tensor, adjust_lr_fn: str) -> None:
     if g["weight_decay"]:
         p.mul_(1.0 - lr * g["weight_decay"])
     rows, cols = it.matrix_dims()
-    upd = update_local.reshape(p.shape).to(p.dtype)
-    upd.mul_(adjusted_lr(lr, rows, cols, adjust_lr_fn))
-    p.sub_(upd)
+    alr = adjusted_lr(lr, rows, cols, adjust_lr_fn)
+    upd = update_local.reshape(p.shape)
+    if p.device.type == "cuda":
+        p.add_(upd, alpha=-alr)  # shard-invariant on CUDA (see _momentum_updates)
+    else:
+        p.sub_(upd.to(p.dtype).mul_(alr))
+
+
+def _orthogonalise(items: list[Item], fulls: dict[int, Tensor]) -> dict[int, Tensor]:
+    """Newton-Schulz on ``fulls`` (item index -> full matrix), one batched call per unit."""
+    by_unit: dict[int, list[int]] = {}
+    for i in fulls:
+        by_unit.setdefault(items[i].unit, []).append(i)
+    out: dict[int, Tensor] = {}
+    for idx in by_unit.values():
+        res = newton_schulz([fulls[i] for i in idx], items[idx[0]].group["ns_steps"])
+        out.update(zip(idx, res))
+    return out
 
 
 class _Inflight:
@@ -134,9 +157,9 @@ def _orthogonalise_and_scatter(plan: Plan, fl: _Inflight, adjust_lr_fn: str) -> 
     items, updates = fl.items, fl.local_updates
     r = plan.rank
     # Local (non-exchanged) matrices: whole on this rank, nothing to wait for.
-    for i, it in enumerate(items):
-        if not it.exchanged:
-            _apply(it, newton_schulz(updates[i], it.group["ns_steps"]), adjust_lr_fn)
+    local = {i: updates[i] for i, it in enumerate(items) if not it.exchanged}
+    for i, res in _orthogonalise(items, local).items():
+        _apply(items[i], res, adjust_lr_fn)
     if fl.work is None:
         return None
     fl.work.wait()  # Sync: shards of owned matrices must have arrived before reassembly.
@@ -155,11 +178,13 @@ def _orthogonalise_and_scatter(plan: Plan, fl: _Inflight, adjust_lr_fn: str) -> 
             n = it.piece_numel(s)
             pieces[i].append(recv[off : off + n].view(it.pieces[s]))
             off += n
-    results: dict[int, Tensor] = {}
-    for i in mine:
-        it = items[i]
-        full = updates[i] if it.shard_dim is None else torch.cat(pieces[i], dim=it.shard_dim)
-        results[i] = newton_schulz(full, it.group["ns_steps"])
+    fulls = {
+        i: updates[i]
+        if items[i].shard_dim is None
+        else torch.cat(pieces[i], dim=items[i].shard_dim)
+        for i in mine
+    }
+    results = _orthogonalise(items, fulls)
     # Scatter: to each rank d, its slice of every matrix this rank owns.
     send_parts, in_splits, out_splits2 = [], [], []
     for d in range(plan.world):

@@ -31,6 +31,7 @@ class Item:
     pieces: list[torch.Size] = field(default_factory=list)  # local shape on each rank
     owner: int = 0
     chunk: int = 0
+    unit: int = 0  # items of one unit run through one batched Newton-Schulz
 
     def piece_numel(self, r: int) -> int:
         return math.prod(self.pieces[r])
@@ -54,6 +55,37 @@ def _ns_cost(shape: torch.Size) -> float:
     a = shape[0]
     b = math.prod(shape) // max(a, 1)
     return float(max(a, b)) * float(min(a, b)) ** 2
+
+
+# Same-shape matrices are orthogonalised together (one batched Newton-Schulz) while their
+# summed cost stays under this, i.e. small matrices batch and large ones stay alone.
+BATCH_COST_LIMIT = float(2048**3)
+MAX_BATCH = 32
+
+
+def _unit_cost(unit: list[Item]) -> float:
+    return sum(_ns_cost(it.gshape) for it in unit)
+
+
+def _form_units(items: list[Item]) -> list[list[Item]]:
+    """Batches of same-shape matrices. Depends only on the params' order, shapes, dtypes and
+    ns_steps (never on the world size or placements), so one process and N ranks run the
+    very same batched Newton-Schulz calls: the N-ranks == 1-process invariant survives."""
+    open_units: dict[tuple, list[Item]] = {}
+    units: list[list[Item]] = []
+    for it in items:
+        key = (tuple(it.gshape), it.param.dtype, it.group["ns_steps"], it.exchanged)
+        u = open_units.get(key)
+        if (
+            u is None
+            or len(u) >= MAX_BATCH
+            or _unit_cost(u) + _ns_cost(it.gshape) > BATCH_COST_LIMIT
+        ):
+            u = []
+            units.append(u)
+            open_units[key] = u
+        u.append(it)
+    return units
 
 
 def build_plan(groups: list[dict], chunk_size: int) -> Plan:
@@ -107,33 +139,43 @@ def build_plan(groups: list[dict], chunk_size: int) -> Plan:
                 )
             it.pieces = pieces
 
-        # Longest-processing-time-first owner assignment; ties broken by index for determinism.
-        loads = [(0.0, r) for r in range(world)]
-        heapq.heapify(loads)
-        order = sorted(range(len(exchanged)), key=lambda j: (-_ns_cost(exchanged[j].gshape), j))
-        for j in order:
-            load, r = heapq.heappop(loads)
-            exchanged[j].owner = r
-            heapq.heappush(loads, (load + _ns_cost(exchanged[j].gshape), r))
-
+    units = _form_units(items)
+    # Longest-processing-time-first owner assignment over units; ties broken by index, so
+    # every rank computes the same owners.
+    ex_units = [u for u in units if u[0].exchanged]
+    loads = [(0.0, r) for r in range(world)]
+    heapq.heapify(loads)
+    for ui in sorted(range(len(ex_units)), key=lambda i: (-_unit_cost(ex_units[i]), i)):
+        load, r = heapq.heappop(loads)
+        for it in ex_units[ui]:
+            it.owner = r
+        heapq.heappush(loads, (load + _unit_cost(ex_units[ui]), r))
     for it in items:
         if not it.exchanged:
             it.owner = rank
 
     # Interleave owners: round-robin over each owner's queue (largest first), so consecutive
-    # items, and hence each chunk, have different owners. Local items go last.
-    queues: list[list[Item]] = [[] for _ in range(world)]
-    for it in sorted(exchanged, key=lambda it: -_ns_cost(it.gshape)):
-        queues[it.owner].append(it)
-    ordered: list[Item] = []
+    # units, and hence each chunk, have different owners. Local units go last.
+    queues: list[list[list[Item]]] = [[] for _ in range(world)]
+    for u in sorted(ex_units, key=lambda u: -_unit_cost(u)):
+        queues[u[0].owner].append(u)
+    ordered_units: list[list[Item]] = []
     depth = max((len(q) for q in queues), default=0)
     for k in range(depth):
         for q in queues:
             if k < len(q):
-                ordered.append(q[k])
-    ordered += [it for it in items if not it.exchanged]
+                ordered_units.append(q[k])
+    ordered_units += [u for u in units if not u[0].exchanged]
 
-    chunks = [ordered[i : i + chunk_size] for i in range(0, len(ordered), chunk_size)]
+    # Chunks of about chunk_size params, never splitting a unit.
+    chunks: list[list[Item]] = []
+    for ui, u in enumerate(ordered_units):
+        for it in u:
+            it.unit = ui
+        if not chunks or (chunks[-1] and len(chunks[-1]) + len(u) > chunk_size):
+            chunks.append([])
+        chunks[-1].extend(u)
+    ordered = [it for c in chunks for it in c]
     for ci, chunk in enumerate(chunks):
         for it in chunk:
             it.chunk = ci

@@ -184,9 +184,28 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoint guards
     def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state dict (positional, as torch.optim defines it).
+
+        Once CPU offload has been used, the pinned CPU buffers hold a copy of every state, so
+        the tensors returned are served from there (refreshed by one device-to-host copy per
+        flat group): saving a checkpoint then needs no extra GPU memory. Like torch's, the
+        returned tensors are references, not copies: save or deepcopy them before the next
+        step with offload on.
+        """
         if self._cpu_offload:
             raise RuntimeError(_SAVE_MSG)
-        return super().state_dict()
+        sd = super().state_dict()
+        pool = self._cpu_offload_pool
+        if pool.cpu_nbytes() > 0:
+            self._sync_pool()
+            views = pool.cpu_views()
+            # torch's state_dict shares the inner dicts with self.state: copy before editing.
+            sd["state"] = {i: dict(st) for i, st in sd["state"].items()}
+            for st in sd["state"].values():
+                for k, v in st.items():
+                    if id(v) in views:
+                        st[k] = views[id(v)]
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._cpu_offload:

@@ -16,6 +16,7 @@ __all__ = [
     "get_ns_compile",
     "newton_schulz",
     "set_ns_compile",
+    "zeropower_batched",
     "zeropower_via_newtonschulz",
 ]
 
@@ -60,14 +61,38 @@ def zeropower_via_newtonschulz(
     return x
 
 
-def newton_schulz(grad: Tensor, ns_steps: int = 5) -> Tensor:
-    """Orthogonalise ``grad`` (>= 2-D; viewed as ``(shape[0], -1)``), eager or compiled."""
+def zeropower_batched(
+    grads: Tensor,
+    ns_steps: int = 5,
+    coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+    eps: float = _EPS,
+) -> Tensor:
+    """Newton-Schulz on a batch of same-shape matrices ``(B, rows, cols)``, in bfloat16."""
+    a, b, c = coefficients
+    x = grads.bfloat16()
+    transposed = grads.size(-2) > grads.size(-1)
+    if transposed:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.mT
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
+    if transposed:
+        x = x.mT
+    return x
+
+
+def newton_schulz(grads: list[Tensor], ns_steps: int = 5) -> list[Tensor]:
+    """Orthogonalise same-shape tensors (>= 2-D, each viewed as ``(shape[0], -1)``) in one
+    batched iteration, eager or compiled; returns bfloat16 tensors of the input shapes."""
     global _compiled
-    matrix = grad.reshape(grad.shape[0], -1) if grad.ndim > 2 else grad
+    shape = grads[0].shape
+    batch = torch.stack([g.reshape(shape[0], -1) for g in grads])
     if _use_compile:
         if _compiled is None:
-            _compiled = torch.compile(zeropower_via_newtonschulz, dynamic=False)
-        out = _compiled(matrix, ns_steps)
+            _compiled = torch.compile(zeropower_batched, dynamic=False)
+        out = _compiled(batch, ns_steps)
     else:
-        out = zeropower_via_newtonschulz(matrix, ns_steps)
-    return out.reshape(grad.shape)
+        out = zeropower_batched(batch, ns_steps)
+    return [o.reshape(shape) for o in out.unbind(0)]

@@ -120,9 +120,11 @@ def test_n_ranks_with_offload_bitwise_equal_single_process():
 def body_owner_balance(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
+    import optim._plan as plan_mod
     from optim._plan import _ns_cost
     from optim.muon import Muon
 
+    plan_mod.BATCH_COST_LIMIT = 0.0  # one matrix per unit: test the owner assignment alone
     dev = dist_device()
     mesh = init_device_mesh(dev.type, (world_size,))
     shapes = [(128, 128)] * 8 + [(256, 256)] * 4
@@ -145,3 +147,29 @@ def test_owner_assignment_balances_newton_schulz_cost():
     assert max(loads) == min(loads), loads
     # Interleaving: each chunk of 4 matrices spreads over the 4 owners where it can.
     assert owners_per_chunk[0] == 4, owners_per_chunk
+
+
+def test_small_same_shape_matrices_batch_and_large_ones_stay_alone():
+    from optim._plan import build_plan
+    from optim.muon import Muon
+
+    def meta(*shape, dtype=torch.float32):
+        return torch.nn.Parameter(torch.empty(*shape, device="meta", dtype=dtype))
+
+    small = [meta(64, 64) for _ in range(40)]
+    big = [meta(2048, 2048) for _ in range(3)]
+    half = [meta(64, 64, dtype=torch.bfloat16) for _ in range(2)]
+    opt = Muon([{"params": small + big + half}], chunk_size=4)
+    plan = build_plan(opt.param_groups, opt.chunk_size)
+    units: dict[int, list] = {}
+    for it in plan.items:
+        units.setdefault(it.unit, []).append(it)
+    sizes = sorted(len(u) for u in units.values())
+    # 40 small fp32 -> 32 (MAX_BATCH) + 8; each 2048^2 alone (its cost reaches the limit);
+    # bf16 matrices never share a batch with fp32 ones.
+    assert sizes == [1, 1, 1, 2, 8, 32], sizes
+    for u in units.values():
+        assert len({(it.param.shape, it.param.dtype) for it in u}) == 1
+    # A chunk never splits a unit, so a 32-matrix unit makes a chunk larger than chunk_size.
+    for it in plan.items:
+        assert all(o.chunk == it.chunk for o in units[it.unit])
