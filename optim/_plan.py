@@ -120,9 +120,9 @@ def build_plan(groups: list[dict], chunk_size: int) -> Plan:
             dtype=torch.int64,
             device=device,
         )
-        gathered = torch.empty(world * len(exchanged), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(gathered, mine, group=pg)
-        lens = gathered.view(world, len(exchanged)).cpu().tolist()
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=pg)
+        lens = torch.stack(gathered).cpu().tolist()
         for j, it in enumerate(exchanged):
             if it.shard_dim is None:
                 it.pieces = [it.gshape] * world
