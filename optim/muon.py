@@ -210,10 +210,46 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._cpu_offload:
             raise RuntimeError(_LOAD_MSG)
+        state_dict = self._copy_into_existing_state(state_dict)
+        before = {id(t) for st in self.state.values() for t in st.values()}
         super().load_state_dict(state_dict)
-        # New state tensors replaced the tracked ones: the pool re-learns them at turn-on.
-        self._cpu_offload_pool.clear()
-        self._pool_key = None
+        after = {id(t) for st in self.state.values() for t in st.values()}
+        if after != before:
+            # New state tensors replaced tracked ones: the pool re-learns them at turn-on.
+            self._cpu_offload_pool.clear()
+            self._pool_key = None
+
+    @torch.no_grad()
+    def _copy_into_existing_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy loaded values into the state tensors that already exist (same shape, dtype and
+        placement) and hand those very tensors to torch's loader, which then keeps them: no
+        new device memory, and the offload pool's layout stays valid."""
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups):
+            return state_dict  # torch's loader raises its own clear error
+        id_map = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            if len(saved.get("params", ())) != len(group["params"]):
+                return state_dict
+            id_map.update(zip(saved["params"], group["params"]))
+        new_state = {}
+        for pid, st in state_dict.get("state", {}).items():
+            cur = self.state.get(id_map.get(pid)) if pid in id_map else None
+            if not cur:
+                new_state[pid] = st
+                continue
+            st = dict(st)
+            for k, v in st.items():
+                old = cur.get(k)
+                if _same_layout(old, v):
+                    old_local, v_local = (
+                        getattr(old, "_local_tensor", old),
+                        getattr(v, "_local_tensor", v),
+                    )
+                    old_local.copy_(v_local)
+                    st[k] = old
+            new_state[pid] = st
+        return {**state_dict, "state": new_state}
 
     # ------------------------------------------------------------------ step
     def _active(self, plan: Plan) -> set[int]:
@@ -289,3 +325,13 @@ class Muon(torch.optim.Optimizer):
                 for p in g["params"]:
                     p.grad = None
         return loss
+
+
+def _same_layout(old: Any, new: Any) -> bool:
+    if not isinstance(old, Tensor) or not isinstance(new, Tensor):
+        return False
+    if old.shape != new.shape or old.dtype != new.dtype or type(old) is not type(new):
+        return False
+    if hasattr(old, "placements"):
+        return old.placements == new.placements and old.to_local().shape == new.to_local().shape
+    return True
