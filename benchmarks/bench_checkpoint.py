@@ -1,0 +1,232 @@
+"""Save/load throughput: CheckpointManager vs raw dcp.save/dcp.load vs the storage's own speed.
+
+All three handle the same bytes in the same run:
+
+* manager: ``CheckpointManager.save(step)`` / ``.load(step)`` (checksums, manifest, commit);
+* raw DCP: ``dcp.save``/``dcp.load`` of the very state dict the manager builds, with DCP's
+  default writer (``FileSystemWriter`` locally, ``FsspecWriter`` remotely, thread_count=1) and
+  with ``thread_count`` = the manager's ``io_threads``;
+* storage: the tensor bytes written (and fsynced, locally) as plain files, one stream and
+  ``io_threads`` parallel streams; the better is "storage speed".
+
+Usage::
+
+    python benchmarks/bench_checkpoint.py --size-gib 1 --device cpu --url /tmp/bench
+    python benchmarks/bench_checkpoint.py --size-gib 0.25 --url moto       # local moto S3
+    python benchmarks/bench_checkpoint.py --size-gib 8 --device cuda --url /nvme/bench
+
+Local loads are served by the page cache unless the machine drops it between runs; the figure
+is then a memory-bandwidth figure, for manager and raw DCP alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from muon_ckpt import CheckpointManager
+from muon_ckpt._flatten import FlatState
+from muon_ckpt._storage import Storage
+from optim.muon import Muon
+
+GiB = 1 << 30
+
+
+def build_state(size_gib: float, device: str) -> tuple[nn.Module, Muon]:
+    """Square fp32 matrices: half the bytes in parameters, half in Muon momentum."""
+    side = 2048
+    per = side * side * 4
+    n = max(1, round(size_gib * GiB / 2 / per))
+    model = nn.Module()
+    for i in range(n):
+        model.register_parameter(f"w{i}", nn.Parameter(torch.randn(side, side, device=device)))
+    opt = Muon(list(model.parameters()), chunk_size=4)
+    opt.init_state()
+    for st in opt.state.values():
+        st["momentum_buffer"].normal_()
+    return model, opt
+
+
+def start_moto() -> tuple[Any, dict]:
+    import logging
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    opts = {"key": "testing", "secret": "testing", "endpoint_url": f"http://127.0.0.1:{port}"}
+    return server, opts
+
+
+def storage_write(st: Storage, blobs: list[memoryview], threads: int, tag: str) -> None:
+    """Write the bytes as plain files: ``threads`` streams, fsync once per file (locally)."""
+    parts: list[list[memoryview]] = [blobs[i::threads] for i in range(threads)]
+
+    def one(i: int) -> None:
+        path = st.path(f"raw-{tag}", f"part{i}")
+        if st.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                for b in parts[i]:
+                    f.write(b)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            with st.fs.open(path, "wb") as f:
+                for b in parts[i]:
+                    f.write(b)
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--size-gib", type=float, default=1.0, help="total state size (GiB)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--url", default=None, help="local dir, fsspec URL, or 'moto' (default: tmp)")
+    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--verify", choices=["crc32", "size"], default="crc32")
+    args = ap.parse_args()
+
+    server, opts = None, {}
+    url = args.url or tempfile.mkdtemp(prefix="muon_ckpt_bench_")
+    if url == "moto":
+        server, opts = start_moto()
+        import s3fs
+
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        s3fs.S3FileSystem(**opts).mkdir(bucket)
+        url = f"s3://{bucket}/run"
+    st = Storage(url, opts)
+    model, opt = build_state(args.size_gib, args.device)
+    flat = FlatState.build(model, opt, {})
+    tensors = [v for v in flat.sd.values() if torch.is_tensor(v)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    host = [t.detach().cpu().contiguous() for t in tensors]
+    blobs = [_bytes_view(t) for t in host]
+    T = args.io_threads
+    print(
+        f"state: {len(tensors)} tensors, {nbytes / GiB:.2f} GiB on {args.device}; url {url}; "
+        f"io_threads={T}; verify={args.verify}; torch {torch.__version__}"
+    )
+
+    def clean() -> None:
+        for name in st.listdir():
+            st.rm(name)
+
+    mgr = CheckpointManager(
+        url, model=model, optimizer=opt, storage_options=opts, io_threads=T, verify=args.verify
+    )
+    counter = iter(range(1, 10**6))
+
+    def raw_writer(threads: int):
+        name = f"dcp-{uuid.uuid4().hex[:6]}"
+        if st.is_local:
+            return dcp.FileSystemWriter(st.path(name), thread_count=threads), name
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(st.url_of(name), thread_count=threads, **opts), name
+
+    def raw_reader(name: str):
+        if st.is_local:
+            return dcp.FileSystemReader(st.path(name))
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(st.url_of(name), **opts)
+
+    def mgr_pair() -> tuple[float, float]:
+        step = next(counter)
+        t = time.perf_counter()
+        mgr.save(step, force=True)
+        t_save = time.perf_counter() - t
+        t = time.perf_counter()
+        mgr.load(step)
+        return t_save, time.perf_counter() - t
+
+    def raw_pair(threads: int) -> tuple[float, float]:
+        w, name = raw_writer(threads)
+        t = time.perf_counter()
+        dcp.save(flat.sd, storage_writer=w, no_dist=True)
+        t_save = time.perf_counter() - t
+        t = time.perf_counter()
+        dcp.load(flat.sd, storage_reader=raw_reader(name), no_dist=True)
+        return t_save, time.perf_counter() - t
+
+    def storage_once(threads: int) -> tuple[float, float]:
+        t = time.perf_counter()
+        storage_write(st, blobs, threads, f"s{threads}")
+        return time.perf_counter() - t, float("nan")
+
+    # Interleaved: every repeat runs each variant once, on a clean root, so that drift in the
+    # machine's load (page cache, other jobs) hits all of them alike. Median per variant.
+    variants = {
+        "manager": mgr_pair,
+        "raw dcp": lambda: raw_pair(1),
+        f"raw dcp x{T}": lambda: raw_pair(T),
+        "storage 1 stream": lambda: storage_once(1),
+        f"storage {T} streams": lambda: storage_once(T),
+    }
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+    for r in range(args.repeat):
+        order = list(variants)
+        order = order[r % len(order) :] + order[: r % len(order)]
+        for k in order:
+            clean()
+            samples[k].append(variants[k]())
+    clean()
+    res: dict[str, float] = {}
+    for k, xs in samples.items():
+        res[f"{k} save" if not k.startswith("storage") else k] = statistics.median(x[0] for x in xs)
+        if not k.startswith("storage"):
+            res[f"{k} load"] = statistics.median(x[1] for x in xs)
+
+    gbs = {k: nbytes / v / 1e9 for k, v in res.items()}
+    for k, v in res.items():
+        print(f"  {k:<22} {v:8.3f} s  {gbs[k]:7.3f} GB/s")
+    disk = max(gbs["storage 1 stream"], gbs[f"storage {T} streams"])
+    print("ratios (throughput):")
+    print(f"  manager save / raw dcp save        {gbs['manager save'] / gbs['raw dcp save']:.2f}x")
+    print(
+        f"  manager save / raw dcp x{T} save    "
+        f"{gbs['manager save'] / gbs[f'raw dcp x{T} save']:.2f}x"
+    )
+    print(f"  manager save / storage write speed {gbs['manager save'] / disk:.2f}x")
+    print(f"  raw dcp save / storage write speed {gbs['raw dcp save'] / disk:.2f}x")
+    print(f"  manager load / raw dcp load        {gbs['manager load'] / gbs['raw dcp load']:.2f}x")
+    mgr.close()
+    if server is not None:
+        server.stop()
+    elif args.url is None:
+        shutil.rmtree(url, ignore_errors=True)
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (``t`` must stay alive)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+if __name__ == "__main__":
+    main()

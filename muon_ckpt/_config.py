@@ -1,0 +1,87 @@
+"""CheckpointManager configuration: checked once, at construction, naming the field and value."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ManagerConfig"]
+
+VERIFY_MODES = ("crc32", "size")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerConfig:
+    """Everything the manager needs besides the live objects (model, optimizer, extra).
+
+    Attributes:
+        url: checkpoint root; a local path or any fsspec URL.
+        keep_last: keep this many newest committed steps (None: keep all).
+        interval: ``save(step)`` saves when ``step % interval == 0`` (None: every call).
+        storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
+        resume_from: a URL (or ``(url, step)``) to load from while ``url`` has no committed step.
+        io_threads: files written / read in parallel per rank.
+        verify: ``"crc32"`` (sizes and checksums of every file read) or ``"size"`` (sizes only).
+    """
+
+    url: str
+    keep_last: int | None = None
+    interval: int | None = None
+    storage_options: dict[str, Any] | None = None
+    resume_from: str | tuple[str, int] | None = None
+    io_threads: int = 4
+    verify: str = "crc32"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.url, os.PathLike):
+            object.__setattr__(self, "url", os.fspath(self.url))
+        if not isinstance(self.url, str) or not self.url:
+            raise ValueError(
+                f"url must be a non-empty string (local path or fsspec URL), got {self.url!r}"
+            )
+        if self.keep_last is not None and (not _is_int(self.keep_last) or self.keep_last < 1):
+            raise ValueError(
+                f"keep_last must be an int >= 1 (or None to keep every step), got "
+                f"{self.keep_last!r}; the newest committed step is never deleted"
+            )
+        if self.interval is not None and (not _is_int(self.interval) or self.interval < 1):
+            raise ValueError(
+                f"interval must be an int >= 1 (or None to save on every call), got "
+                f"{self.interval!r}"
+            )
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ValueError(
+                f"storage_options must be a dict of fsspec options or None, got "
+                f"{type(self.storage_options).__name__} {self.storage_options!r}"
+            )
+        rf = self.resume_from
+        if isinstance(rf, os.PathLike):
+            object.__setattr__(self, "resume_from", os.fspath(rf))
+            rf = self.resume_from
+        if rf is not None and not (isinstance(rf, str) and rf):
+            ok = (
+                isinstance(rf, (tuple, list))
+                and len(rf) == 2
+                and isinstance(rf[0], (str, os.PathLike))
+                and _is_int(rf[1])
+                and rf[1] >= 0
+            )
+            if not ok:
+                raise ValueError(
+                    f"resume_from must be a URL string or a (url, step) pair with step >= 0, "
+                    f"got {rf!r}"
+                )
+            object.__setattr__(self, "resume_from", (os.fspath(rf[0]), int(rf[1])))
+        if not _is_int(self.io_threads) or not 1 <= self.io_threads <= 64:
+            raise ValueError(f"io_threads must be an int in [1, 64], got {self.io_threads!r}")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+
+    @property
+    def storage_kwargs(self) -> dict[str, Any]:
+        return dict(self.storage_options or {})

@@ -1,0 +1,475 @@
+"""DCP storage plugins: a writer that checksums every file while writing it, a reader that
+verifies the files it reads.
+
+Both subclass DCP's ``FileSystemWriter``/``FileSystemReader`` and only swap their ``fs``
+(``FileSystemBase``): DCP's own local ``FileSystem`` for local paths, a small fsspec one for
+everything else. The writer's streams compute crc32 and size as bytes pass through, so the
+manifest costs no read-back; a large buffer's crc runs in a helper thread while the same
+buffer is written (both release the GIL). Files are fsynced once each, by DCP, locally only.
+
+The reader (``verify="crc32"``): a file this rank reads completely is read front to back by
+a worker thread (``io_threads`` files at a time), one stored blob at a time, chaining the
+crc32; this thread hands each blob to DCP as it arrives, so verification costs one crc pass
+and no extra read or buffer. Size and crc are compared with the manifest when the file ends,
+before the load returns (a corrupt file fails the load; the objects are then partly loaded).
+A file this rank needs only part of is read by slices and verified in full by its owner rank
+(the rank that wrote it, modulo the new world size), so every file is checked by some rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import posixpath
+import queue
+import re
+import threading
+import zlib
+from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
+
+from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt._layout import FileEntry
+from muon_ckpt._storage import Storage
+
+__all__ = ["ChecksumWriter", "FileRecords", "VerifyingReader", "crc_hex"]
+
+_PARALLEL_CRC_BYTES = 32 << 20  # buffers at least this big: crc in a helper thread during write
+_READ_CHUNK = 64 << 20
+_RANK_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+def crc_hex(crc: int) -> str:
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+class FileRecords:
+    """name -> FileEntry for the files one rank wrote (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.files: dict[str, FileEntry] = {}
+
+    def put(self, name: str, size: int, crc: int) -> None:
+        with self._lock:
+            self.files[name] = FileEntry(size, crc_hex(crc))
+
+    def rename(self, old: str, new: str) -> None:
+        with self._lock:
+            if old in self.files:
+                self.files[new] = self.files.pop(old)
+
+
+class _CrcStream(io.RawIOBase):
+    """Write-only pass-through that keeps the running crc32 and byte count."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self._raw = raw
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b)
+        n = mv.nbytes
+        if n >= _PARALLEL_CRC_BYTES:
+            box: list[int] = []
+            flat = mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+            t = threading.Thread(target=lambda: box.append(zlib.crc32(flat, self.crc)))
+            t.start()
+            written = self._raw.write(b)
+            t.join()
+            self.crc = box[0]
+        else:
+            written = self._raw.write(b)
+            self.crc = zlib.crc32(mv, self.crc)
+        if written is not None and written != n:
+            raise OSError(f"short write: {written} of {n} bytes")
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+
+class FsspecFileSystem(FileSystemBase):
+    """DCP ``FileSystemBase`` over one fsspec filesystem instance; paths joined with posixpath."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        f = self.fs.open(os.fspath(path), mode)
+        try:
+            yield f
+        except BaseException:
+            if "w" in mode and hasattr(f, "discard"):
+                f.discard()  # an object store must not commit half a file
+            else:
+                f.close()
+            raise
+        f.close()
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return posixpath.join(os.fspath(path), suffix)
+
+    def init_path(self, path: str | os.PathLike) -> str:
+        return os.fspath(path)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        self.fs.mv(os.fspath(path), os.fspath(new_path))
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        self.fs.makedirs(os.fspath(path), exist_ok=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.fs.exists(os.fspath(path))
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.fs.rm(os.fspath(path))
+
+    def ls(self, path: str | os.PathLike) -> list[str]:
+        return self.fs.ls(os.fspath(path), detail=False)
+
+
+class _RecordingFileSystem(FileSystemBase):
+    """Delegates to ``inner``; write streams are checksummed into ``records``."""
+
+    def __init__(self, inner: FileSystemBase, records: FileRecords) -> None:
+        self.inner = inner
+        self.records = records
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        with self.inner.create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            s = _CrcStream(raw)
+            yield s
+        # Recorded only once the inner stream closed cleanly (an object store's upload done).
+        self.records.put(posixpath.basename(os.fspath(path)), s.size, s.crc)
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> Any:
+        return self.inner.concat_path(path, suffix)
+
+    def init_path(self, path: str | os.PathLike) -> Any:
+        return self.inner.init_path(path)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        self.inner.rename(path, new_path)
+        self.records.rename(
+            posixpath.basename(os.fspath(path)), posixpath.basename(os.fspath(new_path))
+        )
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        self.inner.mkdir(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.inner.exists(path)
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.inner.rm_file(path)
+
+
+def _inner_fs(storage: Storage) -> FileSystemBase:
+    return FileSystem() if storage.is_local else FsspecFileSystem(storage.fs)
+
+
+class ChecksumWriter(FileSystemWriter):
+    """DCP writer for one step directory of ``storage``; fills ``records`` while writing."""
+
+    def __init__(
+        self, storage: Storage, step_dir: str, records: FileRecords, io_threads: int
+    ) -> None:
+        super().__init__(
+            storage.path(step_dir),
+            single_file_per_rank=True,
+            # fsync once per file, locally; object stores have no fsync (DCP would os.sync()).
+            sync_files=storage.is_local,
+            thread_count=io_threads,
+            overwrite=True,
+        )
+        self.fs = _RecordingFileSystem(_inner_fs(storage), records)
+        self.path = self.fs.init_path(storage.path(step_dir))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+
+class _ServingFileSystem(FileSystemBase):
+    """Read streams come from ``cache`` (the slice being loaded, already read) when there."""
+
+    def __init__(self, inner: FileSystemBase) -> None:
+        self.inner = inner
+        self.cache: dict[str, _SliceStream] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        cached = self.cache.get(posixpath.basename(os.fspath(path)))
+        if cached is not None and "r" in mode:
+            yield cached
+            return
+        with self.inner.create_stream(path, mode) as s:
+            yield s
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> Any:
+        return self.inner.concat_path(path, suffix)
+
+    def init_path(self, path: str | os.PathLike) -> Any:
+        return self.inner.init_path(path)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        self.inner.rename(path, new_path)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        self.inner.mkdir(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.inner.exists(path)
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.inner.rm_file(path)
+
+
+class VerifyingReader(FileSystemReader):
+    """DCP reader for one committed step; checks every file it reads against the manifest."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        step_dir: str,
+        files: dict[str, FileEntry],
+        *,
+        metadata: Any,
+        rank: int,
+        world_size: int,
+        io_threads: int,
+        verify_crc: bool,
+    ) -> None:
+        super().__init__(storage.path(step_dir))
+        self.fs = _ServingFileSystem(_inner_fs(storage))
+        self.path = self.fs.init_path(storage.path(step_dir))
+        self._storage = storage
+        self._step_dir = step_dir
+        self._files = files
+        self._metadata = metadata
+        self._rank = rank
+        self._world = world_size
+        self._threads = io_threads
+        self._verify_crc = verify_crc
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        # Already read (and crc-checked) on rank 0 and broadcast: no second round trip.
+        md = dataclasses.replace(self._metadata)
+        if md.storage_meta is not None:
+            md.storage_meta = dataclasses.replace(md.storage_meta, load_id=self.load_id)
+        return md
+
+    # ------------------------------------------------------------------ verification
+    def _where(self, name: str) -> str:
+        return self._storage.url_of(self._step_dir, name)
+
+    def _owner(self, name: str, index: int) -> int:
+        m = _RANK_FILE_RE.match(name)
+        return (int(m.group(1)) if m else index) % self._world
+
+    def _fetch(self, name: str) -> None:
+        """Read ``name`` whole (in chunks) only to check its size and crc32."""
+        want = self._files.get(name)
+        if want is None:
+            raise CheckpointCorruptError(
+                f"{self._where(name)}: the DCP metadata refers to this file but the manifest "
+                "does not list it; the step was not written by one save. Load another step"
+            )
+        crc, size = 0, 0
+        with self._storage.fs.open(self._storage.path(self._step_dir, name), "rb") as f:
+            while chunk := f.read(_READ_CHUNK):
+                crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+        self._check(name, want, size, crc)
+
+    def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
+        if not self._verify_crc:
+            return super().read_data(plan, planner)
+        # Group the read items by file, and by slice (one stored blob) within the file.
+        slices: dict[str, dict[int, list[Any]]] = {}
+        lengths: dict[tuple[str, int], int] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            slices.setdefault(info.relative_path, {}).setdefault(info.offset, []).append(item)
+            lengths[(info.relative_path, info.offset)] = info.length
+        names = sorted(self._files)
+        owned = {n for i, n in enumerate(names) if self._owner(n, i) == self._rank}
+        streamed, sliced = [], []
+        for name, by_off in sorted(slices.items()):
+            pos = 0
+            for off in sorted(by_off):
+                pos = pos + lengths[(name, off)] if off == pos else -1
+            entry = self._files.get(name)
+            covers = entry is not None and pos == entry.size
+            (streamed if covers else sliced).append(name)
+        verify_only = [n for n in names if n in owned and n not in streamed]
+
+        def sub_read(items: list[Any]) -> None:
+            sub = dataclasses.replace(plan, items=items)
+            super(VerifyingReader, self).read_data(sub, planner).wait()
+
+        with ThreadPoolExecutor(self._threads, thread_name_prefix="muon_ckpt_read") as ex:
+            checks = [ex.submit(self._fetch, n) for n in verify_only]
+            self._stream_files(ex, streamed, slices, lengths, sub_read)
+            for name in sliced:
+                sub_read([it for items in slices[name].values() for it in items])
+            for c in checks:
+                c.result()
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+    def _stream_files(
+        self,
+        ex: ThreadPoolExecutor,
+        names: list[str],
+        slices: dict[str, dict[int, list[Any]]],
+        lengths: dict[tuple[str, int], int],
+        sub_read: Any,
+    ) -> None:
+        """Files this rank reads completely: worker threads read each file's slices in order
+        (chaining the crc32); this thread loads each slice as it arrives. A file whose size or
+        crc differs from the manifest raises before read_data returns."""
+        if not names:
+            return
+        q: queue.Queue[tuple[str, int, bytes | None, BaseException | None]] = queue.Queue(
+            maxsize=2 * self._threads
+        )
+        stop = threading.Event()
+
+        def put(msg: tuple[str, int, bytes | None, BaseException | None]) -> None:
+            while not stop.is_set():
+                try:
+                    q.put(msg, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
+
+        def produce(name: str) -> None:
+            try:
+                want = self._files[name]
+                crc, size = 0, 0
+                with self._storage.fs.open(self._storage.path(self._step_dir, name), "rb") as f:
+                    for off in sorted(slices[name]):
+                        if stop.is_set():
+                            return
+                        data = f.read(lengths[(name, off)])
+                        crc, size = zlib.crc32(data, crc), size + len(data)
+                        put((name, off, data, None))
+                    size += len(f.read(1))  # anything past the manifest's size
+                self._check(name, want, size, crc)
+                put((name, -1, None, None))
+            except BaseException as e:
+                put((name, -1, None, e))
+
+        futures = [ex.submit(produce, n) for n in names]
+        done = 0
+        try:
+            while done < len(names):
+                name, off, data, err = q.get()
+                if err is not None:
+                    raise err
+                if data is None:
+                    done += 1
+                    continue
+                self.fs.cache[name] = _SliceStream(off, data)
+                try:
+                    sub_read(slices[name][off])
+                finally:
+                    del self.fs.cache[name]
+        finally:
+            stop.set()
+            for f in futures:
+                f.exception()
+
+    def _check(self, name: str, want: FileEntry, size: int, crc: int) -> None:
+        if size != want.size or crc_hex(crc) != want.crc32:
+            raise CheckpointCorruptError(
+                f"{self._where(name)}: file is corrupt: {size} bytes with crc32 {crc_hex(crc)}, "
+                f"the manifest says {want.size} bytes with crc32 {want.crc32}. Load another "
+                "step (muon-ckpt ls lists them) or restore this file"
+            )
+
+
+class _SliceStream(io.RawIOBase):
+    """Read-only view of one slice of a file, addressed by absolute file offsets."""
+
+    def __init__(self, offset: int, data: bytes) -> None:
+        super().__init__()
+        self._off = offset
+        self._data = memoryview(data)
+        self._pos = offset
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            self._pos = pos
+        elif whence == io.SEEK_CUR:
+            self._pos += pos
+        else:
+            self._pos = self._off + len(self._data) + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def _window(self, n: int) -> memoryview:
+        start = self._pos - self._off
+        if start < 0 or start > len(self._data):
+            raise OSError(f"read at offset {self._pos} outside the slice being loaded")
+        end = len(self._data) if n < 0 else min(len(self._data), start + n)
+        self._pos = self._off + end
+        return self._data[start:end]
+
+    def readinto(self, b: Any) -> int:
+        mv = self._window(memoryview(b).nbytes)
+        memoryview(b).cast("B")[: len(mv)] = mv
+        return len(mv)
+
+    def read(self, size: int | None = -1) -> bytes:
+        return bytes(self._window(-1 if size is None else size))

@@ -1,0 +1,202 @@
+"""The storage contract, against a local directory, memory:// and a real S3 endpoint (moto):
+commit marker, steps(), interval, overwrite, retention, leftovers, resume_from, extra."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+import torch
+
+from muon_ckpt import CheckpointError, CheckpointExistsError, CheckpointManager
+from muon_ckpt._layout import MANIFEST
+from muon_ckpt._storage import Storage
+from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
+
+
+def _mgr(url, opts, model=None, opt=None, **kw) -> CheckpointManager:
+    return CheckpointManager(url, model=model, optimizer=opt, storage_options=opts, **kw)
+
+
+def _save_states(url, opts, steps, **kw) -> dict[int, dict]:
+    """Train one run, saving after each step in ``steps``; return the snapshot of each."""
+    model, opt = tiny_run()
+    mgr = _mgr(url, opts, model, opt, **kw)
+    snaps, done = {}, 0
+    for s in steps:
+        tiny_train(model, opt, s - done, seed=s)
+        done = s
+        mgr.save(s, force=True)
+        snaps[s] = tiny_snapshot(model, opt)
+    return snaps
+
+
+def _load(url, opts, step=None, **kw):
+    model, opt = tiny_run(seed=99)
+    got = _mgr(url, opts, model, opt, **kw).load(step)
+    return got, tiny_snapshot(model, opt)
+
+
+def test_fresh_run_loads_nothing_then_roundtrips_every_step(storage_url):
+    url, opts = storage_url
+    model, opt = tiny_run(seed=99)
+    before = tiny_snapshot(model, opt)
+    mgr = _mgr(url, opts, model, opt)
+    assert mgr.steps() == [] and mgr.latest_step() is None
+    assert mgr.load() is None
+    assert_same(tiny_snapshot(model, opt), before)  # a fresh run changes nothing
+
+    snaps = _save_states(url, opts, [1, 3])
+    assert mgr.steps() == [1, 3] and mgr.latest_step() == 3
+    got, snap = _load(url, opts)
+    assert got == 3
+    assert_same(snap, snaps[3])
+    got, snap = _load(url, opts, step=1)
+    assert got == 1
+    assert_same(snap, snaps[1])
+
+
+def test_manifest_lists_every_file_with_size_and_crc32(storage_url):
+    url, opts = storage_url
+    _save_states(url, opts, [2])
+    st = Storage(url, opts)
+    manifest = json.loads(st.read_bytes("step-00000002", MANIFEST))
+    assert manifest["step"] == 2 and manifest["world_size"] == 1
+    assert manifest["torch_version"] == torch.__version__
+    assert manifest["muon_ckpt_version"] and manifest["time"].endswith("+00:00")
+    on_disk = {k: v for k, v in st.walk_files("step-00000002").items() if k != MANIFEST}
+    assert set(manifest["files"]) == set(on_disk)
+    assert ".metadata" in on_disk and any(k.endswith(".distcp") for k in on_disk)
+    for name, entry in manifest["files"].items():
+        data = st.read_bytes("step-00000002", name)
+        assert entry["size"] == len(data) == on_disk[name]
+        assert entry["crc32"] == f"{zlib.crc32(data) & 0xFFFFFFFF:08x}", name
+
+
+def test_interval_saves_only_due_steps_unless_forced(storage_url):
+    url, opts = storage_url
+    model, opt = tiny_run()
+    mgr = _mgr(url, opts, model, opt, interval=2)
+    assert mgr.save(1) is False
+    assert mgr.steps() == [] and Storage(url, opts).listdir() == []
+    assert mgr.save(2) is True
+    assert mgr.save(3, force=True) is True
+    assert mgr.save(5) is False
+    assert mgr.steps() == [2, 3]
+
+
+def test_saving_a_committed_step_needs_overwrite(storage_url):
+    url, opts = storage_url
+    snaps = _save_states(url, opts, [2])
+    model, opt = tiny_run(seed=5)
+    tiny_train(model, opt, 1, seed=5)
+    mgr = _mgr(url, opts, model, opt)
+    with pytest.raises(CheckpointExistsError, match="overwrite=True") as ei:
+        mgr.save(2)
+    assert isinstance(ei.value, FileExistsError)
+    assert_same(_load(url, opts)[1], snaps[2])  # untouched
+    assert mgr.save(2, overwrite=True)
+    assert mgr.steps() == [2]
+    assert_same(_load(url, opts)[1], tiny_snapshot(model, opt))
+
+
+def test_keep_last_deletes_only_old_committed_steps_after_the_commit(storage_url):
+    url, opts = storage_url
+    st = Storage(url, opts)
+    snaps = _save_states(url, opts, [1, 2, 3, 4], keep_last=2)
+    assert _mgr(url, opts).steps() == [3, 4]
+    assert st.listdir() == ["step-00000003", "step-00000004"]
+    assert_same(_load(url, opts, step=3)[1], snaps[3])
+    # keep_last=1 never deletes the newest (the one just committed).
+    _save_states(url, opts, [5], keep_last=1)
+    assert _mgr(url, opts).steps() == [5]
+
+
+def test_uncommitted_step_is_invisible_and_removed_by_the_next_save(storage_url):
+    url, opts = storage_url
+    st = Storage(url, opts)
+    snaps = _save_states(url, opts, [1, 2])
+    st.rm("step-00000002", MANIFEST)  # what a save killed before its commit leaves behind
+    assert st.listdir() == ["step-00000001", "step-00000002"]
+    assert _mgr(url, opts).steps() == [1]
+    got, snap = _load(url, opts)
+    assert got == 1
+    assert_same(snap, snaps[1])
+    model, opt = tiny_run()
+    _mgr(url, opts, model, opt, keep_last=5).save(3)
+    assert st.listdir() == ["step-00000001", "step-00000003"]
+
+
+def test_resume_from_another_run_until_this_run_has_a_step(storage_url):
+    url, opts = storage_url
+    other = url + "-other"
+    snaps = _save_states(other, opts, [2, 4])
+    got, snap = _load(url, opts, resume_from=other)
+    assert got == 4
+    assert_same(snap, snaps[4])
+    got, snap = _load(url, opts, resume_from=(other, 2))
+    assert got == 2
+    assert_same(snap, snaps[2])
+    got, snap = _load(url, opts, resume_from=f"{other}/step-00000002")
+    assert got == 2
+    assert_same(snap, snaps[2])
+    mine = _save_states(url, opts, [7])
+    got, snap = _load(url, opts, resume_from=other)
+    assert got == 7  # once this run has a committed step, resume_from is not used
+    assert_same(snap, mine[7])
+
+
+class _Position:
+    """A data-position object with nested state (a Stateful, not a torch class)."""
+
+    def __init__(self) -> None:
+        self.epoch, self.offsets = 0, {"train": 0, "val": 0}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offsets": dict(self.offsets)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch, self.offsets = sd["epoch"], dict(sd["offsets"])
+
+
+def test_extra_state_and_offload_mode_survive_a_round_trip(storage_url):
+    url, opts = storage_url
+    model, opt = tiny_run()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    pos = _Position()
+    opt.turn_on_cpu_offload()
+    for _ in range(3):
+        tiny_train(model, opt, 1)
+        sched.step()
+    pos.epoch, pos.offsets = 3, {"train": 1234, "val": 7}
+    extra = {"sched": sched, "data": pos}
+    assert _mgr(url, opts, model, opt, extra=extra).save(3)
+    assert opt.cpu_offload
+    opt.turn_off_cpu_offload()
+    want = tiny_snapshot(model, opt)
+    lrs = [g["lr"] for g in opt.param_groups]
+
+    model2, opt2 = tiny_run(seed=7)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    pos2 = _Position()
+    opt2.turn_on_cpu_offload()
+    mgr = _mgr(url, opts, model2, opt2, extra={"sched": sched2, "data": pos2})
+    assert mgr.load() == 3
+    assert opt2.cpu_offload
+    opt2.turn_off_cpu_offload()
+    assert_same(tiny_snapshot(model2, opt2), want)
+    assert [g["lr"] for g in opt2.param_groups] == lrs
+    assert sched2.state_dict() == sched.state_dict()
+    assert (pos2.epoch, pos2.offsets) == (3, {"train": 1234, "val": 7})
+
+
+def test_closed_manager_refuses_work_and_context_manager_closes(storage_url):
+    url, opts = storage_url
+    model, opt = tiny_run()
+    with _mgr(url, opts, model, opt) as mgr:
+        assert mgr.save(1)
+    with pytest.raises(CheckpointError, match="closed"):
+        mgr.save(2)
+    mgr.close()  # idempotent
+    assert _mgr(url, opts).steps() == [1]
