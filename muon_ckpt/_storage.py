@@ -6,6 +6,7 @@ Remote paths are joined with ``posixpath`` only (never ``os.path``/``pathlib``, 
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 from typing import Any
 
@@ -103,10 +104,8 @@ class Storage:
 
     def rm(self, *parts: str) -> None:
         p = self.path(*parts)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(p, recursive=True)
-        except FileNotFoundError:
-            pass
         self.fs.invalidate_cache(p)
 
     def walk_files(self, *parts: str) -> dict[str, int]:
@@ -119,6 +118,6 @@ class Storage:
         except FileNotFoundError:
             return out
         for full, info in found.items():
-            rel = posixpath.relpath(full if full.startswith("/") or self.is_local else full, base)
+            rel = posixpath.relpath(full, base)
             out[rel] = int(info.get("size") or 0)
         return out
