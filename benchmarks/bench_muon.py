@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._timing import pick_device, time_it  # noqa: E402
-from optim import Muon, set_ns_compile  # noqa: E402
-from optim.newton_schulz import zeropower_via_newtonschulz  # noqa: E402
+from benchmarks._timing import pick_device, time_it
+from optim import Muon, set_ns_compile
+from optim.newton_schulz import zeropower_via_newtonschulz
 
 
 def gpt_like_shapes(layers: int = 12, d: int = 1024) -> list[tuple[int, int]]:
@@ -52,7 +52,9 @@ def bench_case(name: str, shapes, device, iters: int) -> dict:
     for compiled in (False, True):
         set_ns_compile(compiled)
         ours = make("ours")
-        out[f"ours_{'compiled' if compiled else 'eager'}_ms"] = time_it(ours.step, device, iters) * 1e3
+        out[f"ours_{'compiled' if compiled else 'eager'}_ms"] = (
+            time_it(ours.step, device, iters) * 1e3
+        )
         del ours
     mats = [gr.bfloat16() for gr in grads]
     out["ns_only_ms"] = (
@@ -72,8 +74,12 @@ def main() -> None:
         cases = [("16 x 256^2", [(256, 256)] * 16), ("gpt-like d=128", gpt_like_shapes(2, 128))]
     else:
         cases = [("16 x 4096^2 fp32", [(4096, 4096)] * 16), ("gpt-like d=1024", gpt_like_shapes())]
-    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
-    print(f"{'case':<20} {'n':>4} {'torch ms':>9} {'ours eager':>11} {'ours comp.':>11} {'NS only':>8} {'eager/torch':>12} {'comp./torch':>12}")
+    print(
+        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}"
+    )
+    print(
+        f"{'case':<20} {'n':>4} {'torch ms':>9} {'ours eager':>11} {'ours comp.':>11} {'NS only':>8} {'eager/torch':>12} {'comp./torch':>12}"
+    )
     for name, shapes in cases:
         r = bench_case(name, shapes, device, args.iters)
         print(

@@ -1,6 +1,6 @@
 """CPU offload of optimizer states: step time on vs off, copy speed vs the pinned peak.
 
-    python benchmarks/bench_offload.py [--device cuda] [--chunk-size 2] [--iters 10]
+    python benchmarks/bench_offload.py [--device cuda] [--chunk-size 8] [--iters 10]
 
 For 16 x 4096^2 matrices in fp32 and in bf16 (momentum has the param's dtype) it prints:
 - Muon step time with offload off and on, and their ratio (target <= 1.10);
@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._timing import pick_device, sync, time_it  # noqa: E402
-from optim import Muon, set_ns_compile  # noqa: E402
+from benchmarks._timing import pick_device, sync, time_it
+from optim import Muon, set_ns_compile
 
 
 def pinned_peak(device: torch.device, nbytes: int) -> tuple[float, float]:
@@ -52,13 +52,15 @@ def run(dtype: torch.dtype, device, n: int, dim: int, chunk_size: int, iters: in
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         out[f"step_{offload}"] = time_it(opt.step, device, iters)
         sync(device)
-        out[f"alloc_{offload}"] = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) - base
+        out[f"alloc_{offload}"] = (
+            torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        ) - base
         if offload:
             pool = opt._cpu_offload_pool
             out["state_bytes_on_device"] = pool.device_nbytes()
             out["state_bytes"] = sum(pool._storage_nbytes.values())
 
-            def reload_all():
+            def reload_all(pool=pool):
                 pool.reload()
                 pool.wait_reload()
 
@@ -66,9 +68,13 @@ def run(dtype: torch.dtype, device, n: int, dim: int, chunk_size: int, iters: in
             sync(device)
             out["h2d_s"] = _time_half(reload_all, pool.offload, device, iters)
             out["d2h_s"] = _time_half(pool.offload, reload_all, device, iters, offloaded=False)
-            out["allocated_with_offload"] = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            out["allocated_with_offload"] = (
+                torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            )
         else:
-            out["allocated_without_offload"] = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            out["allocated_without_offload"] = (
+                torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            )
         del opt, ps
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -98,7 +104,7 @@ def _time_half(measured, restore, device, iters, offloaded=True):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--chunk-size", type=int, default=2)
+    ap.add_argument("--chunk-size", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--dim", type=int, default=4096)
@@ -106,10 +112,14 @@ def main() -> None:
     device = pick_device(args.device)
     set_ns_compile(device.type == "cuda")
     h2d_peak, d2h_peak = pinned_peak(device, 2 * 2**30)
-    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    print(
+        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}"
+    )
     print(f"pinned peak (2 GiB copy): H2D {h2d_peak:.1f} GB/s, D2H {d2h_peak:.1f} GB/s")
     print(f"{args.n} x {args.dim}^2, chunk_size={args.chunk_size}")
-    print(f"{'dtype':<9} {'off ms':>8} {'on ms':>8} {'on/off':>7} {'H2D GB/s':>9} {'%peak':>6} {'D2H GB/s':>9} {'%peak':>6} {'state MiB':>9} {'on GPU B':>9} {'alloc saved MiB':>15}")
+    print(
+        f"{'dtype':<9} {'off ms':>8} {'on ms':>8} {'on/off':>7} {'H2D GB/s':>9} {'%peak':>6} {'D2H GB/s':>9} {'%peak':>6} {'state MiB':>9} {'on GPU B':>9} {'alloc saved MiB':>15}"
+    )
     for dtype in (torch.float32, torch.bfloat16):
         r = run(dtype, device, args.n, args.dim, args.chunk_size, args.iters)
         h2d = r["state_bytes"] / r["h2d_s"] / 1e9

@@ -167,12 +167,15 @@ def build_plan(groups: list[dict], chunk_size: int) -> Plan:
                 ordered_units.append(q[k])
     ordered_units += [u for u in units if not u[0].exchanged]
 
-    # Chunks of about chunk_size params, never splitting a unit.
+    # Chunks never split a unit. Their sizes ramp up 1, 2, 4, ... to chunk_size params: the
+    # first chunk's inputs (its gather, or its states' reload under CPU offload) cannot overlap
+    # anything, so it is kept small; later chunks hide behind the Newton-Schulz of earlier ones.
     chunks: list[list[Item]] = []
     for ui, u in enumerate(ordered_units):
         for it in u:
             it.unit = ui
-        if not chunks or (chunks[-1] and len(chunks[-1]) + len(u) > chunk_size):
+        target = min(chunk_size, 2 ** (len(chunks) - 1)) if chunks else 1
+        if not chunks or (chunks[-1] and len(chunks[-1]) + len(u) > target):
             chunks.append([])
         chunks[-1].extend(u)
     ordered = [it for c in chunks for it in c]

@@ -137,16 +137,18 @@ def body_owner_balance(rank, world_size):
     loads = [0.0] * world_size
     for it in plan.items:
         loads[it.owner] += _ns_cost(it.gshape)
-    owners_per_chunk = [len({it.owner for it in c}) for c in plan.chunks]
-    return loads, owners_per_chunk
+    chunks = [(len(c), len({it.owner for it in c})) for c in plan.chunks]
+    return loads, chunks
 
 
 def test_owner_assignment_balances_newton_schulz_cost():
-    loads, owners_per_chunk = run_on_ranks(body_owner_balance, 4)[0]
+    loads, chunks = run_on_ranks(body_owner_balance, 4)[0]
     # A perfect split exists (one 256^2 and two 128^2 per rank) and LPT must find it.
     assert max(loads) == min(loads), loads
-    # Interleaving: each chunk of 4 matrices spreads over the 4 owners where it can.
-    assert owners_per_chunk[0] == 4, owners_per_chunk
+    # Chunk sizes ramp 1, 2, 4, 4 (chunk_size=4), and interleaving spreads each chunk over as
+    # many owners as it has matrices.
+    assert [n for n, _ in chunks] == [1, 2, 4, 4, 1], chunks
+    assert all(owners == n for n, owners in chunks), chunks
 
 
 def test_small_same_shape_matrices_batch_and_large_ones_stay_alone():
