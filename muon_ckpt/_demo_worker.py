@@ -1,0 +1,167 @@
+"""One rank of the demo: ``python -m muon_ckpt._demo_worker CONFIG.json`` (env:// rendezvous).
+
+Trains the FSDP2-sharded TinyLM with Muon + AdamW. Phase ``reference`` runs all steps without
+checkpoints; ``train`` saves every ``interval`` steps and, at ``kill_at``, rank 0 SIGKILLs every
+worker and itself (a crash: nothing is flushed or closed); ``resume`` loads the newest committed
+step and finishes. Rank 0 appends each step's loss to ``losses-<phase>.txt`` as it goes and, at
+the end, writes the full parameters and optimizer state and the timings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from muon_ckpt._demo_model import DemoConfig, TinyLM, batch, loss_fn, param_groups
+from muon_ckpt._progress import human_bytes
+
+
+class DataPosition:
+    """The data position, saved as ``extra.data``: resuming checks it matches the step."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = int(sd["step"])
+
+
+def _kill_everyone(pid_file: str) -> None:
+    for _ in range(600):  # the launcher writes the pids right after starting the workers
+        if os.path.exists(pid_file):
+            break
+        time.sleep(0.05)
+    with open(pid_file) as f:
+        pids = [int(x) for x in f.read().split()]
+    for pid in pids:
+        if pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def main(cfg_path: str) -> None:
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from muon_ckpt import CheckpointManager
+    from optim import Muon
+
+    phase, steps, seed = cfg["phase"], cfg["steps"], cfg["seed"]
+    c = DemoConfig()
+    mesh = init_device_mesh(device.type, (world,))
+    torch.manual_seed(seed)
+    model = TinyLM(c).to(device)
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = Muon(param_groups(model))
+    if cfg["offload"]:
+        opt.turn_on_cpu_offload()
+    data = DataPosition()
+    events = os.path.join(cfg["out"], "events.jsonl")
+
+    def event(**kw: Any) -> None:  # rank 0: one JSON line per event, closed (survives SIGKILL)
+        if rank == 0:
+            with open(events, "a") as f:
+                f.write(json.dumps({"phase": phase, **kw}) + "\n")
+
+    mgr = None
+    start = 0
+    if phase != "reference":
+        mgr = CheckpointManager(
+            cfg["url"],
+            model=model,
+            optimizer=opt,
+            extra={"data": data},
+            keep_last=3,
+            interval=cfg["interval"],
+            storage_options=cfg["storage_options"],
+        )
+        dist.barrier()
+        t0 = time.perf_counter()
+        loaded = mgr.load()
+        secs = time.perf_counter() - t0
+        if loaded is not None:
+            if data.step != loaded:
+                raise RuntimeError(f"data position {data.step} != loaded step {loaded}")
+            start = loaded
+            nbytes = _step_bytes(cfg, loaded) if rank == 0 else 0
+            event(kind="load", step=loaded, s=secs, bytes=nbytes)
+            if rank == 0:
+                size = human_bytes(nbytes)
+                print(f"    loaded step {loaded} ({size}) in {secs * 1000:.0f} ms", flush=True)
+    every = max(1, steps // 8)
+    for step in range(start + 1, steps + 1):
+        x = batch(c, seed, step, rank, device)
+        loss = loss_fn(model, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        avg = loss.detach().clone()
+        dist.all_reduce(avg)
+        avg /= world
+        data.step = step
+        event(kind="loss", step=step, loss=avg.item().hex())
+        if rank == 0 and (step % every == 0 or step == steps):
+            print(f"    step {step:4d}/{steps}  loss {avg.item():.4f}", flush=True)
+        if mgr is not None and (step % cfg["interval"] == 0):
+            dist.barrier()
+            t0 = time.perf_counter()
+            mgr.save(step)
+            secs = time.perf_counter() - t0
+            event(kind="save", step=step, s=secs, bytes=_step_bytes(cfg, step) if rank == 0 else 0)
+        if step == cfg.get("kill_at") and rank == 0:
+            print(f"    step {step:4d}: SIGKILL to every worker", flush=True)
+            _kill_everyone(cfg["pid_file"])
+    if cfg["offload"]:
+        opt.turn_off_cpu_offload()
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = {n: _full(p) for n, p in model.named_parameters()}
+    state = {f"{names[id(p)]}.{k}": _full(v) for p, st in opt.state.items() for k, v in st.items()}
+    if mgr is not None:
+        mgr.close()
+    if rank == 0:
+        torch.save({"params": params, "state": state}, os.path.join(cfg["out"], f"{phase}.pt"))
+        event(kind="done")
+    dist.destroy_process_group()
+
+
+def _step_bytes(cfg: dict[str, Any], step: int) -> int:
+    from muon_ckpt._layout import MANIFEST, Manifest, step_dirname
+    from muon_ckpt._storage import Storage
+
+    st = Storage(cfg["url"], cfg["storage_options"])
+    raw = st.read_bytes(step_dirname(step), MANIFEST)
+    return Manifest.from_json(raw, cfg["url"]).total_bytes
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,259 @@
+"""Optimizer-state sources for import: what a source holds (by parameter FQN) and reading it.
+
+Three kinds, opened by ``open_source``:
+
+- a ``torch.save``d optimizer state dict (torch.optim.AdamW/Adam/SGD/Muon, muon_ckpt's Muon),
+  read with ``torch.load(weights_only=True)``; positional ids are mapped to FQNs through the
+  groups' ``param_names``/``names``, an explicit ``names`` list, or ``model.named_parameters()``;
+- a safetensors file of ``state.<fqn>.<key>`` (or ``optim.state.<fqn>.<key>``) tensors;
+- a DCP checkpoint: muon-ckpt's own layout (run root or step directory) or a plain DCP directory
+  of flattened keys (``state.<fqn>.exp_avg``, torch's ``flatten_optimizer_state_dict``).
+
+A source lists ``SrcEntry``s (FQN, state key, global shape, dtype) and fills buffers shaped like
+the targets: plain tensors, or DTensors whose local shard receives the matching slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from muon_ckpt import _dcp
+from muon_ckpt._catalog import resolve
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from muon_ckpt._safetensors import SafetensorsFile
+from muon_ckpt._storage import Storage
+
+__all__ = ["STATE_PREFIXES", "Source", "SrcEntry", "open_source"]
+
+STATE_PREFIXES = ("optim.state.", "optimizer.state.", "state.")
+
+
+@dataclass(frozen=True)
+class SrcEntry:
+    key: str  # the source key, by FQN: state.<fqn>.<name> (or as stored, e.g. optim.state...)
+    fqn: str
+    name: str  # the state key as stored: exp_avg, moment1, momentum_buffer, step, ...
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def split_state_key(key: str) -> tuple[str, str] | None:
+    for prefix in STATE_PREFIXES:
+        if key.startswith(prefix):
+            fqn, _, name = key[len(prefix) :].rpartition(".")
+            return (fqn, name) if fqn and name else None
+    return None
+
+
+def fill_from_full(buf: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy into ``buf`` (plain or DTensor) its part of the full source tensor."""
+    if isinstance(buf, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(
+            buf.shape, buf.device_mesh, buf.placements
+        )
+        idx = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+        buf.to_local().copy_(full[idx])
+    else:
+        buf.copy_(full.reshape(buf.shape))
+
+
+class Source:
+    """Base: ``description``, ``step`` (if the source knows it), ``entries``, ``read``."""
+
+    description: str = ""
+    step: int | None = None
+    entries: list[SrcEntry]
+
+    def read(self, wanted: list[tuple[SrcEntry, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+
+class _TensorsSource(Source):
+    """Full tensors already in memory (torch.save'd or given state dicts)."""
+
+    def __init__(self, tensors: dict[str, tuple[str, str, torch.Tensor]], description: str):
+        self.description = description
+        self._t = {k: t for k, (_, _, t) in tensors.items()}
+        self.entries = [
+            SrcEntry(k, fqn, name, tuple(t.shape), t.dtype) for k, (fqn, name, t) in tensors.items()
+        ]
+
+    def read(self, wanted: list[tuple[SrcEntry, torch.Tensor]]) -> None:
+        for e, buf in wanted:
+            fill_from_full(buf, self._t[e.key])
+
+
+class _SafetensorsSource(Source):
+    def __init__(self, f: SafetensorsFile, url: str) -> None:
+        self._f = f
+        self.description = f"safetensors file {url}"
+        step = f.metadata.get("step")
+        self.step = int(step) if step and step.isdigit() else None
+        self.entries = []
+        for key, info in f.tensors.items():
+            parts = split_state_key(key)
+            if parts:
+                self.entries.append(SrcEntry(key, *parts, info.shape, info.dtype))
+
+    def read(self, wanted: list[tuple[SrcEntry, torch.Tensor]]) -> None:
+        for e, buf in wanted:
+            fill_from_full(buf, self._f.read(e.key))
+
+
+class _DCPSource(Source):
+    def __init__(self, storage: Storage, step: int | None, opts: dict[str, Any] | None) -> None:
+        r = resolve(storage, step)
+        self.step = r.step
+        what = "muon-ckpt checkpoint" if r.manifest else "DCP checkpoint"
+        self.description = f"{what} at {r.url}"
+        md = _dcp.read_metadata(r.storage, *r.parts)
+        self._reader = _dcp.open_reader(r.storage, *r.parts, storage_options=opts)
+        self.entries = []
+        for key, tm in _dcp.tensor_entries(md).items():
+            parts = split_state_key(key)
+            if parts:
+                self.entries.append(SrcEntry(key, *parts, tuple(tm.size), tm.properties.dtype))
+
+    def read(self, wanted: list[tuple[SrcEntry, torch.Tensor]]) -> None:
+        if wanted:
+            _dcp.load({e.key: buf for e, buf in wanted}, self._reader)
+
+
+def _kind_of_torch_optimizer(groups: Sequence[Mapping[str, Any]]) -> str:
+    g = groups[0] if groups else {}
+    if "use_muon" in g:
+        return "muon_ckpt Muon"
+    if "adjust_lr_fn" in g:
+        return "torch.optim.Muon"
+    if "dampening" in g:
+        return "torch.optim.SGD"
+    if "betas" in g:
+        return "torch.optim.AdamW" if g.get("decoupled_weight_decay") else "torch.optim.Adam"
+    return "optimizer"
+
+
+def _positional_names(
+    groups: Sequence[Mapping[str, Any]], names: Sequence[str] | None, model: Any, where: str
+) -> dict[int, str]:
+    ids = [i for g in groups for i in g.get("params", [])]
+    if names is not None:
+        how, order = "the names list", list(names)
+    elif all("param_names" in g for g in groups) and groups:
+        how, order = "the groups' param_names", [n for g in groups for n in g["param_names"]]
+    elif all(g.get("names") for g in groups) and groups:
+        how, order = "the groups' names", [n for g in groups for n in g["names"]]
+    elif model is not None:
+        how, order = "model.named_parameters()", [n for n, _ in model.named_parameters()]
+    else:
+        raise CheckpointError(
+            f"{where}: the optimizer state dict identifies params by position (ids {ids[:4]}"
+            f"{'...' if len(ids) > 4 else ''}); pass model= (its named_parameters() in the "
+            "order the source optimizer got them) or names= (one FQN per id) to map them"
+        )
+    if len(order) != len(ids):
+        raise CheckpointError(
+            f"{where}: the source optimizer has {len(ids)} params but {how} gives "
+            f"{len(order)} names; pass names= with one FQN per param, in the source "
+            "optimizer's order"
+        )
+    return dict(zip(ids, order, strict=True))
+
+
+def _from_state_dict(
+    sd: Mapping[str, Any], names: Sequence[str] | None, model: Any, where: str
+) -> Source:
+    for k in ("optimizer", "optim"):
+        if "state" not in sd and isinstance(sd.get(k), Mapping):
+            sd = sd[k]
+    if not isinstance(sd.get("state"), Mapping) or not isinstance(sd.get("param_groups"), list):
+        raise CheckpointError(
+            f"{where}: not an optimizer state dict (expected keys 'state' and 'param_groups', "
+            f"found {sorted(map(str, sd))[:8]}); save optimizer.state_dict()"
+        )
+    groups = sd["param_groups"]
+    id_to_name = _positional_names(groups, names, model, where)
+    tensors: dict[str, tuple[str, str, torch.Tensor]] = {}
+    for pid, st in sd["state"].items():
+        if pid not in id_to_name:
+            raise CheckpointCorruptError(f"{where}: state for param id {pid} not in any group")
+        fqn = id_to_name[pid]
+        for name, v in st.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                v = torch.tensor(float(v), dtype=torch.float32)
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+                tensors[f"state.{fqn}.{name}"] = (fqn, name, v)
+    kind = _kind_of_torch_optimizer(groups)
+    return _TensorsSource(tensors, f"{kind} state dict {where}")
+
+
+def _is_nested_state_dict(sd: Mapping[str, Any]) -> bool:
+    return any(isinstance(sd.get(k), Mapping) for k in ("state", "optimizer", "optim"))
+
+
+def _from_flat_mapping(sd: Mapping[str, Any], where: str) -> Source:
+    tensors = {}
+    for k, v in sd.items():
+        parts = split_state_key(str(k))
+        if parts and isinstance(v, torch.Tensor):
+            tensors[str(k)] = (*parts, v)
+    return _TensorsSource(tensors, where)
+
+
+def open_source(
+    source: Any,
+    *,
+    names: Sequence[str] | None = None,
+    model: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    step: int | None = None,
+) -> Source:
+    """Open ``source``: a path/URL (file or directory), or an in-memory state dict."""
+    if isinstance(source, Mapping):
+        if _is_nested_state_dict(source):
+            return _from_state_dict(source, names, model, "given state dict")
+        return _from_flat_mapping(source, "given flat state dict")
+    if hasattr(source, "__fspath__"):
+        source = str(source.__fspath__())
+    if not isinstance(source, str) or not source:
+        raise TypeError(
+            f"source must be a path, an fsspec URL or a state dict, got {type(source).__name__}"
+        )
+    storage = Storage(source, storage_options)
+    fs, path = storage.fs, storage.root
+    if fs.isfile(path):
+        with fs.open(path, "rb") as f:
+            head = f.read(9)
+        if len(head) == 9 and head[8:9] == b"{":
+            return _SafetensorsSource(SafetensorsFile(fs, path), source)
+        if head[:2] == b"PK" or head[:1] == b"\x80":
+            with fs.open(path, "rb") as f:
+                try:
+                    sd = torch.load(f, map_location="cpu", weights_only=True)
+                except Exception as e:
+                    raise CheckpointError(
+                        f"{source!r}: torch.load(weights_only=True) refused the file "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+                        "muon-ckpt never unpickles arbitrary objects: torch.save only "
+                        "optimizer.state_dict() (tensors, numbers, strings, lists, dicts)"
+                    ) from e
+            if not isinstance(sd, Mapping):
+                raise CheckpointError(
+                    f"{source!r}: holds a {type(sd).__name__}, not an optimizer state dict"
+                )
+            if _is_nested_state_dict(sd):
+                return _from_state_dict(sd, names, model, repr(source))
+            return _from_flat_mapping(sd, f"torch.save'd flat state dict {source}")
+        raise CheckpointError(
+            f"{source!r}: not a safetensors file, a torch.save file or a DCP directory "
+            f"(first bytes {head[:9]!r})"
+        )
+    if not fs.exists(path):
+        raise CheckpointNotFoundError(f"{source!r} does not exist")
+    return _DCPSource(storage, step, storage_options)

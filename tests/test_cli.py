@@ -1,0 +1,218 @@
+"""The muon-ckpt CLI on local and S3 (moto) checkpoints: ls, inspect, verify (with corrupted
+files), export, prune; one-line errors; fast --help."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from muon_ckpt import CheckpointManager, CheckpointNotFoundError
+from muon_ckpt._progress import Progress
+from muon_ckpt._storage import Storage
+from muon_ckpt.cli import main
+from tests._ckpt import TinyNet, make_muon, muon_state_sd, train, write_step
+
+
+@pytest.fixture(params=["local", "s3"])
+def run(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
+    """A run with committed steps 1, 2, 3 (CheckpointManager) and an uncommitted leftover 4."""
+    if request.param == "local":
+        url, opts = str(tmp_path / "run"), {}
+    else:
+        bucket, opts = request.getfixturevalue("s3_bucket")
+        url = f"s3://{bucket}/run"
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = make_muon(model)
+    with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts) as mgr:
+        for step in (1, 2, 3):
+            train(model, opt, 1, seed=step)
+            mgr.save(step)
+    write_step(url, 4, muon_state_sd(model, opt), storage_options=opts, commit=False)
+    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in opts.items()]
+    return {"url": url, "opts": opts, "flags": flags, "storage": Storage(url, opts)}
+
+
+def cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_ls_lists_committed_and_uncommitted_steps(run, capsys):
+    rc, out, _ = cli(capsys, "ls", run["url"], *run["flags"])
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["STEP", "STATUS", "SIZE", "FILES", "WORLD", "TIME"]
+    assert [ln.split()[:2] for ln in lines[1:5]] == [
+        ["1", "committed"],
+        ["2", "committed"],
+        ["3", "committed"],
+        ["4", "UNCOMMITTED"],
+    ]
+    assert lines[-1] == "3 committed, 1 uncommitted; newest committed: 3"
+    rc, out, _ = cli(capsys, "ls", run["url"], "--json", *run["flags"])
+    steps = json.loads(out)["steps"]
+    assert [(s["step"], s["committed"], s["world_size"]) for s in steps] == [
+        (1, True, 1),
+        (2, True, 1),
+        (3, True, 1),
+        (4, False, None),
+    ]
+    assert all(s["size"] > 0 and s["time"] for s in steps)
+
+
+def test_inspect_shows_keys_shapes_dtypes_bytes(run, capsys):
+    rc, out, _ = cli(capsys, "inspect", run["url"], "--keys", "optim.state.fc1.*", *run["flags"])
+    assert rc == 0
+    assert out.splitlines()[0].startswith("step 3 of ")
+    rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()[2:-1]}
+    assert rows["optim.state.fc1.weight.momentum_buffer"] == ["(12,", "8)", "float32", "384", "B"]
+    assert rows["optim.state.fc1.bias.step"] == ["()", "float32", "4", "B"]
+    assert out.splitlines()[-1] == "4 keys, 484 B of tensors"  # 384 + 48 + 48 + 4
+    rc, out, _ = cli(capsys, "inspect", run["url"], "--step", "1", "--json", *run["flags"])
+    doc = json.loads(out)
+    assert doc["step"] == 1 and doc["kind"] == "muon-ckpt" and doc["world_size"] == 1
+    keys = {k["key"]: k for k in doc["keys"]}
+    assert keys["model.emb.weight"] == {
+        "key": "model.emb.weight",
+        "shape": [11, 8],
+        "dtype": "float32",
+        "bytes": 352,
+    }
+    assert keys["optim.param_groups.fc1.weight.lr"]["dtype"] == "object"
+
+
+def test_verify_passes_then_catches_corruption(run, capsys):
+    rc, out, _ = cli(capsys, "verify", run["url"], *run["flags"])
+    assert rc == 0, out
+    assert "step 4: skipped (not committed)" in out
+    assert out.count(": OK: ") == 3
+    st = run["storage"]
+    files = sorted(f for f in st.walk_files("step-00000002") if f.endswith(".distcp"))
+    flipped = bytearray(st.read_bytes("step-00000002", files[0]))
+    flipped[len(flipped) // 2] ^= 0x01  # same size, one bit changed
+    _put(st, ("step-00000002", files[0]), bytes(flipped))
+    _put(st, ("step-00000002", files[1]), st.read_bytes("step-00000002", files[1])[:-7])
+    rc, out, _ = cli(capsys, "verify", run["url"], *run["flags"])
+    assert rc == 1
+    assert f"step 2: {files[0]}: crc32 " in out and "(content changed)" in out
+    assert f"step 2: {files[1]}: size " in out
+    assert "step 2: FAILED (2 problem(s))" in out
+    assert "step 1: OK" in out and "step 3: OK" in out
+    rc, _, _ = cli(capsys, "verify", run["url"], "--step", "3", *run["flags"])
+    assert rc == 0
+    st.rm("step-00000003", files[0])
+    rc, out, _ = cli(capsys, "verify", run["url"], "--step", "3", *run["flags"])
+    assert rc == 1 and f"{files[0]}: missing" in out
+    _put(st, ("step-00000001", "manifest.json"), b"{not json")
+    rc, out, _ = cli(capsys, "verify", run["url"], "--step", "1", *run["flags"])
+    assert rc == 1 and "step 1: FAILED" in out and "manifest is unreadable" in out
+    rc, out, _ = cli(capsys, "verify", run["url"], *run["flags"])
+    assert rc == 1 and "step 1: FAILED" in out and "step 3: FAILED" in out
+
+
+def _put(st: Storage, parts: tuple[str, ...], data: bytes) -> None:
+    with st.fs.open(st.path(*parts), "wb") as f:
+        f.write(data)
+    st.fs.invalidate_cache(st.path(*parts))
+
+
+def test_export_command(run, capsys, tmp_path):
+    out_file = str(tmp_path / "e.safetensors")
+    rc, out, _ = cli(
+        capsys,
+        "export",
+        run["url"],
+        out_file,
+        "--step",
+        "2",
+        "--dtype",
+        "bf16",
+        "--include",
+        "optim",
+        *run["flags"],
+    )
+    assert rc == 0
+    assert out.startswith("exported step 2: 14 tensors")
+    from safetensors import safe_open
+
+    with safe_open(out_file, "pt") as f:
+        assert f.metadata()["step"] == "2"
+        assert f.get_tensor("optim.state.fc1.weight.momentum_buffer").dtype == torch.bfloat16
+
+
+def test_prune_keeps_newest_and_never_touches_leftovers(run, capsys):
+    st = run["storage"]
+    rc, out, _ = cli(capsys, "prune", run["url"], "--keep", "1", "--dry-run", *run["flags"])
+    assert rc == 0 and "would delete 2 step(s): 1, 2" in out
+    assert st.exists("step-00000001", "manifest.json")
+    rc, out, _ = cli(capsys, "prune", run["url"], "--keep", "1", *run["flags"])
+    assert rc == 0 and "deleted 2 step(s): 1, 2" in out and "kept 1 committed step(s): 3" in out
+    assert "uncommitted leftovers (not touched; a save may still be running): 4" in out
+    assert sorted(st.listdir()) == ["step-00000003", "step-00000004"]
+    rc, _, err = cli(capsys, "prune", run["url"], "--keep", "0", *run["flags"])
+    assert rc == 1
+    assert err.strip() == (
+        "muon-ckpt: error: ValueError: keep must be an int >= 1 (the newest step is never "
+        "pruned), got 0 (--debug shows the traceback)"
+    )
+    assert CheckpointManager(run["url"], storage_options=run["opts"]).steps() == [3]
+
+
+def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
+    missing = str(tmp_path / "missing")
+    rc, out, err = cli(capsys, "inspect", missing)
+    assert rc == 1 and out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith("muon-ckpt: error: CheckpointNotFoundError: no checkpoint at ")
+    with pytest.raises(CheckpointNotFoundError):
+        main(["inspect", missing, "--debug"])
+    rc, _, err = cli(capsys, "ls", missing)
+    assert rc == 1 and "does not exist" in err
+    rc, _, err = cli(capsys, "ls", str(tmp_path), "--storage-option", "novalue")
+    assert rc == 1 and "--storage-option must be KEY=VALUE" in err
+
+
+def test_console_script_help_is_fast_and_imports_no_torch():
+    code = (
+        "import sys; from muon_ckpt.cli import build_parser; build_parser(); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "muon_ckpt.cli", "--help"], capture_output=True, text=True
+    )
+    assert r.returncode == 0
+    for cmd in ("ls", "inspect", "verify", "export", "prune", "demo"):
+        assert cmd in r.stdout
+    r = subprocess.run(
+        [sys.executable, "-m", "muon_ckpt.cli", "verify", "/nonexistent/run"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1
+    errs = [ln for ln in r.stderr.splitlines() if ln.startswith("muon-ckpt: ")]
+    assert len(errs) == 1 and "Traceback" not in r.stderr
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_is_drawn_only_on_a_tty():
+    quiet = io.StringIO()
+    with Progress(100, "verify", stream=quiet) as bar:
+        bar.update(100)
+    assert quiet.getvalue() == ""
+    tty = _Tty()
+    with Progress(100, "verify", stream=tty) as bar:
+        bar.update(100)
+    assert tty.getvalue().startswith("\rverify [") and "100.0%" in tty.getvalue()
