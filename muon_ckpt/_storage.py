@@ -35,6 +35,7 @@ class Storage:
                 f"for s3://); known schemes: {', '.join(known[:20])}, ..."
             ) from e
         self.url = url
+        self.storage_options = dict(storage_options or {})
         self.fs = fs
         self.root = root.rstrip("/") or "/"
         self.protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]

@@ -7,7 +7,8 @@ list of per-rank return values. A failing rank's traceback is raised in the pare
 ``AssertionError``; a hang is cut off after ``timeout`` seconds with every rank's Python stack
 dumped, so a test never blocks CI.
 
-``fn`` must be a module-level function (it is pickled by reference into the children).
+``fn`` must be a module-level function (it is pickled by reference into the children); its
+return value is pickled back by value (tensors included).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -80,7 +82,9 @@ def _child(fn, rank, world_size, port, args, results, stack_file, timeout):
                 out = fn(rank, world_size, *args)
             finally:
                 dist.destroy_process_group()
-            results.put((rank, True, out))
+            # Plain pickle, not multiprocessing's: tensors travel by value, not as shared-memory
+            # handles that die with this process.
+            results.put((rank, True, pickle.dumps(out)))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
         finally:
@@ -125,7 +129,10 @@ def run_on_ranks(
                     failures[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
                 break
             continue
-        (outs if ok else failures)[rank] = payload
+        if ok:
+            outs[rank] = pickle.loads(payload)
+        else:
+            failures[rank] = payload
         if not ok:
             break  # one rank failed: the others are likely blocked in a collective
     for p in procs:
