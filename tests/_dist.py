@@ -21,6 +21,7 @@ import queue
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -111,8 +112,6 @@ def run_on_ranks(
         p.start()
     outs: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    import time
-
     deadline = time.monotonic() + timeout
     while len(outs) + len(failures) < world_size:
         remaining = deadline - time.monotonic()
