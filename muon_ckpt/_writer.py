@@ -6,6 +6,10 @@ Both subclass DCP's ``FileSystemWriter``/``FileSystemReader`` and only swap thei
 everything else. The writer's streams compute crc32 and size as bytes pass through, so the
 manifest costs no read-back; a large buffer's crc runs in a helper thread while the same
 buffer is written (both release the GIL). Files are fsynced once each, by DCP, locally only.
+While the writer writes, ``torch.save`` (which DCP calls once per tensor) is told not to compute
+its zip records' crc32 (``torch.serialization.set_crc32_options``): that is a second full pass
+over the bytes, under the GIL, and the manifest's per-file crc32 already covers them. The
+files stay plain DCP files; ``torch.load`` reads zip records without a crc.
 
 The reader (``verify="crc32"``): a file this rank reads completely is read front to back by
 a worker thread (``io_threads`` files at a time), one stored blob at a time, chaining the
@@ -41,13 +45,42 @@ from muon_ckpt._storage import Storage
 
 __all__ = ["ChecksumWriter", "FileRecords", "VerifyingReader", "crc_hex"]
 
-_PARALLEL_CRC_BYTES = 32 << 20  # buffers at least this big: crc in a helper thread during write
+_PARALLEL_CRC_BYTES = 4 << 20  # buffers at least this big: crc in a helper thread during write
 _READ_CHUNK = 64 << 20
 _RANK_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
 def crc_hex(crc: int) -> str:
     return f"{crc & 0xFFFFFFFF:08x}"
+
+
+_zip_crc_lock = threading.Lock()
+_zip_crc_users = 0
+_zip_crc_saved = True
+
+
+@contextmanager
+def _torch_save_without_zip_crc() -> Generator[None, None, None]:
+    """torch.save skips its per-record crc32 for the duration (process-wide; nested and
+    concurrent uses share one switch, the last one out restores the caller's setting)."""
+    global _zip_crc_users, _zip_crc_saved
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    put = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or put is None:  # pragma: no cover - torch without the switch
+        yield
+        return
+    with _zip_crc_lock:
+        if _zip_crc_users == 0:
+            _zip_crc_saved = get()
+            put(False)
+        _zip_crc_users += 1
+    try:
+        yield
+    finally:
+        with _zip_crc_lock:
+            _zip_crc_users -= 1
+            if _zip_crc_users == 0:
+                put(_zip_crc_saved)
 
 
 class FileRecords:
@@ -217,6 +250,12 @@ class ChecksumWriter(FileSystemWriter):
         )
         self.fs = _RecordingFileSystem(_inner_fs(storage), records)
         self.path = self.fs.init_path(storage.path(step_dir))
+
+    def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
+        with _torch_save_without_zip_crc():
+            fut = super().write_data(plan, planner)
+            fut.wait()  # DCP's local writer returns a completed future; the switch covers it
+        return fut
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -3,8 +3,10 @@
 One save is three stages, kept apart so that an asynchronous save can later run the last two
 in the background without changing the API:
 
-1. snapshot (caller's thread, offload paused): the flat FQN-keyed state dict (``_flatten``);
-2. write (``_writer``): ``dcp.save`` through a writer that checksums every file it writes;
+1. snapshot (caller's thread, offload paused): the flat FQN-keyed state dict (``_flatten``),
+   its device tensors copied into reusable host buffers on a side stream (``_staging``);
+2. write (``_writer``): ``dcp.save`` through a writer that checksums every file it writes, each
+   writer thread waiting only for the copy of the tensor it writes next;
 3. commit (``_commit``, rank 0): manifest.json with every file's size and crc32, written last,
    then retention. ``_pending`` is the slot an asynchronous save would occupy; every public
    method waits for it first.
@@ -26,6 +28,7 @@ from muon_ckpt._config import ManagerConfig
 from muon_ckpt._errors import CheckpointError, CheckpointExistsError, CheckpointMismatchError
 from muon_ckpt._flatten import FlatState, check_extra, param_fqns, prepare_optimizer_state
 from muon_ckpt._layout import FileEntry, parse_step_dirname, step_dirname
+from muon_ckpt._staging import HostStaging, StagedSavePlanner
 from muon_ckpt._storage import Storage
 from muon_ckpt._writer import ChecksumWriter, FileRecords, VerifyingReader
 
@@ -126,6 +129,7 @@ class CheckpointManager:
                 rf_url = rf_url.rstrip("/")[: -len(base)].rstrip("/") or "/"
             self._resume = (_open_storage("resume_from", rf_url, opts), rf_step)
         self._pending: Callable[[], None] | None = None
+        self._staging = HostStaging()  # host buffers allocated by the first save, then reused
         self._closed = False
 
     # ------------------------------------------------------------------ queries
@@ -156,17 +160,26 @@ class CheckpointManager:
         self._wait_pending()
         with self._offload_paused():
             flat = FlatState.build(self._model, self._optimizer, self._extra)
-            coll.on_rank0(lambda: self._begin_save(step, overwrite))
-            records = FileRecords()
-            writer = ChecksumWriter(
-                self._storage, step_dirname(step), records, self.config.io_threads
-            )
+            staged = self._staging.stage(flat.sd)  # copies run while rank 0 prepares the dir
             try:
-                dcp.save(flat.sd, storage_writer=writer, no_dist=not coll.is_dist())
-            except BaseException as e:
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                _reraise(e, f"saving step {step} to {self.url!r}")
+                coll.on_rank0(lambda: self._begin_save(step, overwrite))
+                records = FileRecords()
+                writer = ChecksumWriter(
+                    self._storage, step_dirname(step), records, self.config.io_threads
+                )
+                try:
+                    dcp.save(
+                        staged,
+                        storage_writer=writer,
+                        planner=StagedSavePlanner(self._staging),
+                        no_dist=not coll.is_dist(),
+                    )
+                except BaseException as e:
+                    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    _reraise(e, f"saving step {step} to {self.url!r}")
+            finally:
+                self._staging.finish()
         self._pending = self._commit_job(step, records, len(flat.sd))
         self._wait_pending()  # synchronous today: commit before returning
         return True
@@ -268,6 +281,7 @@ class CheckpointManager:
         try:
             self._wait_pending()
         finally:
+            self._staging.release()
             self._closed = True
 
     def __enter__(self) -> CheckpointManager:

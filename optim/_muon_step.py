@@ -235,6 +235,10 @@ def muon_step(
     ``before_chunk(ci)`` runs before chunk ``ci`` touches its momentum buffers and
     ``after_momentum(ci)`` right after (the offload pool reloads and parks them there).
     """
+    if not any(it.exchanged for it in plan.items):
+        # Nothing to communicate: holding a chunk's Newton-Schulz back behind the next chunk's
+        # momentum would only make it wait for that chunk's states (a reload under offload).
+        warmup_step = 0
     gathers: deque[_Inflight] = deque()
     scatters: deque[_Inflight] = deque()
 

@@ -26,6 +26,7 @@ _EPS = 1e-7
 
 _use_compile = False
 _compiled = None
+_compiled_batched = None
 
 
 def set_ns_compile(enabled: bool) -> None:
@@ -85,15 +86,22 @@ def zeropower_batched(
 
 
 def newton_schulz(grads: list[Tensor], ns_steps: int = 5) -> list[Tensor]:
-    """Orthogonalise same-shape tensors (>= 2-D, each viewed as ``(shape[0], -1)``) in one
-    batched iteration, eager or compiled; returns bfloat16 tensors of the input shapes."""
-    global _compiled
+    """Orthogonalise same-shape tensors (>= 2-D, each viewed as ``(shape[0], -1)``), eager or
+    compiled; returns bfloat16 tensors of the input shapes. One tensor runs the 2-D iteration
+    (no stacking copy); several run one batched iteration."""
+    global _compiled, _compiled_batched
     shape = grads[0].shape
+    if len(grads) == 1:
+        fn = zeropower_via_newtonschulz
+        if _use_compile:
+            if _compiled is None:
+                _compiled = torch.compile(zeropower_via_newtonschulz, dynamic=False)
+            fn = _compiled
+        return [fn(grads[0].reshape(shape[0], -1), ns_steps).reshape(shape)]
     batch = torch.stack([g.reshape(shape[0], -1) for g in grads])
+    fn = zeropower_batched
     if _use_compile:
-        if _compiled is None:
-            _compiled = torch.compile(zeropower_batched, dynamic=False)
-        out = _compiled(batch, ns_steps)
-    else:
-        out = zeropower_batched(batch, ns_steps)
-    return [o.reshape(shape) for o in out.unbind(0)]
+        if _compiled_batched is None:
+            _compiled_batched = torch.compile(zeropower_batched, dynamic=False)
+        fn = _compiled_batched
+    return [o.reshape(shape) for o in fn(batch, ns_steps).unbind(0)]
