@@ -2,7 +2,8 @@
 load() then returns the previous committed step, and the next save cleans up.
 
 A child process saves steps 1, 2, 3, ... back to back (parameters filled with the step number,
-keep_last=3, so kills also land in retention); the parent kills it after a random delay.
+keep_last=3, so kills also land in retention); the parent kills it after a random delay, or,
+in every other trial, the moment it sees a step's data files without their manifest.
 """
 
 from __future__ import annotations
@@ -56,7 +57,23 @@ def _progress(path: str) -> tuple[int, int]:
     return begun, saved
 
 
-def _kill_mid_save(url: str, opts: dict, progress: str, rng: random.Random) -> tuple[int, int]:
+def _writing_uncommitted(st: Storage) -> bool:
+    """A step directory holds data files but no manifest yet: a save is mid-write."""
+    for name in st.listdir():
+        if parse_step_dirname(name) is None:
+            continue
+        files = st.listdir(name)
+        if MANIFEST not in files and any(f.endswith(".distcp") for f in files):
+            return True
+    return False
+
+
+def _kill_mid_save(
+    url: str, opts: dict, progress: str, rng: random.Random, mid_write: bool
+) -> tuple[int, int]:
+    """Start a saving child, then SIGKILL it: after a random delay, or (``mid_write``) as soon
+    as a step's data files are visible without their manifest, so that some kills surely land
+    between the data and the commit marker, whatever the speed of the storage."""
     p = _context().Process(target=child_save_forever, args=(url, opts, progress), daemon=True)
     p.start()
     deadline = time.monotonic() + 120
@@ -64,7 +81,12 @@ def _kill_mid_save(url: str, opts: dict, progress: str, rng: random.Random) -> t
         assert p.is_alive(), f"child exited with {p.exitcode}"
         assert time.monotonic() < deadline, "child never committed step 1"
         time.sleep(0.01)
-    time.sleep(rng.uniform(0.0, 0.5))
+    if mid_write:
+        st = Storage(url, opts)
+        while not _writing_uncommitted(st) and time.monotonic() < deadline:
+            assert p.is_alive(), f"child exited with {p.exitcode}"
+    else:
+        time.sleep(rng.uniform(0.0, 0.5))
     os.kill(p.pid, signal.SIGKILL)
     p.join()
     assert p.exitcode == -signal.SIGKILL
@@ -108,7 +130,7 @@ def test_resume_after_kill_mid_save(backend, trials, tmp_path, request):
     for t in range(trials):
         url = f"{base}/trial{t}"
         progress = str(tmp_path / f"progress{t}.txt")
-        begun, saved = _kill_mid_save(url, opts, progress, rng)
+        begun, saved = _kill_mid_save(url, opts, progress, rng, mid_write=t % 2 == 1)
         interrupted += _check_after_kill(url, opts, begun, saved)
     # The kills really landed inside saves (not only between them).
     print(f"{backend}: {interrupted}/{trials} kills interrupted a save")
