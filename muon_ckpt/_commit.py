@@ -10,12 +10,12 @@ runs on rank 0 only; the manager broadcasts the outcome.
 from __future__ import annotations
 
 import datetime
-import pickle
 import zlib
 from typing import Any
 
 import torch
 
+from muon_ckpt._dcp import parse_metadata
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointNotFoundError
 from muon_ckpt._layout import MANIFEST, FileEntry, Manifest, parse_step_dirname, step_dirname
 from muon_ckpt._storage import Storage
@@ -157,7 +157,7 @@ def read_checked_manifest(storage: Storage, step: int) -> tuple[Manifest, Any]:
             f"{storage.url_of(name, DCP_METADATA)}: crc32 {crc} ({len(md_bytes)} bytes), the "
             f"manifest says {md_entry.crc32} ({md_entry.size} bytes); load another step"
         )
-    # DCP's own metadata format is a pickle (what torch.distributed.checkpoint itself loads);
-    # its checksum matched the manifest written by the same save.
-    metadata = pickle.loads(md_bytes)
+    # DCP's metadata format is a pickle; a matching checksum proves integrity, not trust, so it
+    # goes through the unpickler that accepts DCP's metadata classes only.
+    metadata = parse_metadata(md_bytes, storage.url_of(name, DCP_METADATA))
     return manifest, metadata

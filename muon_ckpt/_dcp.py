@@ -97,7 +97,7 @@ def parse_metadata(data: bytes, where: str) -> Metadata:
     return md
 
 
-class _SafeLoadPlanner(DefaultLoadPlanner):
+class SafeLoadPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner that loads non-tensor values with ``weights_only=True``."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -152,7 +152,7 @@ def load(state_dict: dict[str, Any], reader: Any) -> None:
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state_dict, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
+            dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     except CheckpointException as e:
         raise CheckpointCorruptError(
             f"{reader.path}: reading the DCP checkpoint failed: {_first_failure(e)}"

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from muon_ckpt import _collective as coll
 from muon_ckpt import _commit
 from muon_ckpt._config import ManagerConfig
+from muon_ckpt._dcp import SafeLoadPlanner
 from muon_ckpt._errors import CheckpointError, CheckpointExistsError, CheckpointMismatchError
 from muon_ckpt._flatten import FlatState, check_extra, param_fqns, prepare_optimizer_state
 from muon_ckpt._layout import FileEntry, parse_step_dirname, step_dirname
@@ -242,7 +243,12 @@ class CheckpointManager:
                 verify_crc=self.config.verify == "crc32",
             )
             try:
-                dcp.load(flat.sd, storage_reader=reader, no_dist=not coll.is_dist())
+                dcp.load(
+                    flat.sd,
+                    storage_reader=reader,
+                    planner=SafeLoadPlanner(),
+                    no_dist=not coll.is_dist(),
+                )
             except BaseException as e:
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
