@@ -185,3 +185,40 @@ def test_unnamed_parameter_is_a_configuration_error(committed):
 def test_every_error_is_a_checkpoint_error_or_value_error():
     for cls in (CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError):
         assert issubclass(cls, CheckpointError)
+
+
+class _Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_load_never_unpickles_a_forged_metadata_file(tmp_path):
+    """A .metadata whose checksum matches a forged manifest is refused, not executed."""
+    import json
+    import pickle
+    import zlib
+
+    from muon_ckpt import CheckpointCorruptError, CheckpointManager
+
+    model = torch.nn.Linear(4, 4)
+    url = str(tmp_path / "run")
+    with CheckpointManager(url, model=model) as mgr:
+        mgr.save(1, force=True)
+    marker = tmp_path / "pwned"
+    evil = pickle.dumps(_Evil(str(marker)))
+    step_dir = tmp_path / "run" / "step-00000001"
+    (step_dir / ".metadata").write_bytes(evil)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {"size": len(evil), "crc32": f"{zlib.crc32(evil):08x}"}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    with (
+        CheckpointManager(url, model=torch.nn.Linear(4, 4)) as mgr,
+        pytest.raises(CheckpointCorruptError, match=r"\.metadata"),
+    ):
+        mgr.load()
+    assert not marker.exists(), "the forged metadata was unpickled"
