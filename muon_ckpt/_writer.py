@@ -186,23 +186,16 @@ class FsspecFileSystem(FileSystemBase):
         return self.fs.ls(os.fspath(path), detail=False)
 
 
-class _RecordingFileSystem(FileSystemBase):
-    """Delegates to ``inner``; write streams are checksummed into ``records``."""
+class _DelegatingFileSystem(FileSystemBase):
+    """Every FileSystemBase call goes to ``inner``; subclasses change ``create_stream``."""
 
-    def __init__(self, inner: FileSystemBase, records: FileRecords) -> None:
+    def __init__(self, inner: FileSystemBase) -> None:
         self.inner = inner
-        self.records = records
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
-        with self.inner.create_stream(path, mode) as raw:
-            if "w" not in mode:
-                yield raw
-                return
-            s = _CrcStream(raw)
+        with self.inner.create_stream(path, mode) as s:
             yield s
-        # Recorded only once the inner stream closed cleanly (an object store's upload done).
-        self.records.put(posixpath.basename(os.fspath(path)), s.size, s.crc)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> Any:
         return self.inner.concat_path(path, suffix)
@@ -212,9 +205,6 @@ class _RecordingFileSystem(FileSystemBase):
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         self.inner.rename(path, new_path)
-        self.records.rename(
-            posixpath.basename(os.fspath(path)), posixpath.basename(os.fspath(new_path))
-        )
 
     def mkdir(self, path: str | os.PathLike) -> None:
         self.inner.mkdir(path)
@@ -228,6 +218,31 @@ class _RecordingFileSystem(FileSystemBase):
 
     def rm_file(self, path: str | os.PathLike) -> None:
         self.inner.rm_file(path)
+
+
+class _RecordingFileSystem(_DelegatingFileSystem):
+    """Delegates to ``inner``; write streams are checksummed into ``records``."""
+
+    def __init__(self, inner: FileSystemBase, records: FileRecords) -> None:
+        super().__init__(inner)
+        self.records = records
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        with self.inner.create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            s = _CrcStream(raw)
+            yield s
+        # Recorded only once the inner stream closed cleanly (an object store's upload done).
+        self.records.put(posixpath.basename(os.fspath(path)), s.size, s.crc)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        self.inner.rename(path, new_path)
+        self.records.rename(
+            posixpath.basename(os.fspath(path)), posixpath.basename(os.fspath(new_path))
+        )
 
 
 def _inner_fs(storage: Storage) -> FileSystemBase:
@@ -262,11 +277,11 @@ class ChecksumWriter(FileSystemWriter):
         return True
 
 
-class _ServingFileSystem(FileSystemBase):
+class _ServingFileSystem(_DelegatingFileSystem):
     """Read streams come from ``cache`` (the slice being loaded, already read) when there."""
 
     def __init__(self, inner: FileSystemBase) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.cache: dict[str, _SliceStream] = {}
 
     @contextmanager
@@ -277,28 +292,6 @@ class _ServingFileSystem(FileSystemBase):
             return
         with self.inner.create_stream(path, mode) as s:
             yield s
-
-    def concat_path(self, path: str | os.PathLike, suffix: str) -> Any:
-        return self.inner.concat_path(path, suffix)
-
-    def init_path(self, path: str | os.PathLike) -> Any:
-        return self.inner.init_path(path)
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        self.inner.rename(path, new_path)
-
-    def mkdir(self, path: str | os.PathLike) -> None:
-        self.inner.mkdir(path)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
-
-    def exists(self, path: str | os.PathLike) -> bool:
-        return self.inner.exists(path)
-
-    def rm_file(self, path: str | os.PathLike) -> None:
-        self.inner.rm_file(path)
 
 
 class VerifyingReader(FileSystemReader):

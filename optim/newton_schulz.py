@@ -17,7 +17,6 @@ __all__ = [
     "get_ns_compile",
     "newton_schulz",
     "set_ns_compile",
-    "zeropower_batched",
     "zeropower_via_newtonschulz",
 ]
 
@@ -26,7 +25,6 @@ _EPS = 1e-7
 
 _use_compile = False
 _compiled = None
-_compiled_batched = None
 
 
 def set_ns_compile(enabled: bool) -> None:
@@ -41,67 +39,45 @@ def get_ns_compile() -> bool:
     return _use_compile
 
 
+def _iterate(x: Tensor, ns_steps: int, coefficients: tuple[float, float, float], eps: float):
+    """The quintic iteration on a bf16 matrix (rows <= cols) or a batch of them."""
+    a, b, c = coefficients
+    addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
+    norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)
+    x = x / norm.clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.mT
+        gram_update = addmm(gram, gram, gram, beta=b, alpha=c)
+        x = addmm(x, gram_update, x, beta=a)
+    return x
+
+
 def zeropower_via_newtonschulz(
     grad: Tensor,
     ns_steps: int = 5,
     coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
     eps: float = _EPS,
 ) -> Tensor:
-    """Eager Newton-Schulz on a 2-D matrix; returns a bfloat16 matrix of ``grad``'s shape."""
-    a, b, c = coefficients
+    """Newton-Schulz on a 2-D matrix, or on a batch ``(B, rows, cols)`` of same-shape
+    matrices; returns bfloat16 of the input's shape (torch.optim.Muon's iteration)."""
     x = grad.bfloat16()
-    transposed = grad.size(0) > grad.size(1)
-    if transposed:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, gram_update, x, beta=a)
-    if transposed:
-        x = x.T
-    return x
-
-
-def zeropower_batched(
-    grads: Tensor,
-    ns_steps: int = 5,
-    coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
-    eps: float = _EPS,
-) -> Tensor:
-    """Newton-Schulz on a batch of same-shape matrices ``(B, rows, cols)``, in bfloat16."""
-    a, b, c = coefficients
-    x = grads.bfloat16()
-    transposed = grads.size(-2) > grads.size(-1)
-    if transposed:
-        x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.mT
-        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, gram_update, x, beta=a)
-    if transposed:
-        x = x.mT
-    return x
+    if grad.size(-2) > grad.size(-1):
+        return _iterate(x.mT, ns_steps, coefficients, eps).mT
+    return _iterate(x, ns_steps, coefficients, eps)
 
 
 def newton_schulz(grads: list[Tensor], ns_steps: int = 5) -> list[Tensor]:
     """Orthogonalise same-shape tensors (>= 2-D, each viewed as ``(shape[0], -1)``), eager or
     compiled; returns bfloat16 tensors of the input shapes. One tensor runs the 2-D iteration
     (no stacking copy); several run one batched iteration."""
-    global _compiled, _compiled_batched
+    global _compiled
     shape = grads[0].shape
+    fn = zeropower_via_newtonschulz
+    if _use_compile:
+        if _compiled is None:
+            _compiled = torch.compile(zeropower_via_newtonschulz, dynamic=False)
+        fn = _compiled
     if len(grads) == 1:
-        fn = zeropower_via_newtonschulz
-        if _use_compile:
-            if _compiled is None:
-                _compiled = torch.compile(zeropower_via_newtonschulz, dynamic=False)
-            fn = _compiled
         return [fn(grads[0].reshape(shape[0], -1), ns_steps).reshape(shape)]
     batch = torch.stack([g.reshape(shape[0], -1) for g in grads])
-    fn = zeropower_batched
-    if _use_compile:
-        if _compiled_batched is None:
-            _compiled_batched = torch.compile(zeropower_batched, dynamic=False)
-        fn = _compiled_batched
     return [o.reshape(shape) for o in fn(batch, ns_steps).unbind(0)]
