@@ -357,6 +357,20 @@ class VerifyingReader(FileSystemReader):
     def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
         if not self._verify_crc:
             return super().read_data(plan, planner)
+        if self._storage.is_local:
+            # Local files: DCP's own reader loads the tensors while helper threads checksum the
+            # files this rank owns (each file has one owner rank); reading a file twice from the
+            # page cache costs less than funnelling every byte through one Python stream.
+            names = sorted(self._files)
+            owned = [n for i, n in enumerate(names) if self._owner(n, i) == self._rank]
+            with ThreadPoolExecutor(self._threads, thread_name_prefix="muon_ckpt_crc") as ex:
+                checks = [ex.submit(self._fetch, n) for n in owned]
+                super().read_data(plan, planner).wait()
+                for c in checks:
+                    c.result()
+            fut_local: torch.futures.Future[None] = torch.futures.Future()
+            fut_local.set_result(None)
+            return fut_local
         # Group the read items by file, and by slice (one stored blob) within the file.
         slices: dict[str, dict[int, list[Any]]] = {}
         lengths: dict[tuple[str, int], int] = {}
