@@ -64,7 +64,9 @@ def _momentum_updates(items: list[Item], state: dict) -> list[Tensor]:
             else:
                 upd = bufs
         for i, u in zip(idx, upd):
-            out[i] = u.to(torch.bfloat16)
+            # copy=True: without Nesterov a bf16 buffer would otherwise come back as itself,
+            # and the offload pool frees buffers before Newton-Schulz reads the update.
+            out[i] = u.to(torch.bfloat16, copy=True)
     return out  # type: ignore[return-value]
 
 

@@ -74,7 +74,13 @@ def _form_units(items: list[Item]) -> list[list[Item]]:
     open_units: dict[tuple, list[Item]] = {}
     units: list[list[Item]] = []
     for it in items:
-        key = (tuple(it.gshape), it.param.dtype, it.group["ns_steps"], it.exchanged)
+        # DTensor-ness, not "exchanged": a DTensor on one rank must batch as it does on N.
+        key = (
+            tuple(it.gshape),
+            it.param.dtype,
+            it.group["ns_steps"],
+            isinstance(it.param, DTensor),
+        )
         u = open_units.get(key)
         if (
             u is None

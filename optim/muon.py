@@ -91,7 +91,12 @@ class Muon(torch.optim.Optimizer):
         self._plan = None
 
     def _get_plan(self) -> Plan:
-        key = tuple((g["use_muon"], tuple(id(p) for p in g["params"])) for g in self.param_groups)
+        # Items hold their group dict: a new dict (load_state_dict replaces them all) or a new
+        # ns_steps (it shapes the batches) means a new plan.
+        key = tuple(
+            (id(g), g["use_muon"], g["ns_steps"], tuple(id(p) for p in g["params"]))
+            for g in self.param_groups
+        )
         if self._plan is None or key != self._plan_key:
             self._plan = build_plan(self.param_groups, self.chunk_size)
             self._plan_key = key

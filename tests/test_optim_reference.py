@@ -184,3 +184,40 @@ def test_params_without_grad_are_skipped():
     opt.step()
     assert torch.equal(w2, before)
     assert w2 not in opt.state
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offload_matches_no_offload_for_every_momentum_dtype(nesterov, dtype):
+    # Without Nesterov the update IS the momentum buffer; a bf16 buffer must still be copied
+    # before the pool parks (frees) it.
+    g = torch.Generator().manual_seed(5)
+    init = [torch.randn(8, 4, generator=g).to(dtype) for _ in range(3)]
+    grads = [[torch.randn(8, 4, generator=g).to(dtype) for _ in range(3)] for _ in range(3)]
+    runs = []
+    for offload in (False, True):
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = Muon([{"params": ps, "nesterov": nesterov}], chunk_size=1)
+        if offload:
+            opt.turn_on_cpu_offload()
+        for step in grads:
+            for p, gr in zip(ps, step):
+                p.grad = gr.clone()
+            opt.step()
+        runs.append([p.detach().clone() for p in ps])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_hyperparameters_set_after_load_state_dict_reach_muon_groups():
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    opt = Muon([{"params": [p], "lr": 0.02}])
+    p.grad = torch.randn(8, 4)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())  # replaces the param-group dicts
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    before = p.detach().clone()
+    p.grad = torch.randn(8, 4)
+    opt.step()
+    assert torch.equal(p, before), "lr=0 after load_state_dict was ignored"
