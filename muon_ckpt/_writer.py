@@ -39,7 +39,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 
-from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt._layout import FileEntry
 from muon_ckpt._storage import Storage
 
@@ -89,6 +89,11 @@ class FileRecords:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.files: dict[str, FileEntry] = {}
+        self.errors: list[tuple[str, BaseException]] = []  # (file, error) of failed writes
+
+    def fail(self, name: str, error: BaseException) -> None:
+        with self._lock:
+            self.errors.append((name, error))
 
     def put(self, name: str, size: int, crc: int) -> None:
         with self._lock:
@@ -229,12 +234,19 @@ class _RecordingFileSystem(_DelegatingFileSystem):
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
-        with self.inner.create_stream(path, mode) as raw:
-            if "w" not in mode:
-                yield raw
-                return
-            s = _CrcStream(raw)
-            yield s
+        name = posixpath.basename(os.fspath(path))
+        try:
+            with self.inner.create_stream(path, mode) as raw:
+                if "w" not in mode:
+                    yield raw
+                    return
+                s = _CrcStream(raw)
+                yield s
+        except BaseException as e:
+            # DCP's writer threads die silently (dcp.save still returns): remember the error
+            # so that ChecksumWriter fails the save instead of committing a partial step.
+            self.records.fail(name, e)
+            raise
         # Recorded only once the inner stream closed cleanly (an object store's upload done).
         self.records.put(posixpath.basename(os.fspath(path)), s.size, s.crc)
 
@@ -269,7 +281,17 @@ class ChecksumWriter(FileSystemWriter):
     def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
         with _torch_save_without_zip_crc():
             fut = super().write_data(plan, planner)
-            fut.wait()  # DCP's local writer returns a completed future; the switch covers it
+            results = fut.wait()  # DCP's writer returns a completed future; the switch covers it
+        errors = self.fs.records.errors
+        written = {r.index for r in results or ()}
+        missing = [it.index.fqn for it in plan.items if it.index not in written]
+        if errors or missing:
+            name, err = errors[0] if errors else ("?", None)
+            raise CheckpointError(
+                f"writing {self.path}: {len(missing)} of {len(plan.items)} items were not "
+                f"written (first failed file: {name}: {type(err).__name__}: {err}); the step "
+                "is not committed and nothing committed was touched"
+            ) from err
         return fut
 
     @classmethod

@@ -222,3 +222,31 @@ def test_load_never_unpickles_a_forged_metadata_file(tmp_path):
     ):
         mgr.load()
     assert not marker.exists(), "the forged metadata was unpickled"
+
+
+def test_write_failure_in_a_writer_thread_fails_the_save_and_keeps_the_last_step(
+    tmp_path, monkeypatch
+):
+    """DCP's writer threads die silently; the save must still fail, commit nothing, and
+    retention must not delete the last good step."""
+    import threading
+
+    from muon_ckpt import CheckpointError, CheckpointManager, _writer
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    url = str(tmp_path / "run")
+    with CheckpointManager(url, model=model, keep_last=1, io_threads=4) as mgr:
+        mgr.save(1, force=True)
+        real_write = _writer._CrcStream.write
+
+        def disk_full(self, b):
+            if threading.current_thread() is not threading.main_thread():
+                raise OSError(28, "No space left on device")
+            return real_write(self, b)
+
+        monkeypatch.setattr(_writer._CrcStream, "write", disk_full)
+        with pytest.raises(CheckpointError, match=r"not written.*No space left on device"):
+            mgr.save(2, force=True)
+        monkeypatch.undo()
+        assert mgr.steps() == [1]
+        assert mgr.load() == 1
