@@ -217,7 +217,10 @@ def add_demo_arguments(s: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    # SUPPRESS: a subcommand's default must not override `muon-ckpt --debug COMMAND`.
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors"
+    )
     remote = argparse.ArgumentParser(add_help=False, parents=[common])
     remote.add_argument("url", help="run root, step directory or DCP directory (path or URL)")
     remote.add_argument(

@@ -153,6 +153,8 @@ class CheckpointManager:
         """Save ``step`` if it is due (``interval``) or ``force``; return whether it saved.
 
         Raises CheckpointExistsError if ``step`` is committed already, unless ``overwrite``.
+        With ``overwrite=True`` the committed step is removed before the new one is written:
+        if this save then fails, that step is gone (every other step is untouched).
         """
         self._check_open()
         self._check_step(step)
