@@ -174,6 +174,8 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
     assert err.startswith("muon-ckpt: error: CheckpointNotFoundError: no checkpoint at ")
     with pytest.raises(CheckpointNotFoundError):
         main(["inspect", missing, "--debug"])
+    with pytest.raises(CheckpointNotFoundError):  # before the command too
+        main(["--debug", "inspect", missing])
     rc, _, err = cli(capsys, "ls", missing)
     assert rc == 1 and "does not exist" in err
     rc, _, err = cli(capsys, "ls", str(tmp_path), "--storage-option", "novalue")
