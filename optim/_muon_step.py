@@ -50,6 +50,15 @@ def _momentum_updates(items: list[Item], state: dict) -> list[Tensor]:
         if bufs[0].device.type == "cuda":
             # CUDA: every element goes through the same kernel code wherever it sits in a
             # tensor, so the fused lerp is shard-invariant; it is also torch.optim.Muon's math.
+            small = [k for k, i in enumerate(idx) if items[i].gnumel() < _FOREACH_MAX_NUMEL]
+            for k, i in enumerate(idx):
+                if items[i].gnumel() >= _FOREACH_MAX_NUMEL:
+                    out[i] = _large_update(bufs[k], grads[k], m, nesterov)
+            if not small:
+                continue
+            idx = [idx[k] for k in small]
+            bufs = [bufs[k] for k in small]
+            grads = [grads[k] for k in small]
             torch._foreach_lerp_(bufs, grads, 1.0 - m)
             upd = torch._foreach_lerp(grads, bufs, m) if nesterov else bufs
         else:
@@ -68,6 +77,24 @@ def _momentum_updates(items: list[Item], state: dict) -> list[Tensor]:
             # and the offload pool frees buffers before Newton-Schulz reads the update.
             out[i] = u.to(torch.bfloat16, copy=True)
     return out  # type: ignore[return-value]
+
+
+# Matrices with at least this many elements (globally, so that a matrix takes the same kernels
+# on every world size) get their momentum one by one on CUDA, each matrix's ops back to back
+# while its bytes are still in L2; smaller ones go through one foreach launch per chunk.
+_FOREACH_MAX_NUMEL = 1 << 20
+
+
+def _large_update(buf: Tensor, grad: Tensor, m: float, nesterov: bool) -> Tensor:
+    """Momentum of one large matrix (CUDA); the bf16 update is written directly by the lerp,
+    with no fp32 temporary (same bits as lerp-then-cast: the kernel computes in fp32)."""
+    buf.lerp_(grad, 1.0 - m)
+    upd = torch.empty_like(buf, dtype=torch.bfloat16)
+    if nesterov:
+        torch.lerp(grad, buf, m, out=upd)
+    else:
+        upd.copy_(buf)
+    return upd
 
 
 def _grad_like_param(p: Tensor) -> Tensor:

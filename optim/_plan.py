@@ -36,6 +36,9 @@ class Item:
     def piece_numel(self, r: int) -> int:
         return math.prod(self.pieces[r])
 
+    def gnumel(self) -> int:
+        return math.prod(self.gshape)
+
     def matrix_dims(self) -> tuple[int, int]:
         a = self.gshape[0]
         return a, math.prod(self.gshape) // max(a, 1)

@@ -23,7 +23,9 @@ MUON_SPECS = [
 ADAMW_SPECS = [("bias", (128,), Shard(0)), ("norm", (5,), Shard(0)), ("scale", (3,), Replicate())]
 
 
-def _make(params_full, mesh, placements, names, adamw_full, adamw_pl, adamw_names, **kw):
+def _make(
+    params_full, mesh, placements, names, adamw_full, adamw_pl, adamw_names, nesterov=True, **kw
+):
     from optim.muon import Muon
 
     if mesh is None:
@@ -39,7 +41,14 @@ def _make(params_full, mesh, placements, names, adamw_full, adamw_pl, adamw_name
             for t, pl in zip(adamw_full, adamw_pl)
         ]
     groups = [
-        {"params": mp, "names": names, "lr": 0.02, "weight_decay": 0.01, "momentum": 0.95},
+        {
+            "params": mp,
+            "names": names,
+            "lr": 0.02,
+            "weight_decay": 0.01,
+            "momentum": 0.95,
+            "nesterov": nesterov,
+        },
         {"params": ap, "names": adamw_names, "use_muon": False, "lr": 1e-3, "weight_decay": 0.1},
     ]
     return Muon(groups, **kw), mp, ap
@@ -49,12 +58,19 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def body_n_ranks_equal_single_process(rank, world_size, chunk_size, warmup_step, offload):
+def body_n_ranks_equal_single_process(
+    rank, world_size, chunk_size, warmup_step, offload, foreach_max=None, nesterov=True
+):
     from torch.distributed.device_mesh import init_device_mesh
 
+    import optim._muon_step as muon_step
     from optim.newton_schulz import set_ns_compile
 
     set_ns_compile(False)
+    if foreach_max is not None:
+        # On CUDA, matrices of at least this many elements take the one-by-one momentum path
+        # (lerp straight into bf16); smaller ones the foreach path. CPU has one path only.
+        muon_step._FOREACH_MAX_NUMEL = foreach_max
     dev = dist_device()
     mesh = init_device_mesh(dev.type, (world_size,))
     g = torch.Generator().manual_seed(1234)
@@ -71,7 +87,7 @@ def body_n_ranks_equal_single_process(rank, world_size, chunk_size, warmup_step,
     anames = [n for n, _, _ in ADAMW_SPECS]
     mpl = [p for _, _, p in MUON_SPECS]
     apl = [p for _, _, p in ADAMW_SPECS]
-    kw = {"chunk_size": chunk_size, "warmup_step": warmup_step}
+    kw = {"chunk_size": chunk_size, "warmup_step": warmup_step, "nesterov": nesterov}
     ref, rmp, rap = _make(mfull, None, None, mnames, afull, None, anames, **kw)
     opt, dmp, dap = _make(mfull, mesh, mpl, mnames, afull, apl, anames, **kw)
     if offload:
@@ -114,6 +130,14 @@ def test_more_ranks_than_params_and_no_pipelining():
 
 def test_n_ranks_with_offload_bitwise_equal_single_process():
     results = run_on_ranks(body_n_ranks_equal_single_process, 3, 3, 2, True)
+    assert results == [[]] * 3, results
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_large_matrix_momentum_path_bitwise_equal_single_process(nesterov):
+    # 64 x 128 and 128 x 64 (8192 elements) above the threshold, the rest below: both momentum
+    # paths in one step, each matrix on the same path on 3 ranks as in one process.
+    results = run_on_ranks(body_n_ranks_equal_single_process, 3, 2, 1, False, 4096, nesterov)
     assert results == [[]] * 3, results
 
 

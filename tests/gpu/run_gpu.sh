@@ -2,8 +2,8 @@
 # Everything that needs the GPU, in one go (used through the device tool; see README.md).
 #   bash tests/gpu/run_gpu.sh [OUTDIR]
 # 1. the seed offload test, unchanged but for the import path, under torchrun;
-# 2. the optimizer/offload test suite (world size 1 on NCCL; larger ones fall back to gloo
-#    unless that many GPUs are present);
+# 2. the CUDA-only tests (tests/gpu/test_*_gpu.py) and the optimizer/offload test suite
+#    (world size 1 on NCCL; larger ones fall back to gloo unless that many GPUs are present);
 # 3. the Muon and offload benchmarks.
 set -uo pipefail
 out=${1:-${OUT:-/tmp}}
@@ -16,7 +16,7 @@ rc=0
 step() { echo; echo "=== $* ==="; "$@" 2>&1 | tee -a "$out/gpu.log"; local r=${PIPESTATUS[0]}; echo "=== exit $r: $1 ==="; [ "$r" = 0 ] || rc=1; }
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step torchrun --nproc-per-node="$ngpu" tests/gpu/test_cpu_offload.py
-  step python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/test_optim_dist.py tests/test_optim_reference.py tests/test_optim_config.py tests/test_offload_dist.py}
+  step python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/gpu/test_optim_gpu.py tests/gpu/test_checkpoint_gpu.py tests/test_optim_dist.py tests/test_optim_reference.py tests/test_optim_config.py tests/test_offload_dist.py}
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   step python3 benchmarks/bench_muon.py --device cuda

@@ -1,0 +1,59 @@
+"""GPU: the CUDA code paths of Muon against torch.optim.Muon on the same device.
+
+    python3 -m pytest tests/gpu/test_optim_gpu.py     (needs a CUDA device)
+
+On CUDA the momentum update takes other kernels than on CPU: fused lerps, and for matrices of
+at least ``_FOREACH_MAX_NUMEL`` elements a per-matrix lerp written straight into bfloat16.
+The CPU suite cannot reach them, so this compares both against torch.optim.Muon here, with the
+tolerance of tests/test_optim_reference.py (one bf16 ulp of the update per step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# 1024 x 1024 and 2048 x 512 take the per-matrix path (>= 2^20 elements), the rest foreach.
+SHAPES = [(1024, 1024), (2048, 512), (64, 128), (128, 64), (3, 5)]
+STEPS = 5
+
+
+def _adjusted(lr, shape, fn):
+    a, b = shape
+    return lr * (max(1.0, a / b) ** 0.5 if fn == "original" else 0.2 * max(a, b) ** 0.5)
+
+
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_cuda_muon_matches_torch_optim_muon(adjust_lr_fn, nesterov):
+    import optim._muon_step as muon_step
+    from optim import Muon, set_ns_compile
+
+    assert any(a * b >= muon_step._FOREACH_MAX_NUMEL for a, b in SHAPES)
+    assert any(a * b < muon_step._FOREACH_MAX_NUMEL for a, b in SHAPES)
+    set_ns_compile(False)
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=g).to(dev) for s in SHAPES]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    hp = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": nesterov}
+    o1 = Muon([{"params": ours, **hp}], adjust_lr_fn=adjust_lr_fn, chunk_size=2)
+    o2 = torch.optim.Muon(ref, adjust_lr_fn=adjust_lr_fn, **hp)
+    for _ in range(STEPS):
+        for a, b in zip(ours, ref):
+            gr = torch.randn(a.shape, generator=g).to(dev)
+            a.grad, b.grad = gr.clone(), gr.clone()
+        o1.step()
+        o2.step()
+    for p0, a, b, shape in zip(init, ours, ref, SHAPES):
+        atol = STEPS * _adjusted(0.02, shape, adjust_lr_fn) * 2**-7
+        torch.testing.assert_close(a.data, b.data, atol=atol, rtol=0)
+        assert not torch.equal(a.data, p0), "the step did not move the param"
+    for a, b in zip(ours, ref):
+        # Same kernels for the momentum as torch (fused lerp): the buffers agree to fp32 ulps.
+        torch.testing.assert_close(
+            o1.state[a]["momentum_buffer"], o2.state[b]["momentum_buffer"], atol=1e-6, rtol=1e-5
+        )
