@@ -29,6 +29,27 @@ def time_it(fn: Callable[[], object], device: torch.device, iters: int, warmup: 
     return statistics.median(times)
 
 
+def time_interleaved(
+    fns: dict[str, Callable[[], object]], device: torch.device, iters: int, warmup: int = 2
+) -> dict[str, float]:
+    """Median wall time (s) of each of ``fns``, timed in rounds that run every function once,
+    the order rotating from round to round: drift of the machine (GPU clocks falling as it
+    heats, other jobs) hits every variant alike instead of whichever happens to run last."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    names = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(iters):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            sync(device)
+            t0 = time.perf_counter()
+            fns[k]()
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
