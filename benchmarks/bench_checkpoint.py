@@ -6,8 +6,9 @@ All three handle the same bytes in the same run:
 * raw DCP: ``dcp.save``/``dcp.load`` of the very state dict the manager builds, with DCP's
   default writer (``FileSystemWriter`` locally, ``FsspecWriter`` remotely, thread_count=1) and
   with ``thread_count`` = the manager's ``io_threads``;
-* storage: the tensor bytes written (and fsynced, locally) as plain files, one stream and
-  ``io_threads`` parallel streams; the better is "storage speed".
+* storage: the tensor bytes written (and fsynced, locally) as plain files, one stream,
+  ``io_threads`` parallel streams, and locally ``io_threads`` streams that queue each write for
+  write-out at once as the manager does (``+wb``); the best of them is "storage speed".
 
 Every variant runs once untimed first (``--warmup``): the manager's first save allocates its
 host staging buffers (page-locked on CUDA, ~1 s/GiB there), which every later save reuses;
@@ -43,6 +44,7 @@ from torch import nn
 from muon_ckpt import CheckpointManager
 from muon_ckpt._flatten import FlatState
 from muon_ckpt._storage import Storage
+from muon_ckpt._writeback import start_writeback
 from optim.muon import Muon
 
 GiB = 1 << 30
@@ -79,18 +81,25 @@ def start_moto() -> tuple[Any, dict]:
     return server, opts
 
 
-def storage_write(st: Storage, blobs: list[memoryview], threads: int, tag: str) -> None:
-    """Write the bytes as plain files: ``threads`` streams, fsync once per file (locally)."""
+def storage_write(
+    st: Storage, blobs: list[memoryview], threads: int, tag: str, writeback: bool = False
+) -> None:
+    """Write the bytes as plain files: ``threads`` streams, fsync once per file (locally);
+    with ``writeback``, each write's pages are queued for write-out at once, as the manager's
+    writer does (locally)."""
     parts: list[list[memoryview]] = [blobs[i::threads] for i in range(threads)]
 
     def one(i: int) -> None:
         path = st.path(f"raw-{tag}", f"part{i}")
         if st.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
+            with open(path, "wb", buffering=0) as f:
+                off = 0
                 for b in parts[i]:
                     f.write(b)
-                f.flush()
+                    if writeback:
+                        start_writeback(f.fileno(), off, b.nbytes)
+                    off += b.nbytes
                 os.fsync(f.fileno())
         else:
             with st.fs.open(path, "wb") as f:
@@ -145,6 +154,8 @@ def main() -> None:
         url, model=model, optimizer=opt, storage_options=opts, io_threads=T, verify=args.verify
     )
     counter = iter(range(1, 10**6))
+    phases: list[dict[str, float]] = []
+    load_phases: list[dict[str, float]] = []
 
     def raw_writer(threads: int):
         name = f"dcp-{uuid.uuid4().hex[:6]}"
@@ -166,9 +177,12 @@ def main() -> None:
         t = time.perf_counter()
         mgr.save(step, force=True)
         t_save = time.perf_counter() - t
+        phases.append(dict(mgr.last_save_timings))
         t = time.perf_counter()
         mgr.load(step)
-        return t_save, time.perf_counter() - t
+        t_load = time.perf_counter() - t
+        load_phases.append(dict(mgr.last_load_timings))
+        return t_save, t_load
 
     def raw_pair(threads: int) -> tuple[float, float]:
         w, name = raw_writer(threads)
@@ -179,9 +193,9 @@ def main() -> None:
         dcp.load(flat.sd, storage_reader=raw_reader(name), no_dist=True)
         return t_save, time.perf_counter() - t
 
-    def storage_once(threads: int) -> tuple[float, float]:
+    def storage_once(threads: int, writeback: bool = False) -> tuple[float, float]:
         t = time.perf_counter()
-        storage_write(st, blobs, threads, f"s{threads}")
+        storage_write(st, blobs, threads, f"s{threads}{'wb' if writeback else ''}", writeback)
         return time.perf_counter() - t, float("nan")
 
     # Interleaved: every repeat runs each variant once, on a clean root, so that drift in the
@@ -193,6 +207,8 @@ def main() -> None:
         "storage 1 stream": lambda: storage_once(1),
         f"storage {T} streams": lambda: storage_once(T),
     }
+    if st.is_local:
+        variants[f"storage {T} streams+wb"] = lambda: storage_once(T, writeback=True)
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
     first_save = None
     for _ in range(args.warmup):
@@ -201,6 +217,8 @@ def main() -> None:
             t_first = fn()[0]
             if k == "manager" and first_save is None:
                 first_save = t_first
+    phases.clear()  # the timed repeats only
+    load_phases.clear()
     for r in range(args.repeat):
         order = list(variants)
         order = order[r % len(order) :] + order[: r % len(order)]
@@ -219,7 +237,11 @@ def main() -> None:
         print(f"  first manager save (allocates staging buffers, untimed): {first_save:.3f} s")
     for k, v in res.items():
         print(f"  {k:<22} {v:8.3f} s  {gbs[k]:7.3f} GB/s")
-    disk = max(gbs["storage 1 stream"], gbs[f"storage {T} streams"])
+    for what, ph in (("save", phases), ("load", load_phases)):
+        if ph:
+            print(f"manager {what} phases (median s; thread sums are over all writer threads):")
+            print("  " + ", ".join(f"{k} {statistics.median(p[k] for p in ph):.3f}" for k in ph[0]))
+    disk = max(v for k, v in gbs.items() if k.startswith("storage"))
     print("ratios (throughput):")
     print(f"  manager save / raw dcp save        {gbs['manager save'] / gbs['raw dcp save']:.2f}x")
     print(

@@ -18,6 +18,8 @@ not staged: DCP writes them where they are.
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from typing import Any
 
@@ -73,6 +75,8 @@ class HostStaging:
         self._buffers: dict[torch.device, Tensor] = {}
         self._events: dict[str, Any] = {}
         self._streams: dict[torch.device, Any] = {}
+        self._lock = threading.Lock()
+        self.wait_seconds = 0.0  # summed over the writer threads, since the last stage()
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +99,7 @@ class HostStaging:
             layout.setdefault(t.device, []).append((key, t, off))
             nbytes = t.numel() * t.element_size()
             need[t.device] = off + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.wait_seconds = 0.0
         if not layout:
             return sd
         out = dict(sd)
@@ -134,8 +139,11 @@ class HostStaging:
     def wait(self, key: str) -> None:
         ev = self._events.get(key)
         if ev is not None:
+            t0 = time.perf_counter()
             # Sync: the host buffer range of ``key`` is complete once its copy event fired.
             ev.synchronize()
+            with self._lock:
+                self.wait_seconds += time.perf_counter() - t0
 
     def finish(self) -> None:
         """Wait for every queued copy (after the writes, or on error before the buffers are

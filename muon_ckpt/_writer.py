@@ -5,7 +5,8 @@ Both subclass DCP's ``FileSystemWriter``/``FileSystemReader`` and only swap thei
 (``FileSystemBase``): DCP's own local ``FileSystem`` for local paths, a small fsspec one for
 everything else. The writer's streams compute crc32 and size as bytes pass through, so the
 manifest costs no read-back; a large buffer's crc runs in a helper thread while the same
-buffer is written (both release the GIL). Files are fsynced once each, by DCP, locally only.
+buffer is written (both release the GIL). Locally, each large write's pages are queued for
+write-out right away (``_writeback``), and every file is fsynced once, by DCP.
 While the writer writes, ``torch.save`` (which DCP calls once per tensor) is told not to compute
 its zip records' crc32 (``torch.serialization.set_crc32_options``): that is a second full pass
 over the bytes, under the GIL, and the manifest's per-file crc32 already covers them. The
@@ -29,6 +30,7 @@ import posixpath
 import queue
 import re
 import threading
+import time
 import zlib
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
@@ -42,12 +44,24 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt._layout import FileEntry
 from muon_ckpt._storage import Storage
+from muon_ckpt._writeback import start_writeback
 
 __all__ = ["ChecksumWriter", "FileRecords", "VerifyingReader", "crc_hex"]
 
 _PARALLEL_CRC_BYTES = 4 << 20  # buffers at least this big: crc in a helper thread during write
-_READ_CHUNK = 64 << 20
+_READ_CHUNK = 16 << 20
 _RANK_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+_tls = threading.local()
+
+
+def _crc_buffer() -> bytearray:
+    """This thread's read buffer for checksumming whole files (allocated once per thread)."""
+    buf = getattr(_tls, "buf", None)
+    if buf is None:
+        buf = _tls.buf = bytearray(_READ_CHUNK)
+    return buf
 
 
 def crc_hex(crc: int) -> str:
@@ -90,6 +104,20 @@ class FileRecords:
         self._lock = threading.Lock()
         self.files: dict[str, FileEntry] = {}
         self.errors: list[tuple[str, BaseException]] = []  # (file, error) of failed writes
+        self._seconds = {
+            "write": 0.0,
+            "writeback": 0.0,
+            "crc_wait": 0.0,
+            "sync": 0.0,
+        }  # summed over threads
+
+    def add_seconds(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[kind] += seconds
+
+    def thread_seconds(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._seconds)
 
     def fail(self, name: str, error: BaseException) -> None:
         with self._lock:
@@ -108,11 +136,14 @@ class FileRecords:
 class _CrcStream(io.RawIOBase):
     """Write-only pass-through that keeps the running crc32 and byte count."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, records: FileRecords, fd: int | None = None) -> None:
         super().__init__()
         self._raw = raw
+        self._records = records
+        self._fd = fd  # a local file's descriptor: large writes start their write-out at once
         self.crc = 0
         self.size = 0
+        self.last_write_end = time.perf_counter()
 
     def writable(self) -> bool:
         return True
@@ -125,12 +156,24 @@ class _CrcStream(io.RawIOBase):
             flat = mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
             t = threading.Thread(target=lambda: box.append(zlib.crc32(flat, self.crc)))
             t.start()
+            t0 = time.perf_counter()
             written = self._raw.write(b)
+            t1 = time.perf_counter()
+            if self._fd is not None:
+                start_writeback(self._fd, self.size, n)
+            t2 = time.perf_counter()
             t.join()
             self.crc = box[0]
+            self.last_write_end = time.perf_counter()
+            self._records.add_seconds("write", t1 - t0)
+            self._records.add_seconds("writeback", t2 - t1)
+            self._records.add_seconds("crc_wait", self.last_write_end - t2)
         else:
+            t0 = time.perf_counter()
             written = self._raw.write(b)
             self.crc = zlib.crc32(mv, self.crc)
+            self.last_write_end = time.perf_counter()
+            self._records.add_seconds("write", self.last_write_end - t0)
         if written is not None and written != n:
             raise OSError(f"short write: {written} of {n} bytes")
         self.size += n
@@ -240,14 +283,17 @@ class _RecordingFileSystem(_DelegatingFileSystem):
                 if "w" not in mode:
                     yield raw
                     return
-                s = _CrcStream(raw)
+                s = _CrcStream(raw, self.records, _local_fd(raw))
                 yield s
+                # DCP fsyncs (locally) after the last write; the file closes on leaving here.
+                tail_start = s.last_write_end
         except BaseException as e:
             # DCP's writer threads die silently (dcp.save still returns): remember the error
             # so that ChecksumWriter fails the save instead of committing a partial step.
             self.records.fail(name, e)
             raise
         # Recorded only once the inner stream closed cleanly (an object store's upload done).
+        self.records.add_seconds("sync", time.perf_counter() - tail_start)
         self.records.put(posixpath.basename(os.fspath(path)), s.size, s.crc)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
@@ -255,6 +301,16 @@ class _RecordingFileSystem(_DelegatingFileSystem):
         self.records.rename(
             posixpath.basename(os.fspath(path)), posixpath.basename(os.fspath(new_path))
         )
+
+
+def _local_fd(raw: Any) -> int | None:
+    """The OS file descriptor behind a local file stream, else None (object stores)."""
+    if not isinstance(raw, io.IOBase):
+        return None
+    try:
+        return raw.fileno()
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        return None
 
 
 def _inner_fs(storage: Storage) -> FileSystemBase:
@@ -277,11 +333,14 @@ class ChecksumWriter(FileSystemWriter):
         )
         self.fs = _RecordingFileSystem(_inner_fs(storage), records)
         self.path = self.fs.init_path(storage.path(step_dir))
+        self.write_seconds = 0.0  # wall time of write_data (all writer threads)
 
     def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
+        t0 = time.perf_counter()
         with _torch_save_without_zip_crc():
             fut = super().write_data(plan, planner)
             results = fut.wait()  # DCP's writer returns a completed future; the switch covers it
+        self.write_seconds = time.perf_counter() - t0
         errors = self.fs.records.errors
         written = {r.index for r in results or ()}
         missing = [it.index.fqn for it in plan.items if it.index not in written]
@@ -342,6 +401,7 @@ class VerifyingReader(FileSystemReader):
         self._world = world_size
         self._threads = io_threads
         self._verify_crc = verify_crc
+        self.timings: dict[str, float] = {}  # local loads: read (DCP), verify_wait (crc after)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -371,9 +431,13 @@ class VerifyingReader(FileSystemReader):
                 "does not list it; the step was not written by one save. Load another step"
             )
         crc, size = 0, 0
+        # One reused buffer: a fresh 64 MiB bytes object per read would be a fresh mmap,
+        # page-faulted in on every read (slower than the read itself from the page cache).
+        buf = _crc_buffer()
+        view = memoryview(buf)
         with self._storage.fs.open(self._storage.path(self._step_dir, name), "rb") as f:
-            while chunk := f.read(_READ_CHUNK):
-                crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+            while n := f.readinto(buf):
+                crc, size = zlib.crc32(view[:n], crc), size + n
         self._check(name, want, size, crc)
 
     def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
@@ -385,11 +449,14 @@ class VerifyingReader(FileSystemReader):
             # page cache costs less than funnelling every byte through one Python stream.
             names = sorted(self._files)
             owned = [n for i, n in enumerate(names) if self._owner(n, i) == self._rank]
+            t0 = time.perf_counter()
             with ThreadPoolExecutor(self._threads, thread_name_prefix="muon_ckpt_crc") as ex:
                 checks = [ex.submit(self._fetch, n) for n in owned]
                 super().read_data(plan, planner).wait()
+                t1 = time.perf_counter()
                 for c in checks:
                     c.result()
+            self.timings = {"read": t1 - t0, "verify_wait": time.perf_counter() - t1}
             fut_local: torch.futures.Future[None] = torch.futures.Future()
             fut_local.set_result(None)
             return fut_local

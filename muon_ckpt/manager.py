@@ -14,7 +14,9 @@ in the background without changing the API:
 
 from __future__ import annotations
 
+import logging
 import posixpath
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -35,6 +37,8 @@ from muon_ckpt._writer import ChecksumWriter, FileRecords, VerifyingReader
 
 __all__ = ["CheckpointManager"]
 
+_log = logging.getLogger("muon_ckpt")
+
 
 def _open_storage(field: str, url: str, options: dict[str, Any]) -> Storage:
     try:
@@ -45,6 +49,24 @@ def _open_storage(field: str, url: str, options: dict[str, Any]) -> Storage:
     except CheckpointError as e:
         raise ValueError(f"{field} must be a directory or bucket prefix, got {url!r}: {e}") from e
     return storage
+
+
+class _PhaseClock:
+    def __init__(self) -> None:
+        self._t0 = self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self._last
+        self._last = now
+
+    def total(self) -> float:
+        return self._last - self._t0
+
+
+def _fmt_timings(t: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}s" for k, v in t.items())
 
 
 def _reraise(e: BaseException, what: str) -> None:
@@ -132,6 +154,16 @@ class CheckpointManager:
         self._pending: Callable[[], None] | None = None
         self._staging = HostStaging()  # host buffers allocated by the first save, then reused
         self._closed = False
+        # Seconds per phase of the last save on this rank (diagnostics; also logged at DEBUG
+        # on the "muon_ckpt" logger): snapshot, prepare, dcp_save, commit, total, and within
+        # dcp_save: write_data (the writer threads' wall time) and, summed over those threads,
+        # stage_wait (waiting for host copies), write (in the storage's write calls),
+        # writeback (queueing local pages for write-out), crc_wait (checksum still running
+        # after its write returned), sync (fsync and close).
+        self.last_save_timings: dict[str, float] = {}
+        # The same for the last load: decide, prepare, dcp_load, apply, total; for local
+        # files also read (DCP's reads) and verify_wait (checksums still running after them).
+        self.last_load_timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -161,11 +193,14 @@ class CheckpointManager:
         if not force and self.config.interval is not None and step % self.config.interval:
             return False
         self._wait_pending()
+        clock = _PhaseClock()
         with self._offload_paused():
             flat = FlatState.build(self._model, self._optimizer, self._extra)
             staged = self._staging.stage(flat.sd)  # copies run while rank 0 prepares the dir
+            clock.mark("snapshot")
             try:
                 coll.on_rank0(lambda: self._begin_save(step, overwrite))
+                clock.mark("prepare")
                 records = FileRecords()
                 writer = ChecksumWriter(
                     self._storage, step_dirname(step), records, self.config.io_threads
@@ -183,8 +218,18 @@ class CheckpointManager:
                     _reraise(e, f"saving step {step} to {self.url!r}")
             finally:
                 self._staging.finish()
+        clock.mark("dcp_save")
         self._pending = self._commit_job(step, records, len(flat.sd))
         self._wait_pending()  # synchronous today: commit before returning
+        clock.mark("commit")
+        self.last_save_timings = {
+            **clock.phases,
+            "write_data": writer.write_seconds,
+            "stage_wait": self._staging.wait_seconds,
+            **records.thread_seconds(),
+            "total": clock.total(),
+        }
+        _log.debug("saved step %d: %s", step, _fmt_timings(self.last_save_timings))
         return True
 
     def _begin_save(self, step: int, overwrite: bool) -> None:
@@ -222,7 +267,9 @@ class CheckpointManager:
         if step is not None:
             self._check_step(step)
         self._wait_pending()
+        clock = _PhaseClock()
         decision = coll.on_rank0(lambda: self._decide(step))
+        clock.mark("decide")
         if decision is None:
             return None
         from_resume, chosen, files, metadata = decision
@@ -234,6 +281,7 @@ class CheckpointManager:
                 fresh = prepare_optimizer_state(self._optimizer)
             flat = FlatState.build(self._model, self._optimizer, self._extra)
             flat.check_against(metadata, fresh, where)
+            clock.mark("prepare")
             reader = VerifyingReader(
                 storage,
                 step_dirname(chosen),
@@ -255,7 +303,11 @@ class CheckpointManager:
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 _reraise(e, f"loading {where}")
+            clock.mark("dcp_load")
             flat.apply_loaded(self._optimizer, self._extra, where)
+        clock.mark("apply")  # with offload on, this includes parking the states again
+        self.last_load_timings = {**clock.phases, **reader.timings, "total": clock.total()}
+        _log.debug("loaded step %d: %s", chosen, _fmt_timings(self.last_load_timings))
         return chosen
 
     def _decide(self, step: int | None) -> tuple[bool, int, dict[str, FileEntry], Any] | None:

@@ -4,6 +4,7 @@ commit marker, steps(), interval, overwrite, retention, leftovers, resume_from, 
 from __future__ import annotations
 
 import json
+import os
 import zlib
 
 import pytest
@@ -200,3 +201,47 @@ def test_closed_manager_refuses_work_and_context_manager_closes(storage_url):
         mgr.save(2)
     mgr.close()  # idempotent
     assert _mgr(url, opts).steps() == [1]
+
+
+def test_save_and_load_report_their_phase_timings(storage_url, caplog):
+    url, opts = storage_url
+    model, opt = tiny_run()
+    tiny_train(model, opt, 1)
+    mgr = _mgr(url, opts, model, opt)
+    with caplog.at_level("DEBUG", logger="muon_ckpt"):
+        mgr.save(1)
+        assert mgr.load(1) == 1
+    save, load = mgr.last_save_timings, mgr.last_load_timings
+    top = ("snapshot", "prepare", "dcp_save", "commit")
+    assert set(top) | {"write_data", "stage_wait", "write", "writeback", "crc_wait", "sync"} <= set(
+        save
+    )
+    assert {"decide", "prepare", "dcp_load", "apply"} <= set(load)
+    assert all(v >= 0 for v in (*save.values(), *load.values()))
+    # The top-level phases tile the call: they add up to its total.
+    assert sum(save[k] for k in top) == pytest.approx(save["total"], rel=1e-6)
+    load_top = ("decide", "prepare", "dcp_load", "apply")
+    assert sum(load[k] for k in load_top) == pytest.approx(load["total"], rel=1e-6)
+    assert save["write_data"] <= save["dcp_save"] and save["write"] > 0
+    logged = [r.getMessage() for r in caplog.records if r.name == "muon_ckpt"]
+    assert any(m.startswith("saved step 1: snapshot ") for m in logged), logged
+    assert any(m.startswith("loaded step 1: decide ") for m in logged), logged
+
+
+def test_start_writeback_keeps_the_bytes_and_never_raises(tmp_path):
+    from muon_ckpt._writeback import start_writeback
+
+    data = bytes(range(256)) * 40000
+    path = tmp_path / "f"
+    with open(path, "wb", buffering=0) as f:
+        f.write(data)
+        start_writeback(f.fileno(), 0, len(data))
+        start_writeback(f.fileno(), len(data), 1 << 20)  # past the end: nothing to queue
+        os.fsync(f.fileno())
+    assert path.read_bytes() == data
+    r, w = os.pipe()  # not a file: the kernel refuses (ESPIPE), the helper stays quiet
+    try:
+        start_writeback(w, 0, 10)
+    finally:
+        os.close(r)
+        os.close(w)
