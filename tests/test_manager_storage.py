@@ -10,7 +10,12 @@ import zlib
 import pytest
 import torch
 
-from muon_ckpt import CheckpointError, CheckpointExistsError, CheckpointManager
+from muon_ckpt import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointManager,
+)
 from muon_ckpt._layout import MANIFEST
 from muon_ckpt._storage import Storage
 from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
@@ -245,3 +250,20 @@ def test_start_writeback_keeps_the_bytes_and_never_raises(tmp_path):
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_verify_size_loads_exactly_and_still_catches_a_truncated_file(storage_url):
+    url, opts = storage_url
+    snaps = _save_states(url, opts, [1, 2], io_threads=3)
+    got, snap = _load(url, opts, verify="size", io_threads=3)
+    assert got == 2
+    assert_same(snap, snaps[2])
+    st = Storage(url, opts)
+    name = next(n for n in st.walk_files("step-00000002") if n.endswith(".distcp"))
+    data = st.read_bytes("step-00000002", name)
+    st.write_bytes(data[:-1], "step-00000002", name)
+    with pytest.raises(CheckpointCorruptError, match=rf"{name}.*manifest says"):
+        _load(url, opts, verify="size")
+    got, snap = _load(url, opts, step=1, verify="size")
+    assert got == 1
+    assert_same(snap, snaps[1])
