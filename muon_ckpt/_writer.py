@@ -156,13 +156,17 @@ class _CrcStream(io.RawIOBase):
             flat = mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
             t = threading.Thread(target=lambda: box.append(zlib.crc32(flat, self.crc)))
             t.start()
-            t0 = time.perf_counter()
-            written = self._raw.write(b)
-            t1 = time.perf_counter()
-            if self._fd is not None:
-                start_writeback(self._fd, self.size, n)
-            t2 = time.perf_counter()
-            t.join()
+            try:
+                t0 = time.perf_counter()
+                written = self._raw.write(b)
+                t1 = time.perf_counter()
+                if self._fd is not None:
+                    start_writeback(self._fd, self.size, n)
+                t2 = time.perf_counter()
+            finally:
+                # Even when the write fails: the crc thread reads ``b``, whose memory the
+                # caller may free as soon as this returns or raises.
+                t.join()
             self.crc = box[0]
             self.last_write_end = time.perf_counter()
             self._records.add_seconds("write", t1 - t0)
@@ -479,7 +483,11 @@ class VerifyingReader(FileSystemReader):
                 ThreadPoolExecutor(self._threads, thread_name_prefix="muon_ckpt_read") as rd,
             ):
                 checks = [crc.submit(self._fetch, n) for n in owned]
-                self._read_files_in_parallel(plan, planner, rd)
+                try:
+                    self._read_files_in_parallel(plan, planner, rd)
+                except Exception as read_error:
+                    _prefer_corruption(checks, read_error)
+                    raise
                 t1 = time.perf_counter()
                 for c in checks:
                     c.result()
@@ -510,9 +518,13 @@ class VerifyingReader(FileSystemReader):
 
         with ThreadPoolExecutor(self._threads, thread_name_prefix="muon_ckpt_read") as ex:
             checks = [ex.submit(self._fetch, n) for n in verify_only]
-            self._stream_files(ex, streamed, slices, lengths, sub_read)
-            for name in sliced:
-                sub_read([it for items in slices[name].values() for it in items])
+            try:
+                self._stream_files(ex, streamed, slices, lengths, sub_read)
+                for name in sliced:
+                    sub_read([it for items in slices[name].values() for it in items])
+            except Exception as read_error:
+                _prefer_corruption(checks, read_error)
+                raise
             for c in checks:
                 c.result()
         fut: torch.futures.Future[None] = torch.futures.Future()
@@ -575,12 +587,28 @@ class VerifyingReader(FileSystemReader):
                 self.fs.cache[name] = _SliceStream(off, data)
                 try:
                     sub_read(slices[name][off])
+                except Exception as load_error:
+                    # A damaged slice often fails to unpickle before its file's checksum is
+                    # known: let the file finish, and report the corruption if that is it.
+                    verdict = self._file_verdict(q, name)
+                    if isinstance(verdict, CheckpointCorruptError):
+                        raise verdict from load_error
+                    raise
                 finally:
                     del self.fs.cache[name]
         finally:
             stop.set()
             for f in futures:
                 f.exception()
+
+    @staticmethod
+    def _file_verdict(q: queue.Queue, name: str) -> BaseException | None:
+        """Drain ``q`` (other files' slices are dropped) until the producer of ``name`` has
+        read the whole file: its error (size or crc32 mismatch), or None."""
+        while True:
+            got, _, data, err = q.get()
+            if got == name and data is None:
+                return err
 
     def _check(self, name: str, want: FileEntry, size: int, crc: int) -> None:
         if size != want.size or crc_hex(crc) != want.crc32:
@@ -589,6 +617,16 @@ class VerifyingReader(FileSystemReader):
                 f"the manifest says {want.size} bytes with crc32 {want.crc32}. Load another "
                 "step (muon-ckpt ls lists them) or restore this file"
             )
+
+
+def _prefer_corruption(checks: list[Any], read_error: BaseException) -> None:
+    """A damaged file often fails to unpickle before its checksum is done: once the checks
+    have finished, raise the corruption a checksum found (naming the file), if any, instead
+    of the unpickler's complaint."""
+    for c in checks:
+        err = c.exception()
+        if isinstance(err, CheckpointCorruptError):
+            raise err from read_error
 
 
 class _SliceStream(io.RawIOBase):

@@ -193,6 +193,7 @@ class CheckpointManager:
         if not force and self.config.interval is not None and step % self.config.interval:
             return False
         self._wait_pending()
+        self.last_save_timings = {}
         clock = _PhaseClock()
         with self._offload_paused():
             flat = FlatState.build(self._model, self._optimizer, self._extra)
@@ -267,6 +268,7 @@ class CheckpointManager:
         if step is not None:
             self._check_step(step)
         self._wait_pending()
+        self.last_load_timings = {}
         clock = _PhaseClock()
         decision = coll.on_rank0(lambda: self._decide(step))
         clock.mark("decide")

@@ -126,12 +126,16 @@ def test_truncated_shard_is_corrupt_and_names_the_file(committed):
     _still_loads(url, opts, {1: snaps[1], 2: snaps[2]}, step=1)
 
 
-def test_flipped_byte_fails_the_crc32_and_names_the_file(committed):
+@pytest.mark.parametrize("where", ["head", "middle"])
+def test_flipped_bytes_fail_the_crc32_and_name_the_file(committed, where):
+    # "head": the bytes DCP unpickles first, so the read fails before the checksum is done;
+    # the error must still be the corruption one, naming the file, not the unpickler's.
     url, opts, snaps = committed
     st = Storage(url, opts)
     name, data = _a_shard(st, "step-00000002")
     bad = bytearray(data)
-    bad[len(bad) // 2] ^= 0xFF
+    at = slice(0, 64) if where == "head" else slice(len(bad) // 2, len(bad) // 2 + 1)
+    bad[at] = bytes(b ^ 0xFF for b in bad[at])
     st.write_bytes(bytes(bad), "step-00000002", name)
     model, opt = tiny_run(seed=3)
     mgr = CheckpointManager(url, model=model, optimizer=opt, storage_options=opts)
