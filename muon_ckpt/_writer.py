@@ -7,9 +7,10 @@ everything else. The writer's streams compute crc32 and size as bytes pass throu
 manifest costs no read-back; a large buffer's crc runs in a helper thread while the same
 buffer is written (both release the GIL). Locally, each large write's pages are queued for
 write-out right away (``_writeback``), and every file is fsynced once, by DCP.
-While the writer writes, ``torch.save`` (which DCP calls once per tensor) is told not to compute
-its zip records' crc32 (``torch.serialization.set_crc32_options``): that is a second full pass
-over the bytes, under the GIL, and the manifest's per-file crc32 already covers them. The
+While a writer thread writes a file, ``torch.save`` (which DCP calls once per tensor) is told not
+to compute its zip records' crc32 (``torch.serialization.set_crc32_options``, set in that
+thread): that is a second full pass over the bytes, and the manifest's per-file crc32 already
+covers them. The
 files stay plain DCP files; ``torch.load`` reads zip records without a crc.
 
 The reader (``verify="crc32"``): a file this rank reads completely is read front to back by
@@ -68,25 +69,52 @@ def crc_hex(crc: int) -> str:
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
+_zip_crc_get = getattr(torch.serialization, "get_crc32_options", None)
+_zip_crc_set = getattr(torch.serialization, "set_crc32_options", None)
 _zip_crc_lock = threading.Lock()
 _zip_crc_users = 0
 _zip_crc_saved = True
+_zip_crc_thread_local: bool | None = None
+
+
+def _zip_crc_per_thread() -> bool:
+    """Whether torch keeps the crc32 switch per thread (torch 2.13 does; older builds share
+    one setting). Probed once: a helper thread flips it and this thread looks."""
+    global _zip_crc_thread_local
+    if _zip_crc_thread_local is None:
+        assert _zip_crc_get is not None and _zip_crc_set is not None
+        with _zip_crc_lock:
+            before = _zip_crc_get()
+            t = threading.Thread(target=lambda: _zip_crc_set(not before))
+            t.start()
+            t.join()
+            _zip_crc_thread_local = _zip_crc_get() == before
+            if not _zip_crc_thread_local:
+                _zip_crc_set(before)  # shared: undo the probe
+    return _zip_crc_thread_local
 
 
 @contextmanager
 def _torch_save_without_zip_crc() -> Generator[None, None, None]:
-    """torch.save skips its per-record crc32 for the duration (process-wide; nested and
-    concurrent uses share one switch, the last one out restores the caller's setting)."""
+    """torch.save in this thread skips its per-record crc32 for the duration. Where torch
+    shares one setting between threads, concurrent uses share one switch and the last one
+    out restores the caller's setting."""
     global _zip_crc_users, _zip_crc_saved
-    get = getattr(torch.serialization, "get_crc32_options", None)
-    put = getattr(torch.serialization, "set_crc32_options", None)
-    if get is None or put is None:  # pragma: no cover - torch without the switch
+    if _zip_crc_get is None or _zip_crc_set is None:  # pragma: no cover - no switch in torch
         yield
+        return
+    if _zip_crc_per_thread():
+        saved = _zip_crc_get()
+        _zip_crc_set(False)
+        try:
+            yield
+        finally:
+            _zip_crc_set(saved)
         return
     with _zip_crc_lock:
         if _zip_crc_users == 0:
-            _zip_crc_saved = get()
-            put(False)
+            _zip_crc_saved = _zip_crc_get()
+            _zip_crc_set(False)
         _zip_crc_users += 1
     try:
         yield
@@ -94,7 +122,7 @@ def _torch_save_without_zip_crc() -> Generator[None, None, None]:
         with _zip_crc_lock:
             _zip_crc_users -= 1
             if _zip_crc_users == 0:
-                put(_zip_crc_saved)
+                _zip_crc_set(_zip_crc_saved)
 
 
 class FileRecords:
@@ -288,7 +316,10 @@ class _RecordingFileSystem(_DelegatingFileSystem):
                     yield raw
                     return
                 s = _CrcStream(raw, self.records, _local_fd(raw))
-                yield s
+                # In the writer thread that runs torch.save: the switch is per thread in
+                # recent torch, so setting it around write_data missed DCP's other threads.
+                with _torch_save_without_zip_crc():
+                    yield s
                 # DCP fsyncs (locally) after the last write; the file closes on leaving here.
                 tail_start = s.last_write_end
         except BaseException as e:
@@ -341,9 +372,8 @@ class ChecksumWriter(FileSystemWriter):
 
     def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
         t0 = time.perf_counter()
-        with _torch_save_without_zip_crc():
-            fut = super().write_data(plan, planner)
-            results = fut.wait()  # DCP's writer returns a completed future; the switch covers it
+        fut = super().write_data(plan, planner)
+        results = fut.wait()  # DCP's writer returns a completed future
         self.write_seconds = time.perf_counter() - t0
         errors = self.fs.records.errors
         written = {r.index for r in results or ()}

@@ -267,3 +267,40 @@ def test_verify_size_loads_exactly_and_still_catches_a_truncated_file(storage_ur
     got, snap = _load(url, opts, step=1, verify="size")
     assert got == 1
     assert_same(snap, snaps[1])
+
+
+def test_torch_save_skips_its_zip_crc_in_every_writer_thread_and_restores_it(tmp_path):
+    # The manifest's per-file crc32 covers the bytes; torch.save's per-record crc32 would be a
+    # second pass. The switch is per thread in recent torch: it must be off in each of DCP's
+    # writer threads (not only the caller's), and the caller's setting must be back after.
+    import threading
+
+    import torch.serialization as ser
+
+    seen: list[tuple[str, bool]] = []
+    real = ser.get_crc32_options
+
+    def recording() -> bool:
+        value = real()
+        seen.append((threading.current_thread().name, value))
+        return value
+
+    model, opt = tiny_run()
+    tiny_train(model, opt, 1)
+    mgr = _mgr(str(tmp_path / "run"), {}, model, opt, io_threads=4)
+    ser.get_crc32_options = recording
+    try:
+        mgr.save(1)
+    finally:
+        ser.get_crc32_options = real
+    threads = {name for name, _ in seen}
+    assert len(threads) >= 2, seen  # DCP spread the tensors over several writer threads
+    assert [v for _, v in seen if v] == [], seen
+    assert ser.get_crc32_options() is True
+    flags: list[bool] = []
+    t = threading.Thread(target=lambda: flags.append(ser.get_crc32_options()))
+    t.start()
+    t.join()
+    assert flags == [True]
+    _, snap = _load(str(tmp_path / "run"), {})
+    assert_same(snap, tiny_snapshot(model, opt))
