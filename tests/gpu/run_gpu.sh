@@ -4,7 +4,7 @@
 # 1. the seed offload test, unchanged but for the import path, under torchrun;
 # 2. the CUDA-only tests (tests/gpu/test_*_gpu.py) and the optimizer/offload test suite
 #    (world size 1 on NCCL; larger ones fall back to gloo unless that many GPUs are present);
-# 3. the Muon and offload benchmarks.
+# 3. the Muon, offload and checkpoint benchmarks (CKPT_GIB, CKPT_DIR: size and local dir).
 set -uo pipefail
 out=${1:-${OUT:-/tmp}}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -16,11 +16,21 @@ rc=0
 step() { echo; echo "=== $* ==="; "$@" 2>&1 | tee -a "$out/gpu.log"; local r=${PIPESTATUS[0]}; echo "=== exit $r: $1 ==="; [ "$r" = 0 ] || rc=1; }
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step torchrun --nproc-per-node="$ngpu" tests/gpu/test_cpu_offload.py
-  step python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests/gpu/test_optim_gpu.py tests/gpu/test_checkpoint_gpu.py tests/test_optim_dist.py tests/test_optim_reference.py tests/test_optim_config.py tests/test_offload_dist.py}
+  suite="tests/gpu/test_optim_gpu.py tests/gpu/test_checkpoint_gpu.py tests/test_optim_dist.py tests/test_optim_reference.py tests/test_optim_config.py tests/test_offload_dist.py"
+  # With several GPUs the checkpoint resume/reshard suites run on NCCL too (on one GPU their
+  # multi-rank cases would be gloo on the CPU again, as in CI).
+  [ "$ngpu" -gt 1 ] && suite="$suite tests/test_manager_resume.py tests/test_manager_fsdp.py tests/test_import_dist.py"
+  step python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-$suite}
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   step python3 benchmarks/bench_muon.py --device cuda
   step python3 benchmarks/bench_offload.py --device cuda --chunk-size 2
   step python3 benchmarks/bench_offload.py --device cuda --chunk-size 8
+  if [ "$ngpu" -gt 1 ]; then  # Muon scaling over 1, 2, 4, 8 GPUs (as many as there are)
+    for n in 1 2 4 8; do
+      [ "$n" -le "$ngpu" ] && step torchrun --nproc-per-node="$n" benchmarks/bench_muon_scaling.py --csv "$out/scaling.csv"
+    done
+  fi
+  step python3 benchmarks/bench_checkpoint.py --device cuda --size-gib "${CKPT_GIB:-4}" --url "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
 fi
 exit $rc
