@@ -7,12 +7,13 @@ N ranks give bitwise the result of one process), run inside every resuming rank.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from tests._dist import dist_device, run_on_ranks
+from tests._dist import dist_device, eight_ranks_reason, run_on_ranks
 
 K, S = 3, 2  # saved after K steps, continued for S more
 
@@ -196,6 +197,17 @@ def test_resume_is_exact_same_and_resharded_world_sizes(storage_url):
     assert run_on_ranks(body_resume_and_compare, 2, jobs_on_2) == [3, 3]
     assert run_on_ranks(body_resume_and_compare, 3, [(urls[2], None, True)]) == [1] * 3
     assert run_on_ranks(body_resume_and_compare, 1, [(urls[2], None, True)]) == [1]
+
+
+@pytest.mark.skipif(eight_ranks_reason() is not None, reason=str(eight_ranks_reason()))
+def test_resume_is_exact_saved_on_8_loaded_on_4_and_back(tmp_path):
+    """8 -> 4 and 4 -> 8 (offload on one side each), and 8 -> 8."""
+    on8, on4 = str(tmp_path / "on8"), str(tmp_path / "on4")
+    assert run_on_ranks(body_train_and_save, 8, on8, None, True, timeout=600)[0] == [K]
+    assert run_on_ranks(body_train_and_save, 4, on4, None, False, timeout=600)[0] == [K]
+    assert run_on_ranks(body_resume_and_compare, 4, [(on8, None, False)], timeout=600) == [1] * 4
+    jobs = [(on4, None, True), (on8, None, False)]
+    assert run_on_ranks(body_resume_and_compare, 8, jobs, timeout=600) == [2] * 8
 
 
 def test_torch_adamw_resumes_exactly_from_a_fresh_optimizer(storage_url):

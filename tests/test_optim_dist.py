@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from tests._dist import dist_device, run_on_ranks
+from tests._dist import dist_device, eight_ranks_reason, run_on_ranks
 
 # (name, shape, placement) — a mix of shapes: wide, tall, tiny, 4-D conv-like, uneven shards
 # (10 rows on 3 ranks: 4/4/2; 2 rows on 4 ranks: 1/1/0/0), a Shard(1) and a Replicate matrix.
@@ -120,6 +120,14 @@ def body_n_ranks_equal_single_process(
 def test_n_ranks_bitwise_equal_single_process(world_size):
     results = run_on_ranks(body_n_ranks_equal_single_process, world_size, 2, 1, False)
     assert results == [[]] * world_size, results
+
+
+@pytest.mark.skipif(eight_ranks_reason() is not None, reason=str(eight_ranks_reason()))
+@pytest.mark.parametrize("offload", [False, True])
+def test_eight_ranks_bitwise_equal_single_process(offload):
+    # Shards of 5 rows on 8 ranks: three ranks hold empty shards of some matrices.
+    results = run_on_ranks(body_n_ranks_equal_single_process, 8, 2, 1, offload, timeout=600)
+    assert results == [[]] * 8, results
 
 
 def test_more_ranks_than_params_and_no_pipelining():
