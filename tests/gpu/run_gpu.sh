@@ -28,7 +28,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   step python3 benchmarks/bench_offload.py --device cuda --chunk-size 8
   if [ "$ngpu" -gt 1 ]; then  # Muon scaling over 1, 2, 4, 8 GPUs (as many as there are)
     for n in 1 2 4 8; do
-      [ "$n" -le "$ngpu" ] && step torchrun --nproc-per-node="$n" benchmarks/bench_muon_scaling.py --csv "$out/scaling.csv"
+      [ "$n" -le "$ngpu" ] && step torchrun --nproc-per-node="$n" benchmarks/bench_muon_scaling.py --csv "$out/scaling.csv" --offload --ckpt-dir "${CKPT_DIR:-/tmp/muon-ckpt-bench}-ranks$n"
     done
   fi
   step python3 benchmarks/bench_checkpoint.py --device cuda --size-gib "${CKPT_GIB:-4}" --url "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
