@@ -474,6 +474,10 @@ class VerifyingReader(FileSystemReader):
                 crc, size = zlib.crc32(view[:n], crc), size + n
         self._check(name, want, size, crc)
 
+    def _read_items(self, plan: Any, planner: Any, items: list[Any]) -> None:
+        """DCP's own reader on a subset of this rank's plan."""
+        super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+
     def _read_files_in_parallel(self, plan: Any, planner: Any, ex: ThreadPoolExecutor) -> None:
         """DCP's own reader, one task per file on ``ex``: DCP reads a rank's files one after
         the other on one thread; the file reads and the copies into the target tensors
@@ -487,11 +491,7 @@ class VerifyingReader(FileSystemReader):
             sizes[info.relative_path] = sizes.get(info.relative_path, 0) + info.length
         order = sorted(per_file, key=lambda n: (-sizes[n], n))  # largest first: even finish
 
-        def sub_read(items: list[Any]) -> None:
-            sub = dataclasses.replace(plan, items=items)
-            super(VerifyingReader, self).read_data(sub, planner).wait()
-
-        for f in [ex.submit(sub_read, per_file[n]) for n in order]:
+        for f in [ex.submit(self._read_items, plan, planner, per_file[n]) for n in order]:
             f.result()
 
     def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
@@ -543,8 +543,7 @@ class VerifyingReader(FileSystemReader):
         verify_only = [n for n in names if n in owned and n not in streamed]
 
         def sub_read(items: list[Any]) -> None:
-            sub = dataclasses.replace(plan, items=items)
-            super(VerifyingReader, self).read_data(sub, planner).wait()
+            self._read_items(plan, planner, items)
 
         with ThreadPoolExecutor(self._threads, thread_name_prefix="muon_ckpt_read") as ex:
             checks = [ex.submit(self._fetch, n) for n in verify_only]
