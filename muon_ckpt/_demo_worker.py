@@ -151,6 +151,10 @@ def main(cfg_path: str) -> None:
     if rank == 0:
         torch.save({"params": params, "state": state}, os.path.join(cfg["out"], f"{phase}.pt"))
         event(kind="done")
+    # Tear the group down together: a gloo rank destroying its group while a peer is still
+    # busy (rank 0 writing the files above) aborted once in CI-like runs ("terminate called
+    # without an active exception", SIGABRT).
+    dist.barrier()
     dist.destroy_process_group()
 
 
