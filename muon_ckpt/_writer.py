@@ -13,13 +13,18 @@ thread): that is a second full pass over the bytes, and the manifest's per-file 
 covers them. The
 files stay plain DCP files; ``torch.load`` reads zip records without a crc.
 
-The reader (``verify="crc32"``): a file this rank reads completely is read front to back by
-a worker thread (``io_threads`` files at a time), one stored blob at a time, chaining the
-crc32; this thread hands each blob to DCP as it arrives, so verification costs one crc pass
-and no extra read or buffer. Size and crc are compared with the manifest when the file ends,
-before the load returns (a corrupt file fails the load; the objects are then partly loaded).
-A file this rank needs only part of is read by slices and verified in full by its owner rank
-(the rank that wrote it, modulo the new world size), so every file is checked by some rank.
+The reader, for local files (``_itemread``): each file this rank needs is one task on
+``io_threads`` threads; its items are parsed (torch's zip reader, a restricted unpickler) and
+their tensor bytes read with ``pread`` straight into the targets (through page-locked chunk
+buffers for CUDA targets), with no ``torch.load``. A file this rank owns (the rank that wrote
+it, modulo the new world size) is checksummed on the way, every byte once, in order; owned
+files it does not need are only checksummed. So every file is checked by some rank, and size
+and crc are compared with the manifest before the load returns (a corrupt file fails the
+load; the objects are then partly loaded).
+For remote files (``verify="crc32"``): a file this rank reads completely is read front to back
+by a worker thread, one stored blob at a time, chaining the crc32; this thread hands each blob
+to DCP as it arrives. A file this rank needs only part of is read by slices and verified in
+full by its owner rank. With ``verify="size"``, remote files go through DCP's own reader.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
+from muon_ckpt._itemread import FileLoad
 from muon_ckpt._layout import FileEntry
 from muon_ckpt._storage import Storage
 from muon_ckpt._writeback import start_writeback
@@ -494,34 +500,84 @@ class VerifyingReader(FileSystemReader):
         for f in [ex.submit(self._read_items, plan, planner, per_file[n]) for n in order]:
             f.result()
 
+    def _load_local(self, plan: Any, planner: Any) -> None:
+        """Local files: each file one task on ``io_threads`` threads (``_itemread``): the
+        items this rank needs go straight into their targets, and a file this rank owns is
+        checksummed on the way, every byte once (a file it owns but does not read, only
+        checksummed). Items with a DCP storage transform go through DCP's own reader."""
+        per_file: dict[str, dict[int, tuple[int, list[Any]]]] = {}
+        dcp_items: dict[str, list[Any]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if info.transform_descriptors:
+                dcp_items.setdefault(info.relative_path, []).append(item)
+                continue
+            slot = per_file.setdefault(info.relative_path, {})
+            slot.setdefault(info.offset, (info.length, []))[1].append(item)
+        names = sorted(self._files)
+        owned = {n for i, n in enumerate(names) if self._owner(n, i) == self._rank}
+        if not self._verify_crc:
+            owned = set()
+        work = sorted(set(per_file) | set(dcp_items) | owned)
+        for name in work:
+            if name not in self._files:
+                raise CheckpointCorruptError(
+                    f"{self._where(name)}: the DCP metadata refers to this file but the "
+                    "manifest does not list it; the step was not written by one save. Load "
+                    "another step"
+                )
+        work.sort(key=lambda n: (-self._files[n].size, n))  # largest first: even finish
+
+        def one(name: str) -> None:
+            if name in dcp_items:
+                if name in owned:
+                    self._fetch(name)
+                self._read_items(plan, planner, dcp_items[name])
+            if name in per_file:
+                self._load_file(name, per_file[name], planner, verify=name in owned)
+            elif name in owned and name not in dcp_items:
+                self._fetch(name)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self._threads, thread_name_prefix="muon_ckpt_read") as ex:
+            for f in [ex.submit(one, n) for n in work]:
+                f.result()
+        self.timings = {"read": time.perf_counter() - t0}
+
+    def _load_file(
+        self, name: str, items: dict[int, tuple[int, list[Any]]], planner: Any, verify: bool
+    ) -> None:
+        where = self._where(name)
+        load = FileLoad(self._storage.path(self._step_dir, name), where, planner, verify)
+        try:
+            got = load.run(items)
+        except CheckpointCorruptError:
+            raise
+        except Exception as e:
+            # A damaged item often fails to parse before the file's checksum is known:
+            # checksum the whole file, and report the corruption if that is what it is.
+            if verify:
+                try:
+                    self._fetch(name)
+                except CheckpointCorruptError as corrupt:
+                    raise corrupt from e
+            raise
+        if got is not None:
+            self._check(name, self._files[name], *got)
+
     def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
-        if self._storage.is_local or not self._verify_crc:
-            # DCP's reader, file by file in parallel; locally, with crc32 on, helper threads
-            # checksum the files this rank owns (each file has one owner rank) meanwhile:
-            # reading a file twice from the page cache costs less than funnelling every byte
-            # through one Python stream. Remote with verify="size": sizes were checked when
-            # the step was chosen, so the reads are all that is left.
-            names = sorted(self._files)
-            owned = [n for i, n in enumerate(names) if self._owner(n, i) == self._rank]
-            if not self._verify_crc:
-                owned = []
+        if self._storage.is_local:
+            self._load_local(plan, planner)
+            return done
+        if not self._verify_crc:
+            # Remote with verify="size": sizes were checked when the step was chosen, so
+            # DCP's reads (file by file in parallel) are all that is left.
             t0 = time.perf_counter()
-            with (
-                ThreadPoolExecutor(self._threads, thread_name_prefix="muon_ckpt_crc") as crc,
-                ThreadPoolExecutor(self._threads, thread_name_prefix="muon_ckpt_read") as rd,
-            ):
-                checks = [crc.submit(self._fetch, n) for n in owned]
-                try:
-                    self._read_files_in_parallel(plan, planner, rd)
-                except Exception as read_error:
-                    _prefer_corruption(checks, read_error)
-                    raise
-                t1 = time.perf_counter()
-                for c in checks:
-                    c.result()
-            self.timings = {"read": t1 - t0, "verify_wait": time.perf_counter() - t1}
+            with ThreadPoolExecutor(self._threads, thread_name_prefix="muon_ckpt_read") as rd:
+                self._read_files_in_parallel(plan, planner, rd)
+            self.timings = {"read": time.perf_counter() - t0}
             return done
         # Group the read items by file, and by slice (one stored blob) within the file.
         slices: dict[str, dict[int, list[Any]]] = {}

@@ -1,0 +1,377 @@
+"""Local loads: read DCP's files item by item, straight into the target tensors.
+
+DCP's ``FileSystemReader`` turns every stored tensor into a fresh CPU tensor with
+``torch.load`` and then copies it into the target: each byte is read into newly allocated
+(page-faulted) memory, copied once more, and a checksum needs a second pass over the file.
+Here, for a local file:
+
+* each item's zip (DCP stores one ``torch.save`` per item) is parsed with torch's own zip
+  reader (record offsets) and a restricted unpickler (dtype, size, stride, storage offset);
+* the tensor record is read with ``pread`` straight into the target when the target is a
+  contiguous CPU tensor of the stored dtype that takes the whole item, in chunks through one
+  reused host buffer when it is on another device, and through a reused buffer holding the
+  whole record otherwise (slices of it for resharding, dtype casts, odd strides);
+* when this rank verifies the file, every byte of it, gaps and other ranks' items included,
+  goes through ``zlib.crc32`` in file order right after it is read, while it is still in cache.
+
+Anything this module does not recognise (another pickle, several storages, a compressed
+record, a big-endian file, a DCP storage transform) is loaded the way DCP does it: the item's
+bytes through ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import os
+import pickle
+import struct
+import sys
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from ._errors import CheckpointCorruptError
+
+# Bytes per pread (and per crc32 call): big enough that syscalls cost nothing, small enough
+# that the bytes are still in cache when the checksum runs over them.
+CHUNK = 4 << 20
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where an item's tensor bytes are, relative to the item's first byte, and their shape."""
+
+    start: int
+    nbytes: int
+    dtype: torch.dtype
+    offset: int  # storage offset, in elements
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def whole_and_contiguous(self) -> bool:
+        """The record holds exactly this tensor, row-major, from its first byte."""
+        numel = math.prod(self.size)
+        if self.offset != 0 or numel * _itemsize(self.dtype) != self.nbytes:
+            return False
+        expect = 1
+        for n, s in zip(reversed(self.size), reversed(self.stride)):
+            if n != 1 and s != expect:
+                return False
+            expect *= n
+        return True
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class _Window(io.RawIOBase):
+    """Seekable read-only view of ``length`` bytes of ``fd`` from ``offset`` (pread)."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._off, self._len, self._pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = base + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = min(len(mv), self._len - self._pos)
+        if n <= 0:
+            return 0
+        got = os.preadv(self._fd, [mv[:n]], self._off + self._pos)
+        self._pos += got
+        return got
+
+
+class _StorageName:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _TensorRecord:
+    def __init__(self, storage: tuple, offset: int, size: tuple, stride: tuple) -> None:
+        self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
+
+
+def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> Any:
+    return _TensorRecord(storage, offset, tuple(size), tuple(stride))
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Reads what ``torch.save(dense_tensor)`` pickles without building anything: the
+    storage's dtype and record key, storage offset, size and stride. Any other global
+    makes it give up (the caller then uses torch.load)."""
+
+    _ALLOWED = {
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED:
+            return self._ALLOWED[(module, name)]
+        if module == "torch" and name.endswith("Storage") and name != "UntypedStorage":
+            return _StorageName(name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, storage_type, key, _location, numel = pid
+        if kind != "storage" or not isinstance(storage_type, _StorageName):
+            raise pickle.UnpicklingError(f"storage {pid!r}")
+        dtype = torch.storage._get_dtype_from_pickle_storage_type(storage_type.name)
+        return (dtype, str(key), int(numel))
+
+
+def item_layout(fd: int, offset: int, length: int) -> Layout | None:
+    """The layout of the dense tensor stored at ``[offset, offset + length)``, or None when
+    the item is anything else (or damaged: torch.load then says what is wrong)."""
+    if sys.byteorder != "little":
+        return None
+    try:
+        reader = torch._C.PyTorchFileReader(_Window(fd, offset, length))
+        records = reader.get_all_records()
+        data = [r for r in records if r.startswith("data/")]
+        if "data.pkl" not in records or len(data) != 1:
+            return None
+        if reader.has_record("byteorder") and bytes(reader.get_record("byteorder")) != b"little":
+            return None
+        rec = _LayoutUnpickler(io.BytesIO(reader.get_record("data.pkl"))).load()
+        if not isinstance(rec, _TensorRecord):
+            return None
+        dtype, key, numel = rec.storage
+        name = f"data/{key}"
+        if name != data[0]:
+            return None
+        start, nbytes = reader.get_record_offset(name), numel * _itemsize(dtype)
+        if hasattr(reader, "get_record_size") and reader.get_record_size(name) != nbytes:
+            return None  # (torch 2.11 cannot tell; the checksum covers every byte anyway)
+        # torch.save stores records uncompressed (torch.load(mmap=True) maps them in place);
+        # check it where this torch can say where the record's zip header is.
+        if hasattr(reader, "get_record_header_offset"):
+            method = bytearray(2)
+            at = offset + reader.get_record_header_offset(name) + 8
+            if os.preadv(fd, [method], at) != 2 or struct.unpack("<H", method)[0] != 0:
+                return None
+        if start + nbytes > length:
+            return None
+        size, stride, soff = rec.size, rec.stride, int(rec.offset)
+        if len(size) != len(stride) or soff < 0 or any(n < 0 for n in size):
+            return None
+        if math.prod(size) and soff + sum((n - 1) * s for n, s in zip(size, stride)) >= numel:
+            return None
+        return Layout(start, nbytes, dtype, soff, size, stride)
+    except Exception:
+        return None
+
+
+def _narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    """The part of a stored chunk that a read item wants (resharding)."""
+    for dim, (start, n) in enumerate(zip(offsets, lengths)):
+        if start != 0 or n != t.size(dim):
+            t = t.narrow(dim, start, n)
+    return t
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class FileLoad:
+    """Loads the requested items of one local file; with ``verify``, also checksums it all.
+
+    ``where`` names the file in errors. Call :meth:`run`; it returns ``(size, crc32)`` of the
+    whole file when verifying (the caller compares them with the manifest), else None.
+    """
+
+    def __init__(self, path: str, where: str, planner: LoadPlanner, verify: bool) -> None:
+        self._path, self._where, self._planner, self._verify = path, where, planner, verify
+        self._crc, self._pos = 0, 0
+        self._chunk: bytearray | None = None
+        self._whole: bytearray | None = None
+        self._pinned_bufs: list[tuple[torch.Tensor, memoryview, Any]] = []
+
+    # ------------------------------------------------------------------ reading
+    def _pread(self, fd: int, mv: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(mv):
+            got = os.preadv(fd, [mv[done:]], offset + done)
+            if got == 0:
+                raise CheckpointCorruptError(
+                    f"{self._where}: file is truncated: it ends at byte {offset + done}, "
+                    f"the checkpoint's metadata has data up to byte {offset + len(mv)}. "
+                    "Load another step (muon-ckpt ls lists them) or restore this file"
+                )
+            done += got
+
+    def _take(self, fd: int, mv: memoryview, offset: int) -> None:
+        """Read ``mv`` from ``offset``; checksum it when verifying (offsets come in order)."""
+        self._pread(fd, mv, offset)
+        if self._verify:
+            if offset != self._pos:
+                raise AssertionError(f"crc out of order: at {self._pos}, read at {offset}")
+            self._crc = zlib.crc32(mv, self._crc)
+            self._pos = offset + len(mv)
+
+    def _chunk_buf(self) -> memoryview:
+        if self._chunk is None:
+            self._chunk = bytearray(CHUNK)
+        return memoryview(self._chunk)
+
+    def _take_discard(self, fd: int, offset: int, end: int) -> None:
+        """Bytes nobody here loads (gaps, other ranks' items): checksum only."""
+        buf = self._chunk_buf()
+        while offset < end:
+            n = min(CHUNK, end - offset)
+            self._take(fd, buf[:n], offset)
+            offset += n
+
+    def _take_chunked(self, fd: int, target: torch.Tensor, offset: int, nbytes: int) -> None:
+        """The record into ``target`` (contiguous, the stored dtype, all of it), chunk by chunk:
+        straight into its memory on CPU; on CUDA through two page-locked chunk buffers, each
+        chunk's copy to the device running while the next chunk is read; through one
+        pageable buffer on other devices."""
+        if target.device.type == "cpu":
+            dst = _host_bytes(target)
+            for p in range(0, nbytes, CHUNK):
+                self._take(fd, dst[p : p + CHUNK], offset + p)
+            return
+        dst_t = target.reshape(-1).view(torch.uint8)
+        if target.device.type == "cuda":
+            stream = torch.cuda.current_stream(target.device)
+            for i, p in enumerate(range(0, nbytes, CHUNK)):
+                n = min(CHUNK, nbytes - p)
+                buf, view, event = self._pinned(i % 2)
+                self._take(fd, view[:n], offset + p)
+                dst_t[p : p + n].copy_(buf[:n], non_blocking=True)
+                event.record(stream)
+            return
+        buf = self._chunk_buf()
+        src = torch.frombuffer(self._chunk, dtype=torch.uint8)
+        for p in range(0, nbytes, CHUNK):
+            n = min(CHUNK, nbytes - p)
+            self._take(fd, buf[:n], offset + p)
+            dst_t[p : p + n].copy_(src[:n])  # from pageable memory: done when it returns
+
+    def _pinned(self, i: int) -> tuple[torch.Tensor, memoryview, Any]:
+        """Page-locked chunk buffer ``i`` (of two), once its last copy to the device is done."""
+        if not self._pinned_bufs:
+            for _ in range(2):
+                t = torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
+                self._pinned_bufs.append((t, _host_bytes(t), torch.cuda.Event()))
+        buf, view, event = self._pinned_bufs[i]
+        event.synchronize()  # returns at once if never recorded
+        return buf, view, event
+
+    def _drain(self) -> None:
+        """Wait for the copies out of the page-locked buffers (no-op without any)."""
+        for _, _, event in self._pinned_bufs:
+            event.synchronize()
+
+    def _record_tensor(self, fd: int, lay: Layout, offset: int) -> torch.Tensor:
+        """The whole record read into a reused buffer, viewed as the stored tensor."""
+        if lay.nbytes == 0:
+            return torch.empty(lay.size, dtype=lay.dtype)
+        if self._whole is None or len(self._whole) < lay.nbytes:
+            self._whole = bytearray(lay.nbytes)
+        mv = memoryview(self._whole)[: lay.nbytes]
+        for p in range(0, lay.nbytes, CHUNK):
+            self._take(fd, mv[p : p + CHUNK], offset + p)
+        flat = torch.frombuffer(self._whole, dtype=torch.uint8, count=lay.nbytes)
+        return flat.view(lay.dtype).as_strided(lay.size, lay.stride, lay.offset)
+
+    # ------------------------------------------------------------------ items
+    def _deliver(self, req: ReadItem, src: torch.Tensor) -> None:
+        src = _narrow(src, req.storage_offsets, req.lengths)
+        target = self._planner.resolve_tensor(req).detach()
+        if target.size() != src.size():
+            raise RuntimeError(
+                f"{self._where}: item {req.storage_index.fqn} at {list(req.storage_offsets)} "
+                f"has shape {list(src.size())}, the tensor it loads into {list(target.size())}"
+            )
+        target.copy_(src)
+        self._planner.commit_tensor(req, target)
+
+    def _direct_target(self, reqs: list[ReadItem], lay: Layout) -> torch.Tensor | None:
+        """The target when the record can be read straight into it, else None."""
+        if len(reqs) != 1 or not lay.whole_and_contiguous:
+            return None
+        req = reqs[0]
+        if any(req.storage_offsets) or tuple(req.lengths) != lay.size:
+            return None
+        target = self._planner.resolve_tensor(req).detach()
+        ok = (
+            target.dtype == lay.dtype
+            and target.layout == torch.strided
+            and tuple(target.size()) == lay.size
+            and target.is_contiguous()
+            and not target.is_conj()
+            and not target.is_neg()
+        )
+        return target if ok else None
+
+    def _load_item(self, fd: int, offset: int, length: int, reqs: list[ReadItem]) -> None:
+        if reqs[0].type == LoadItemType.BYTE_IO:
+            data = bytearray(length)
+            self._take(fd, memoryview(data), offset)
+            for req in reqs:
+                self._planner.load_bytes(req, io.BytesIO(data))
+            return
+        lay = item_layout(fd, offset, length)
+        if lay is None:  # not a plain dense tensor: DCP's way, torch.load of the item
+            data = bytearray(length)
+            self._take(fd, memoryview(data), offset)
+            src = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            for req in reqs:
+                self._deliver(req, src)
+            return
+        head = bytearray(lay.start)
+        self._take(fd, memoryview(head), offset)
+        target = self._direct_target(reqs, lay)
+        if target is not None:
+            self._take_chunked(fd, target, offset + lay.start, lay.nbytes)
+            self._drain()  # the target is complete before the planner sees it (as with DCP)
+            self._planner.commit_tensor(reqs[0], target)
+        else:
+            src = self._record_tensor(fd, lay, offset + lay.start)
+            for req in reqs:
+                self._deliver(req, src)
+        tail_at = offset + lay.start + lay.nbytes
+        if self._verify:
+            self._take_discard(fd, tail_at, offset + length)
+
+    def run(self, items: dict[int, tuple[int, list[ReadItem]]]) -> tuple[int, int] | None:
+        """``items``: stored item offset -> (its length, the read items it serves)."""
+        fd = os.open(self._path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for off in sorted(items):
+                length, reqs = items[off]
+                if self._verify:
+                    self._take_discard(fd, self._pos, off)
+                self._load_item(fd, off, length, reqs)
+            if not self._verify:
+                return None
+            self._take_discard(fd, self._pos, os.fstat(fd).st_size)
+            return self._pos, self._crc
+        finally:
+            self._drain()
+            os.close(fd)

@@ -1,0 +1,23 @@
+"""GPU: the local item reader into CUDA targets, bit for bit against DCP's own reader.
+
+    python3 -m pytest tests/gpu/test_itemread_gpu.py     (needs a CUDA device)
+
+Same state and checks as tests/test_itemread.py, with the targets on the GPU: contiguous
+targets of the stored dtype go through the two page-locked chunk buffers (the 3-chunk tensor
+reuses both), the others through the whole-record host buffer and ``copy_``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_itemread import check_same_bits_as_dcp_reader
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("kind", ["same", "strided"])
+@pytest.mark.parametrize("verify", [True, False], ids=["crc32", "size"])
+def test_cuda_targets_same_bits_as_dcp_reader(tmp_path, kind, verify):
+    check_same_bits_as_dcp_reader(tmp_path, kind, verify, "cuda")

@@ -1,0 +1,235 @@
+"""The local item reader (muon_ckpt/_itemread.py) against DCP's own FileSystemReader.
+
+A plain ``dcp.save`` of many dtypes and shapes (0-d, empty, transposed, non-tensor values) is
+loaded twice into identical targets: by ``dcp.load`` with DCP's reader (the reference) and by
+``VerifyingReader`` on local storage (which uses ``_itemread``). Every target must get the same
+bits, on each of the reader's paths: straight into the target, through the whole-record buffer
+(non-contiguous targets, dtype casts, transposed stored tensors) and the torch.load fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import muon_ckpt._itemread as itemread
+from muon_ckpt import CheckpointCorruptError
+from muon_ckpt._layout import FileEntry
+from muon_ckpt._storage import Storage
+from muon_ckpt._writer import VerifyingReader, crc_hex
+from muon_ckpt.manager import _reraise
+
+
+def _stored() -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    sd: dict[str, object] = {
+        "f32": torch.randn(64, 48, generator=g),
+        "bf16": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(5, 4, 3, generator=g).half(),
+        "i64": torch.randint(-(2**40), 2**40, (17,), generator=g),
+        "i32": torch.randint(-100, 100, (3, 3), generator=g, dtype=torch.int32),
+        "u8": torch.randint(0, 255, (9,), generator=g, dtype=torch.uint8),
+        "bool": torch.rand(11, generator=g) > 0.5,
+        "c64": torch.randn(6, generator=g, dtype=torch.complex64),
+        "scalar": torch.tensor(3.25),
+        "step": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0, 3),
+        "empty_bf16": torch.empty(4, 0, dtype=torch.bfloat16),
+        # A transposed tensor whose storage is exactly its size: DCP stores it as is, strides
+        # (1, 40), so the reader must honour the stored strides.
+        "transposed": torch.randn(40, 24, generator=g).t(),
+        # Over three read chunks: the chunked paths run several times (and on CUDA reuse
+        # each of their two page-locked buffers).
+        "big": torch.randn(3 * itemread.CHUNK // 4 + 1000, generator=g),
+        "meta": {"lr": 0.02, "name": "muon", "betas": (0.9, 0.95)},
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        sd["f8"] = torch.randn(8, 8, generator=g).to(torch.float8_e4m3fn)
+    return sd
+
+
+def _targets(sd: dict[str, object], kind: str, device: str = "cpu") -> dict[str, object]:
+    """``same``: contiguous tensors of the stored dtype (read straight into them);
+    ``strided``: transposed views (non-contiguous) for 2-d tensors, float64 for float32 ones."""
+    out: dict[str, object] = {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            out[k] = {"lr": 0.0, "name": "", "betas": None}
+            continue
+        if kind == "same":
+            t = torch.zeros(v.shape, dtype=v.dtype, device=device)
+        elif v.dim() == 2 and v.numel():
+            t = torch.zeros(v.shape[1], v.shape[0], dtype=v.dtype, device=device).t()
+        elif v.dtype == torch.float32:
+            t = torch.zeros(v.shape, dtype=torch.float64, device=device)
+        else:
+            t = torch.zeros(v.shape, dtype=v.dtype, device=device)
+        out[k] = t
+    return out
+
+
+def _bits(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        raw = v.detach().cpu().contiguous().view(-1).view(torch.uint8)
+        return (v.dtype, tuple(v.shape), raw.tolist())
+    return v
+
+
+def _save(tmp_path) -> tuple[str, dict[str, object]]:
+    d = str(tmp_path / "ckpt")
+    sd = _stored()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(d, thread_count=2), no_dist=True)
+    return d, sd
+
+
+def _manifest(d: str) -> dict[str, FileEntry]:
+    files = {}
+    for name in sorted(os.listdir(d)):
+        if name.endswith(".distcp"):
+            with open(os.path.join(d, name), "rb") as f:
+                data = f.read()
+            files[name] = FileEntry(len(data), crc_hex(zlib.crc32(data)))
+    return files
+
+
+def _ours(d: str, targets: dict, files: dict | None = None, verify: bool = True) -> None:
+    """Load with VerifyingReader; a failure comes out as our error class (as the manager
+    does with DCP's CheckpointException)."""
+    metadata = dcp.FileSystemReader(d).read_metadata()
+    reader = VerifyingReader(
+        Storage(os.path.dirname(d)),
+        os.path.basename(d),
+        files if files is not None else _manifest(d),
+        metadata=metadata,
+        rank=0,
+        world_size=1,
+        io_threads=2,
+        verify_crc=verify,
+    )
+    try:
+        dcp.load(targets, storage_reader=reader, no_dist=True)
+    except CheckpointException as e:
+        _reraise(e, f"loading {d}")
+
+
+def check_same_bits_as_dcp_reader(tmp_path, kind: str, verify: bool, device: str) -> None:
+    d, sd = _save(tmp_path)
+    ref, got = _targets(sd, kind, device), _targets(sd, kind, device)
+    dcp.load(ref, storage_reader=dcp.FileSystemReader(d), no_dist=True)
+    _ours(d, got, verify=verify)
+    assert set(got) == set(ref)
+    for k in ref:
+        assert _bits(got[k]) == _bits(ref[k]), k
+    # and those are the saved values (the reference itself is right)
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor) and kind == "same":
+            assert _bits(got[k]) == _bits(v), k
+    assert got["meta"] == sd["meta"] and ref["meta"] == sd["meta"]
+
+
+@pytest.mark.parametrize("kind", ["same", "strided"])
+@pytest.mark.parametrize("verify", [True, False], ids=["crc32", "size"])
+def test_same_bits_as_dcp_reader(tmp_path, kind, verify):
+    check_same_bits_as_dcp_reader(tmp_path, kind, verify, "cpu")
+
+
+def test_reads_straight_into_contiguous_targets(tmp_path, monkeypatch):
+    """The direct path is taken where it can be: no whole-record buffer for same-kind
+    targets, except the transposed stored tensor (whose stored strides need a view)."""
+    d, sd = _save(tmp_path)
+    via_buffer: list[tuple] = []
+    orig = itemread.FileLoad._record_tensor
+
+    def spy(self, fd, lay, offset):
+        via_buffer.append(lay.size)
+        return orig(self, fd, lay, offset)
+
+    monkeypatch.setattr(itemread.FileLoad, "_record_tensor", spy)
+    _ours(d, _targets(sd, "same"))
+    assert via_buffer == [(24, 40)]
+
+
+def test_fallback_to_torch_load_gives_same_bits(tmp_path, monkeypatch):
+    """Items the layout parser does not recognise load through torch.load, like DCP does."""
+    d, sd = _save(tmp_path)
+    seen = []
+
+    def unknown(fd, offset, length):
+        seen.append(offset)
+        return None
+
+    monkeypatch.setattr(itemread, "item_layout", unknown)
+    got = _targets(sd, "same")
+    _ours(d, got)
+    # (DCP plans no read for an empty tensor)
+    assert len(seen) == sum(isinstance(v, torch.Tensor) and v.numel() > 0 for v in sd.values())
+    for k, v in sd.items():
+        assert _bits(got[k]) == _bits(v), k
+
+
+def test_layout_parser_declines_what_it_does_not_know(tmp_path):
+    """Several storages, a non-tensor pickle: None (torch.load's turn), never a wrong layout."""
+    for i, obj in enumerate([(torch.ones(2), torch.zeros(3)), {"a": 1}, [torch.ones(1)]]):
+        p = tmp_path / f"obj{i}.pt"
+        torch.save(obj, str(p))
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            assert itemread.item_layout(fd, 0, os.fstat(fd).st_size) is None, obj
+        finally:
+            os.close(fd)
+    p = tmp_path / "t.pt"
+    torch.save(torch.arange(12, dtype=torch.int16).view(3, 4).t(), str(p))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        lay = itemread.item_layout(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    assert lay is not None
+    assert (lay.dtype, lay.size, lay.stride, lay.offset, lay.nbytes) == (
+        torch.int16,
+        (4, 3),
+        (1, 4),
+        0,
+        24,
+    )
+    assert not lay.whole_and_contiguous
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("where", ["head", "record", "tail"])
+def test_damaged_byte_is_reported_as_corruption_naming_the_file(tmp_path, where):
+    d, sd = _save(tmp_path)
+    files = _manifest(d)
+    md = dcp.FileSystemReader(d).read_metadata()
+    info = next(i for idx, i in md.storage_data.items() if idx.fqn == "big")
+    path = os.path.join(d, info.relative_path)
+    at = {
+        "head": info.offset + 40,  # inside the zip's first local header / pickle
+        "record": info.offset + info.length // 2,  # tensor bytes
+        "tail": info.offset + info.length - 30,  # central directory
+    }[where]
+    _flip(path, at)
+    with pytest.raises(CheckpointCorruptError, match=info.relative_path):
+        _ours(d, _targets(sd, "same"), files=files)
+
+
+def test_truncated_file_is_corruption_even_without_crc(tmp_path):
+    d, sd = _save(tmp_path)
+    files = _manifest(d)
+    name = max(files, key=lambda n: files[n].size)
+    with open(os.path.join(d, name), "r+b") as f:
+        f.truncate(files[name].size - 100)
+    with pytest.raises(CheckpointCorruptError, match=f"{name}.*truncated"):
+        _ours(d, _targets(sd, "same"), files=files, verify=False)
