@@ -8,7 +8,9 @@ All three handle the same bytes in the same run:
   with ``thread_count`` = the manager's ``io_threads``;
 * storage: the tensor bytes written (and fsynced, locally) as plain files, one stream,
   ``io_threads`` parallel streams, and locally ``io_threads`` streams that queue each write for
-  write-out at once as the manager does (``+wb``); the best of them is "storage speed".
+  write-out at once as the manager does (``+wb``); the best of them is "storage write speed".
+  Each is read back right away by as many streams into a reused buffer (no parsing, no copy
+  into tensors): the best of those reads is "storage read speed".
 
 Every variant runs once untimed first (``--warmup``): the manager's first save allocates its
 host staging buffers (page-locked on CUDA, ~1 s/GiB there), which every later save reuses;
@@ -113,6 +115,23 @@ def storage_write(
         t.join()
 
 
+def storage_read(st: Storage, threads: int, tag: str) -> None:
+    """Read back what ``storage_write`` wrote with ``threads`` streams: plain reads into one
+    reused buffer per stream, no parsing, no copy into tensors."""
+
+    def one(i: int) -> None:
+        buf = bytearray(16 << 20)
+        with st.fs.open(st.path(f"raw-{tag}", f"part{i}"), "rb") as f:
+            while f.readinto(buf):
+                pass
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0, help="total state size (GiB)")
@@ -194,9 +213,13 @@ def main() -> None:
         return t_save, time.perf_counter() - t
 
     def storage_once(threads: int, writeback: bool = False) -> tuple[float, float]:
+        tag = f"s{threads}{'wb' if writeback else ''}"
         t = time.perf_counter()
-        storage_write(st, blobs, threads, f"s{threads}{'wb' if writeback else ''}", writeback)
-        return time.perf_counter() - t, float("nan")
+        storage_write(st, blobs, threads, tag, writeback)
+        t_write = time.perf_counter() - t
+        t = time.perf_counter()
+        storage_read(st, threads, tag)
+        return t_write, time.perf_counter() - t
 
     # Interleaved: every repeat runs each variant once, on a clean root, so that drift in the
     # machine's load (page cache, other jobs) hits all of them alike. Median per variant.
@@ -228,20 +251,21 @@ def main() -> None:
     clean()
     res: dict[str, float] = {}
     for k, xs in samples.items():
-        res[f"{k} save" if not k.startswith("storage") else k] = statistics.median(x[0] for x in xs)
-        if not k.startswith("storage"):
-            res[f"{k} load"] = statistics.median(x[1] for x in xs)
+        plain = k.startswith("storage")
+        res[f"{k} {'write' if plain else 'save'}"] = statistics.median(x[0] for x in xs)
+        res[f"{k} {'read' if plain else 'load'}"] = statistics.median(x[1] for x in xs)
 
     gbs = {k: nbytes / v / 1e9 for k, v in res.items()}
     if first_save is not None:
         print(f"  first manager save (allocates staging buffers, untimed): {first_save:.3f} s")
     for k, v in res.items():
-        print(f"  {k:<22} {v:8.3f} s  {gbs[k]:7.3f} GB/s")
+        print(f"  {k:<26} {v:8.3f} s  {gbs[k]:7.3f} GB/s")
     for what, ph in (("save", phases), ("load", load_phases)):
         if ph:
             print(f"manager {what} phases (median s; thread sums are over all writer threads):")
             print("  " + ", ".join(f"{k} {statistics.median(p[k] for p in ph):.3f}" for k in ph[0]))
-    disk = max(v for k, v in gbs.items() if k.startswith("storage"))
+    disk = max(v for k, v in gbs.items() if k.startswith("storage") and k.endswith("write"))
+    disk_read = max(v for k, v in gbs.items() if k.startswith("storage") and k.endswith("read"))
     print("ratios (throughput):")
     print(f"  manager save / raw dcp save        {gbs['manager save'] / gbs['raw dcp save']:.2f}x")
     print(
@@ -251,6 +275,12 @@ def main() -> None:
     print(f"  manager save / storage write speed {gbs['manager save'] / disk:.2f}x")
     print(f"  raw dcp save / storage write speed {gbs['raw dcp save'] / disk:.2f}x")
     print(f"  manager load / raw dcp load        {gbs['manager load'] / gbs['raw dcp load']:.2f}x")
+    print(
+        f"  manager load / raw dcp x{T} load    "
+        f"{gbs['manager load'] / gbs[f'raw dcp x{T} load']:.2f}x"
+    )
+    print(f"  manager load / storage read speed  {gbs['manager load'] / disk_read:.2f}x")
+    print(f"  raw dcp load / storage read speed  {gbs['raw dcp load'] / disk_read:.2f}x")
     mgr.close()
     if server is not None:
         server.stop()
