@@ -441,7 +441,7 @@ class VerifyingReader(FileSystemReader):
         self._world = world_size
         self._threads = io_threads
         self._verify_crc = verify_crc
-        self.timings: dict[str, float] = {}  # local loads: read (DCP), verify_wait (crc after)
+        self.timings: dict[str, float] = {}  # "read": wall time of read_data (see manager)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -161,8 +161,9 @@ class CheckpointManager:
         # writeback (queueing local pages for write-out), crc_wait (checksum still running
         # after its write returned), sync (fsync and close).
         self.last_save_timings: dict[str, float] = {}
-        # The same for the last load: decide, prepare, dcp_load, apply, total; for local
-        # files also read (DCP's reads) and verify_wait (checksums still running after them).
+        # The same for the last load: decide, prepare, dcp_load, apply, total; also read
+        # (the reader's wall time: reads, checksums, copies into place) for local files and
+        # for remote ones with verify="size".
         self.last_load_timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ queries
