@@ -26,6 +26,7 @@ import io
 import math
 import os
 import pickle
+import pickletools
 import struct
 import sys
 import zlib
@@ -108,12 +109,47 @@ class _StorageName:
 
 
 class _TensorRecord:
-    def __init__(self, storage: tuple, offset: int, size: tuple, stride: tuple) -> None:
-        self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
+    def __init__(self, storage: tuple, offset: Any, size: Any, stride: Any, dtype: Any) -> None:
+        self.storage, self.offset, self.dtype = storage, offset, dtype
+        self.size, self.stride = tuple(size), tuple(stride)
 
 
-def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> Any:
-    return _TensorRecord(storage, offset, tuple(size), tuple(stride))
+def _rebuild_tensor_v2(
+    storage: Any, offset: Any, size: Any, stride: Any, grad: Any, hooks: Any, meta: Any = None
+) -> Any:
+    if meta:  # conj / neg bits (torch applies them on load): not a plain view of the bytes
+        raise pickle.UnpicklingError(f"tensor metadata {meta!r}")
+    return _TensorRecord(storage, offset, size, stride, None)
+
+
+def _rebuild_tensor_v3(
+    storage: Any,
+    offset: Any,
+    size: Any,
+    stride: Any,
+    grad: Any,
+    hooks: Any,
+    dtype: Any,
+    meta: Any = None,
+) -> Any:
+    """torch.save's form for dtypes without a typed storage class (float8, uint16, ...):
+    an untyped (byte) storage and the tensor's dtype."""
+    if meta or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError(f"tensor metadata {meta!r}, dtype {dtype!r}")
+    return _TensorRecord(storage, offset, size, stride, dtype)
+
+
+# The opcodes torch.save's pickle of one dense tensor uses. Anything else (large byte strings
+# above all: the C unpickler would allocate what their length field claims) is torch.load's.
+# fmt: off
+_OPCODES = frozenset({
+    "PROTO", "FRAME", "GLOBAL", "STACK_GLOBAL", "BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET",
+    "LONG_BINGET", "MARK", "BINUNICODE", "SHORT_BINUNICODE", "TUPLE", "TUPLE1", "TUPLE2",
+    "TUPLE3", "EMPTY_TUPLE", "BINPERSID", "BININT", "BININT1", "BININT2", "LONG1", "NEWFALSE",
+    "NEWTRUE", "NONE", "REDUCE", "EMPTY_DICT", "SETITEM", "SETITEMS", "STOP",
+})
+# fmt: on
+_MAX_PICKLE = 64 << 10
 
 
 class _LayoutUnpickler(pickle.Unpickler):
@@ -123,22 +159,41 @@ class _LayoutUnpickler(pickle.Unpickler):
 
     _ALLOWED = {
         ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+        ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
         ("collections", "OrderedDict"): collections.OrderedDict,
     }
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._ALLOWED:
             return self._ALLOWED[(module, name)]
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return _StorageName(name)
         if module == "torch" and name.endswith("Storage") and name != "UntypedStorage":
             return _StorageName(name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
         kind, storage_type, key, _location, numel = pid
         if kind != "storage" or not isinstance(storage_type, _StorageName):
             raise pickle.UnpicklingError(f"storage {pid!r}")
+        if storage_type.name == "UntypedStorage":
+            return (torch.uint8, str(key), int(numel))  # numel counts bytes
         dtype = torch.storage._get_dtype_from_pickle_storage_type(storage_type.name)
         return (dtype, str(key), int(numel))
+
+
+def _parse_tensor_pickle(data: bytes) -> _TensorRecord | None:
+    if len(data) > _MAX_PICKLE:
+        return None
+    try:
+        if any(op.name not in _OPCODES for op, _, _ in pickletools.genops(data)):
+            return None
+    except ValueError:  # truncated or malformed opcode stream
+        return None
+    rec = _LayoutUnpickler(io.BytesIO(data)).load()
+    return rec if isinstance(rec, _TensorRecord) else None
 
 
 def item_layout(fd: int, offset: int, length: int) -> Layout | None:
@@ -154,14 +209,15 @@ def item_layout(fd: int, offset: int, length: int) -> Layout | None:
             return None
         if reader.has_record("byteorder") and bytes(reader.get_record("byteorder")) != b"little":
             return None
-        rec = _LayoutUnpickler(io.BytesIO(reader.get_record("data.pkl"))).load()
-        if not isinstance(rec, _TensorRecord):
+        rec = _parse_tensor_pickle(reader.get_record("data.pkl"))
+        if rec is None:
             return None
-        dtype, key, numel = rec.storage
+        storage_dtype, key, storage_numel = rec.storage
         name = f"data/{key}"
         if name != data[0]:
             return None
-        start, nbytes = reader.get_record_offset(name), numel * _itemsize(dtype)
+        dtype = rec.dtype or storage_dtype
+        start, nbytes = reader.get_record_offset(name), storage_numel * _itemsize(storage_dtype)
         if hasattr(reader, "get_record_size") and reader.get_record_size(name) != nbytes:
             return None  # (torch 2.11 cannot tell; the checksum covers every byte anyway)
         # torch.save stores records uncompressed (torch.load(mmap=True) maps them in place);
@@ -171,8 +227,9 @@ def item_layout(fd: int, offset: int, length: int) -> Layout | None:
             at = offset + reader.get_record_header_offset(name) + 8
             if os.preadv(fd, [method], at) != 2 or struct.unpack("<H", method)[0] != 0:
                 return None
-        if start + nbytes > length:
+        if start + nbytes > length or nbytes % _itemsize(dtype):
             return None
+        numel = nbytes // _itemsize(dtype)  # storage size in elements of the tensor's dtype
         size, stride, soff = rec.size, rec.stride, int(rec.offset)
         if len(size) != len(stride) or soff < 0 or any(n < 0 for n in size):
             return None
@@ -209,6 +266,7 @@ class FileLoad:
         self._chunk: bytearray | None = None
         self._whole: bytearray | None = None
         self._pinned_bufs: list[tuple[torch.Tensor, memoryview, Any]] = []
+        self._pinned_device: torch.device | None = None
 
     # ------------------------------------------------------------------ reading
     def _pread(self, fd: int, mv: memoryview, offset: int) -> None:
@@ -254,13 +312,17 @@ class FileLoad:
             dst = _host_bytes(target)
             for p in range(0, nbytes, CHUNK):
                 self._take(fd, dst[p : p + CHUNK], offset + p)
+            if not target.is_inference():
+                # Written behind autograd's back: count it as the in-place write it is (as
+                # DCP's copy_ does), so a graph that saved this tensor refuses to backprop.
+                torch.autograd.graph.increment_version(target)
             return
         dst_t = target.reshape(-1).view(torch.uint8)
         if target.device.type == "cuda":
             stream = torch.cuda.current_stream(target.device)
             for i, p in enumerate(range(0, nbytes, CHUNK)):
                 n = min(CHUNK, nbytes - p)
-                buf, view, event = self._pinned(i % 2)
+                buf, view, event = self._pinned(i % 2, target.device)
                 self._take(fd, view[:n], offset + p)
                 dst_t[p : p + n].copy_(buf[:n], non_blocking=True)
                 event.record(stream)
@@ -272,12 +334,17 @@ class FileLoad:
             self._take(fd, buf[:n], offset + p)
             dst_t[p : p + n].copy_(src[:n])  # from pageable memory: done when it returns
 
-    def _pinned(self, i: int) -> tuple[torch.Tensor, memoryview, Any]:
-        """Page-locked chunk buffer ``i`` (of two), once its last copy to the device is done."""
-        if not self._pinned_bufs:
-            for _ in range(2):
-                t = torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
-                self._pinned_bufs.append((t, _host_bytes(t), torch.cuda.Event()))
+    def _pinned(self, i: int, device: torch.device) -> tuple[torch.Tensor, memoryview, Any]:
+        """Page-locked chunk buffer ``i`` (of two), once its last copy to the device is done.
+        Its event belongs to ``device`` (a CUDA event records on one device only)."""
+        if self._pinned_device != device:
+            self._drain()
+            if not self._pinned_bufs:
+                for _ in range(2):
+                    t = torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
+                    self._pinned_bufs.append((t, _host_bytes(t), None))
+            self._pinned_bufs = [(t, v, torch.cuda.Event()) for t, v, _ in self._pinned_bufs]
+            self._pinned_device = device
         buf, view, event = self._pinned_bufs[i]
         event.synchronize()  # returns at once if never recorded
         return buf, view, event
@@ -285,7 +352,8 @@ class FileLoad:
     def _drain(self) -> None:
         """Wait for the copies out of the page-locked buffers (no-op without any)."""
         for _, _, event in self._pinned_bufs:
-            event.synchronize()
+            if event is not None:
+                event.synchronize()
 
     def _record_tensor(self, fd: int, lay: Layout, offset: int) -> torch.Tensor:
         """The whole record read into a reused buffer, viewed as the stored tensor."""
@@ -363,14 +431,21 @@ class FileLoad:
         """``items``: stored item offset -> (its length, the read items it serves)."""
         fd = os.open(self._path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
+            size = os.fstat(fd).st_size
             for off in sorted(items):
                 length, reqs = items[off]
+                if off + length > size:  # before any buffer is sized from the metadata
+                    raise CheckpointCorruptError(
+                        f"{self._where}: file is truncated: it has {size} bytes, the "
+                        f"checkpoint's metadata has data up to byte {off + length}. Load "
+                        "another step (muon-ckpt ls lists them) or restore this file"
+                    )
                 if self._verify:
                     self._take_discard(fd, self._pos, off)
                 self._load_item(fd, off, length, reqs)
             if not self._verify:
                 return None
-            self._take_discard(fd, self._pos, os.fstat(fd).st_size)
+            self._take_discard(fd, self._pos, size)
             return self._pos, self._crc
         finally:
             self._drain()

@@ -509,7 +509,7 @@ class VerifyingReader(FileSystemReader):
         dcp_items: dict[str, list[Any]] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]
-            if info.transform_descriptors:
+            if getattr(info, "transform_descriptors", None):  # (absent in older torch)
                 dcp_items.setdefault(info.relative_path, []).append(item)
                 continue
             slot = per_file.setdefault(info.relative_path, {})
@@ -540,8 +540,14 @@ class VerifyingReader(FileSystemReader):
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(self._threads, thread_name_prefix="muon_ckpt_read") as ex:
-            for f in [ex.submit(one, n) for n in work]:
-                f.result()
+            futures = [ex.submit(one, n) for n in work]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                for f in futures:  # files not started yet: the load has failed already
+                    f.cancel()
+                raise
         self.timings = {"read": time.perf_counter() - t0}
 
     def _load_file(
@@ -551,7 +557,7 @@ class VerifyingReader(FileSystemReader):
         load = FileLoad(self._storage.path(self._step_dir, name), where, planner, verify)
         try:
             got = load.run(items)
-        except CheckpointCorruptError:
+        except CheckpointError:
             raise
         except Exception as e:
             # A damaged item often fails to parse before the file's checksum is known:
@@ -561,7 +567,13 @@ class VerifyingReader(FileSystemReader):
                     self._fetch(name)
                 except CheckpointCorruptError as corrupt:
                     raise corrupt from e
-            raise
+            hint = (
+                ""
+                if verify
+                else '. If the file is damaged, load another step; verify="crc32" '
+                "(the default) checks every byte of it"
+            )
+            raise CheckpointError(f"{where}: cannot load it: {type(e).__name__}: {e}{hint}") from e
         if got is not None:
             self._check(name, self._files[name], *got)
 

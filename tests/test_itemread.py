@@ -10,6 +10,7 @@ bits, on each of the reader's paths: straight into the target, through the whole
 from __future__ import annotations
 
 import os
+import pickle
 import zlib
 
 import pytest
@@ -18,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import muon_ckpt._itemread as itemread
-from muon_ckpt import CheckpointCorruptError
+from muon_ckpt import CheckpointCorruptError, CheckpointError
 from muon_ckpt._layout import FileEntry
 from muon_ckpt._storage import Storage
 from muon_ckpt._writer import VerifyingReader, crc_hex
@@ -47,9 +48,16 @@ def _stored() -> dict[str, object]:
         # each of their two page-locked buffers).
         "big": torch.randn(3 * itemread.CHUNK // 4 + 1000, generator=g),
         "meta": {"lr": 0.02, "name": "muon", "betas": (0.9, 0.95)},
+        # Lazy conjugate / negative views: torch.save records the bit, torch.load applies it;
+        # the raw bytes alone would load the wrong values.
+        "conj": torch.randn(6, generator=g, dtype=torch.complex64).conj(),
+        "neg": torch.randn(5, generator=g)._neg_view(),
     }
+    # dtypes torch.save writes with an untyped storage (_rebuild_tensor_v3)
     if hasattr(torch, "float8_e4m3fn"):
         sd["f8"] = torch.randn(8, 8, generator=g).to(torch.float8_e4m3fn)
+    if hasattr(torch, "uint16"):
+        sd["u16"] = torch.randint(0, 60000, (7,), generator=g).to(torch.uint16)
     return sd
 
 
@@ -75,7 +83,7 @@ def _targets(sd: dict[str, object], kind: str, device: str = "cpu") -> dict[str,
 
 def _bits(v: object) -> object:
     if isinstance(v, torch.Tensor):
-        raw = v.detach().cpu().contiguous().view(-1).view(torch.uint8)
+        raw = v.detach().resolve_conj().resolve_neg().cpu().contiguous().view(-1).view(torch.uint8)
         return (v.dtype, tuple(v.shape), raw.tolist())
     return v
 
@@ -138,20 +146,53 @@ def test_same_bits_as_dcp_reader(tmp_path, kind, verify):
     check_same_bits_as_dcp_reader(tmp_path, kind, verify, "cpu")
 
 
-def test_reads_straight_into_contiguous_targets(tmp_path, monkeypatch):
-    """The direct path is taken where it can be: no whole-record buffer for same-kind
-    targets, except the transposed stored tensor (whose stored strides need a view)."""
+def test_each_item_takes_the_path_it_should(tmp_path, monkeypatch):
+    """Same-kind targets: everything straight into the target, except the transposed stored
+    tensor (whole-record buffer, for its strides) and the conj/neg views (torch.load)."""
     d, sd = _save(tmp_path)
-    via_buffer: list[tuple] = []
-    orig = itemread.FileLoad._record_tensor
+    paths: dict[str, list] = {"direct": [], "buffer": [], "torch.load": []}
+    layout, chunked, record = itemread.item_layout, itemread.FileLoad._take_chunked, None
+    record = itemread.FileLoad._record_tensor
 
-    def spy(self, fd, lay, offset):
-        via_buffer.append(lay.size)
-        return orig(self, fd, lay, offset)
+    def spy_layout(fd, offset, length):
+        lay = layout(fd, offset, length)
+        if lay is None:
+            paths["torch.load"].append(offset)
+        return lay
 
-    monkeypatch.setattr(itemread.FileLoad, "_record_tensor", spy)
+    def spy_chunked(self, fd, target, offset, nbytes):
+        paths["direct"].append(tuple(target.shape))
+        return chunked(self, fd, target, offset, nbytes)
+
+    def spy_record(self, fd, lay, offset):
+        paths["buffer"].append(lay.size)
+        return record(self, fd, lay, offset)
+
+    monkeypatch.setattr(itemread, "item_layout", spy_layout)
+    monkeypatch.setattr(itemread.FileLoad, "_take_chunked", spy_chunked)
+    monkeypatch.setattr(itemread.FileLoad, "_record_tensor", spy_record)
     _ours(d, _targets(sd, "same"))
-    assert via_buffer == [(24, 40)]
+    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and v.numel()}
+    assert paths["buffer"] == [(24, 40)]
+    assert len(paths["torch.load"]) == 2  # conj, neg
+    assert sorted(paths["direct"]) == sorted(
+        tuple(v.shape) for k, v in tensors.items() if k not in ("transposed", "conj", "neg")
+    )
+
+
+def test_direct_read_counts_as_an_in_place_write(tmp_path):
+    """Like DCP's copy_, a load bumps the target's version counter, so autograd refuses a
+    backward through a graph that saved the old values."""
+    d, sd = _save(tmp_path)
+    targets = _targets(sd, "same")
+    w = targets["f32"].requires_grad_()
+    before = w._version
+    y = (w * w).sum()  # saves w for backward
+    with torch.no_grad():
+        _ours(d, targets)
+    assert w._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
 
 
 def test_fallback_to_torch_load_gives_same_bits(tmp_path, monkeypatch):
@@ -173,8 +214,16 @@ def test_fallback_to_torch_load_gives_same_bits(tmp_path, monkeypatch):
 
 
 def test_layout_parser_declines_what_it_does_not_know(tmp_path):
-    """Several storages, a non-tensor pickle: None (torch.load's turn), never a wrong layout."""
-    for i, obj in enumerate([(torch.ones(2), torch.zeros(3)), {"a": 1}, [torch.ones(1)]]):
+    """Several storages, a non-tensor pickle, conj/neg views: None (torch.load's turn), never
+    a wrong layout."""
+    cases = [
+        (torch.ones(2), torch.zeros(3)),
+        {"a": 1},
+        [torch.ones(1)],
+        torch.ones(3, dtype=torch.complex64).conj(),
+        torch.ones(3)._neg_view(),
+    ]
+    for i, obj in enumerate(cases):
         p = tmp_path / f"obj{i}.pt"
         torch.save(obj, str(p))
         fd = os.open(p, os.O_RDONLY)
@@ -198,6 +247,29 @@ def test_layout_parser_declines_what_it_does_not_know(tmp_path):
         24,
     )
     assert not lay.whole_and_contiguous
+    if hasattr(torch, "float8_e5m2"):  # untyped storage + dtype (_rebuild_tensor_v3)
+        p = tmp_path / "f8.pt"
+        torch.save(torch.zeros(2, 5).to(torch.float8_e5m2), str(p))
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            lay = itemread.item_layout(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        assert lay is not None and (lay.dtype, lay.size, lay.nbytes) == (
+            torch.float8_e5m2,
+            (2, 5),
+            10,
+        )
+        assert lay.whole_and_contiguous
+
+
+def test_layout_parser_rejects_pickles_torch_save_does_not_write():
+    """Opcodes outside torch.save's repertoire are declined before unpickling: a byte string
+    whose length field claims 2**62 bytes allocates nothing."""
+    huge = b"\x80\x05\x96" + (2**62).to_bytes(8, "little") + b"x."
+    assert itemread._parse_tensor_pickle(huge) is None
+    assert itemread._parse_tensor_pickle(pickle.dumps([1, 2, 3])) is None  # EMPTY_LIST etc.
+    assert itemread._parse_tensor_pickle(b"\x80\x02c") is None  # truncated
 
 
 def _flip(path: str, at: int) -> None:
@@ -223,6 +295,17 @@ def test_damaged_byte_is_reported_as_corruption_naming_the_file(tmp_path, where)
     _flip(path, at)
     with pytest.raises(CheckpointCorruptError, match=info.relative_path):
         _ours(d, _targets(sd, "same"), files=files)
+
+
+def test_damaged_item_without_crc_names_the_file(tmp_path):
+    """verify="size" cannot tell damage from anything else, but the error names the file."""
+    d, sd = _save(tmp_path)
+    files = _manifest(d)
+    md = dcp.FileSystemReader(d).read_metadata()
+    info = next(i for idx, i in md.storage_data.items() if idx.fqn == "big")
+    _flip(os.path.join(d, info.relative_path), info.offset + info.length - 30)
+    with pytest.raises(CheckpointError, match=f"{info.relative_path}: cannot load it"):
+        _ours(d, _targets(sd, "same"), files=files, verify=False)
 
 
 def test_truncated_file_is_corruption_even_without_crc(tmp_path):

@@ -21,3 +21,25 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("verify", [True, False], ids=["crc32", "size"])
 def test_cuda_targets_same_bits_as_dcp_reader(tmp_path, kind, verify):
     check_same_bits_as_dcp_reader(tmp_path, kind, verify, "cuda")
+
+
+def test_cuda_targets_go_through_the_page_locked_buffers(tmp_path, monkeypatch):
+    """Contiguous CUDA targets of the stored dtype take the pinned double-buffer path (and
+    the 3-chunk tensor cycles through both buffers)."""
+    import muon_ckpt._itemread as itemread
+    from tests.test_itemread import _ours, _save, _targets
+
+    used: list[int] = []
+    pinned = itemread.FileLoad._pinned
+
+    def spy(self, i, device):
+        used.append(i)
+        return pinned(self, i, device)
+
+    monkeypatch.setattr(itemread.FileLoad, "_pinned", spy)
+    d, sd = _save(tmp_path)
+    got = _targets(sd, "same", "cuda")
+    _ours(d, got)
+    assert used.count(0) >= 2 and used.count(1) >= 2, used
+    big = sd["big"]
+    assert torch.equal(got["big"].cpu(), big)
