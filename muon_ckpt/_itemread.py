@@ -37,6 +37,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ._errors import CheckpointCorruptError
+from ._safetensors import tensor_bytes
 
 # Bytes per pread (and per crc32 call): big enough that syscalls cost nothing, small enough
 # that the bytes are still in cache when the checksum runs over them.
@@ -58,7 +59,7 @@ class Layout:
     def whole_and_contiguous(self) -> bool:
         """The record holds exactly this tensor, row-major, from its first byte."""
         numel = math.prod(self.size)
-        if self.offset != 0 or numel * _itemsize(self.dtype) != self.nbytes:
+        if self.offset != 0 or numel * self.dtype.itemsize != self.nbytes:
             return False
         expect = 1
         for n, s in zip(reversed(self.size), reversed(self.stride)):
@@ -66,10 +67,6 @@ class Layout:
                 return False
             expect *= n
         return True
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class _Window(io.RawIOBase):
@@ -217,7 +214,7 @@ def item_layout(fd: int, offset: int, length: int) -> Layout | None:
         if name != data[0]:
             return None
         dtype = rec.dtype or storage_dtype
-        start, nbytes = reader.get_record_offset(name), storage_numel * _itemsize(storage_dtype)
+        start, nbytes = reader.get_record_offset(name), storage_numel * storage_dtype.itemsize
         if hasattr(reader, "get_record_size") and reader.get_record_size(name) != nbytes:
             return None  # (torch 2.11 cannot tell; the checksum covers every byte anyway)
         # torch.save stores records uncompressed (torch.load(mmap=True) maps them in place);
@@ -227,9 +224,9 @@ def item_layout(fd: int, offset: int, length: int) -> Layout | None:
             at = offset + reader.get_record_header_offset(name) + 8
             if os.preadv(fd, [method], at) != 2 or struct.unpack("<H", method)[0] != 0:
                 return None
-        if start + nbytes > length or nbytes % _itemsize(dtype):
+        if start + nbytes > length or nbytes % dtype.itemsize:
             return None
-        numel = nbytes // _itemsize(dtype)  # storage size in elements of the tensor's dtype
+        numel = nbytes // dtype.itemsize  # storage size in elements of the tensor's dtype
         size, stride, soff = rec.size, rec.stride, int(rec.offset)
         if len(size) != len(stride) or soff < 0 or any(n < 0 for n in size):
             return None
@@ -246,11 +243,6 @@ def _narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
         if start != 0 or n != t.size(dim):
             t = t.narrow(dim, start, n)
     return t
-
-
-def _host_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable in place."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 class FileLoad:
@@ -309,7 +301,7 @@ class FileLoad:
         chunk's copy to the device running while the next chunk is read; through one
         pageable buffer on other devices."""
         if target.device.type == "cpu":
-            dst = _host_bytes(target)
+            dst = tensor_bytes(target)
             for p in range(0, nbytes, CHUNK):
                 self._take(fd, dst[p : p + CHUNK], offset + p)
             if not target.is_inference():
@@ -342,7 +334,7 @@ class FileLoad:
             if not self._pinned_bufs:
                 for _ in range(2):
                     t = torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
-                    self._pinned_bufs.append((t, _host_bytes(t), None))
+                    self._pinned_bufs.append((t, tensor_bytes(t), None))
             self._pinned_bufs = [(t, v, torch.cuda.Event()) for t, v, _ in self._pinned_bufs]
             self._pinned_device = device
         buf, view, event = self._pinned_bufs[i]

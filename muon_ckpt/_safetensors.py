@@ -124,8 +124,9 @@ class SafetensorsFile:
         return torch.frombuffer(bytearray(data), dtype=info.dtype).reshape(info.shape)
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor (the caller keeps ``t`` alive)."""
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy, writable byte view of a contiguous CPU tensor (the caller keeps ``t``
+    alive)."""
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(b"")
@@ -177,6 +178,6 @@ def write_safetensors(
                 f"{got_name} {t.dtype} {list(t.shape)}"
             )
         t = t.detach().to("cpu").contiguous()
-        f.write(_tensor_bytes(t))
+        f.write(tensor_bytes(t))
         written += t.numel() * t.element_size()
     return written

@@ -462,14 +462,19 @@ class VerifyingReader(FileSystemReader):
         m = _RANK_FILE_RE.match(name)
         return (int(m.group(1)) if m else index) % self._world
 
-    def _fetch(self, name: str) -> None:
-        """Read ``name`` whole (in chunks) only to check its size and crc32."""
+    def _entry(self, name: str) -> FileEntry:
+        """The manifest's entry for ``name``; a file it does not list is an error."""
         want = self._files.get(name)
         if want is None:
             raise CheckpointCorruptError(
                 f"{self._where(name)}: the DCP metadata refers to this file but the manifest "
                 "does not list it; the step was not written by one save. Load another step"
             )
+        return want
+
+    def _fetch(self, name: str) -> None:
+        """Read ``name`` whole (in chunks) only to check its size and crc32."""
+        want = self._entry(name)
         crc, size = 0, 0
         # One reused buffer: a fresh 64 MiB bytes object per read would be a fresh mmap,
         # page-faulted in on every read (slower than the read itself from the page cache).
@@ -519,24 +524,19 @@ class VerifyingReader(FileSystemReader):
         if not self._verify_crc:
             owned = set()
         work = sorted(set(per_file) | set(dcp_items) | owned)
-        for name in work:
-            if name not in self._files:
-                raise CheckpointCorruptError(
-                    f"{self._where(name)}: the DCP metadata refers to this file but the "
-                    "manifest does not list it; the step was not written by one save. Load "
-                    "another step"
-                )
-        work.sort(key=lambda n: (-self._files[n].size, n))  # largest first: even finish
+        work.sort(key=lambda n: (-self._entry(n).size, n))  # largest first: even finish
 
         def one(name: str) -> None:
+            # An owned file is checksummed once: by its own pass when DCP's reader is involved
+            # or nothing is read from it, else on the way by FileLoad.
+            separate_crc = name in owned and (name in dcp_items or name not in per_file)
+            if separate_crc:
+                self._fetch(name)
             if name in dcp_items:
-                if name in owned:
-                    self._fetch(name)
                 self._read_items(plan, planner, dcp_items[name])
             if name in per_file:
-                self._load_file(name, per_file[name], planner, verify=name in owned)
-            elif name in owned and name not in dcp_items:
-                self._fetch(name)
+                verify = name in owned and not separate_crc
+                self._load_file(name, per_file[name], planner, verify=verify)
 
         t0 = time.perf_counter()
         with ThreadPoolExecutor(self._threads, thread_name_prefix="muon_ckpt_read") as ex:
