@@ -1,5 +1,6 @@
 """Park optimizer states in flat pinned CPU buffers between steps."""
 
-from offload._pool import CPUOffloadPool
+from offload._pinned import pinned_empty
+from offload._pool import CPUOffloadPool, FrozenViews
 
-__all__ = ["CPUOffloadPool"]
+__all__ = ["CPUOffloadPool", "FrozenViews", "pinned_empty"]

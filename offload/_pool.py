@@ -12,6 +12,16 @@ storage (``untyped_storage().resize_(0)``); every tensor keeps its Python identi
 dtype, and reports a storage of 0 bytes. Reload = re-allocate the storage and copy back. Copies
 are bit-exact, so anything computed with offload on equals the same computation with it off.
 
+Tensors made by ``new_offloaded`` start life offloaded: their value (zeros) is written into
+the CPU buffer and no device memory is allocated until their bucket is first reloaded.
+
+Snapshots. ``host_views()`` gives, for every offloaded tensor, the CPU range that holds its
+value (writing there sets the value the next reload brings back). ``freeze()`` gives the same
+views and keeps them unchanged until ``release()`` while the pool goes on working: the group
+swaps to a second CPU buffer (allocated on the first freeze, then reused), offloads write
+there, and a reload reads each bucket from whichever buffer holds its latest bytes. No byte is
+copied to take the snapshot.
+
 On CUDA the copies run on two side streams (host-to-device and device-to-host, which the
 hardware runs concurrently) and are ordered with events; every synchronisation point says why
 it is there. On a CPU-only machine the same bookkeeping runs with plain synchronous copies, so
@@ -22,13 +32,15 @@ The pool knows nothing of optimizers: it holds tensors, buckets and buffers.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-__all__ = ["CPUOffloadPool"]
+from offload._pinned import pinned_empty
+
+__all__ = ["CPUOffloadPool", "FrozenViews"]
 
 
 def _local(t: Tensor) -> Tensor:
@@ -43,6 +55,7 @@ class _Entry:
     bucket: Hashable
     key: tuple[torch.dtype, torch.device]
     offset: int = 0  # element offset inside the bucket's flat device buffer
+    cold: bool = False  # made by new_offloaded: no data on the device yet, value zeros
 
 
 @dataclass
@@ -52,8 +65,10 @@ class _Segment:
     key: tuple[torch.dtype, torch.device]
     entries: list[_Entry] = field(default_factory=list)
     numel: int = 0
-    cpu_start: int = 0  # element offset of this segment in the group's cpu_flat
+    cpu_start: int = 0  # element offset of this segment in its group's CPU buffers
     flat: Tensor | None = None  # flat device buffer; the entries are views into it
+    bound: bool = True  # False: cold entries, not views of ``flat`` until the first reload
+    host: Tensor | None = None  # the CPU buffer holding the bytes, if not the group's cpu_flat
 
 
 @dataclass
@@ -62,6 +77,22 @@ class _Bucket:
     offloaded: bool = False
     h2d_done: dict = field(default_factory=dict)  # device -> CUDA event of the last reload
     d2h_done: dict = field(default_factory=dict)  # device -> CUDA event of the last offload
+
+
+class FrozenViews:
+    """The values of every offloaded tensor at ``CPUOffloadPool.freeze()``, as CPU views that
+    keep those values until ``release()``. ``views`` maps ``id(tracked tensor)`` to its view."""
+
+    def __init__(self, views: dict[int, Tensor], release: Callable[[], None]) -> None:
+        self.views = views
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        """Give the frozen buffer back to the pool (call from the thread that steps). Idempotent."""
+        rel, self._release = self._release, None
+        self.views = {}
+        if rel is not None:
+            rel()
 
 
 class CPUOffloadPool:
@@ -93,20 +124,39 @@ class CPUOffloadPool:
                 "CPUOffloadPool.track: the tensor has no storage (already freed); "
                 "track tensors while they hold their data"
             )
+        self._add(_Entry(tensor, local, bucket, (local.dtype, local.device)))
+
+    def new_offloaded(self, like: Tensor, bucket: Hashable = 0) -> Tensor:
+        """A new tracked tensor of ``like``'s shape, dtype and device (a DTensor with its
+        placement for a DTensor), equal to zeros, that starts offloaded: no device memory is
+        used until ``bucket`` is reloaded (if the bucket also holds resident tensors, it is
+        laid out resident, with zeros)."""
+        src = _local(like)
+        stride = torch.empty(src.shape, device="meta").stride()
+        # A tensor of this shape whose storage holds 0 bytes, made without allocating (a
+        # slice or as_strided would bounds-check the storage); its bytes appear at reload.
+        local = torch.ops.aten._reshape_alias(
+            torch.empty(0, dtype=src.dtype, device=src.device), tuple(src.shape), stride
+        )
+        obj: Tensor = local
+        if src is not like:
+            from torch.distributed.tensor import DTensor
+
+            obj = DTensor(local, like._spec, requires_grad=False)
+        self._add(_Entry(obj, local, bucket, (local.dtype, local.device), cold=True))
+        return obj
+
+    def _add(self, e: _Entry) -> None:
         if self._initialized:
             # Adding to a laid-out pool: bring everything home, then lay out again.
             self.reload()
             self.synchronize()
             self._initialized = False
-        key = (local.dtype, local.device)
-        self._managed[id(tensor)] = _Entry(tensor, local, bucket, key)
-        self._storage_nbytes[id(tensor)] = local.numel() * local.element_size()
+        self._managed[id(e.obj)] = e
+        self._storage_nbytes[id(e.obj)] = e.local.numel() * e.local.element_size()
 
     def is_tracked(self, tensor: Tensor) -> bool:
         return id(tensor) in self._managed
-
-    def tracked(self) -> list[Tensor]:
-        return [e.obj for e in self._managed.values()]
 
     def clear(self) -> None:
         """Bring every tensor home and forget it. Pinned buffers stay allocated for reuse."""
@@ -120,11 +170,10 @@ class CPUOffloadPool:
             grp["used"] = 0
         self._initialized = False
 
-    def buckets(self) -> list[Hashable]:
-        self._ensure_initialized()
-        return list(self._buckets)
-
     # ------------------------------------------------------------------ layout
+    def _pinned(self, key: tuple[torch.dtype, torch.device], numel: int) -> Tensor:
+        return pinned_empty(numel, key[0], pin=self._pin and key[1].type == "cuda")
+
     def _ensure_initialized(self) -> None:
         if self._initialized:
             return
@@ -145,21 +194,40 @@ class CPUOffloadPool:
             if grp is None or grp["cpu_flat"].numel() < n:
                 # Allocate once per group; grow only when more state is tracked (first step,
                 # add_param_group). Pinning costs ~1 s/GiB, so it is never done per step.
-                pin = self._pin and key[1].type == "cuda"
-                grp = {"cpu_flat": torch.empty(n, dtype=key[0], pin_memory=pin)}
+                grp = {"cpu_flat": self._pinned(key, n), "spare": None, "frozen": None}
                 self._groups[key] = grp
             grp["used"] = n
-        # Move each segment's tensors into one flat device buffer (views keep their identity).
         for b in buckets.values():
+            if all(e.cold for seg in b.segments.values() for e in seg.entries):
+                # Made offloaded: the value (zeros) goes to the CPU range; the device buffer
+                # is a 0-byte storage that the first reload sizes, then binds the entries to.
+                for seg in b.segments.values():
+                    self._host_range(seg).zero_()
+                    seg.flat = torch.ops.aten._reshape_alias(
+                        torch.empty(0, dtype=seg.key[0], device=seg.key[1]), (seg.numel,), (1,)
+                    )
+                    seg.bound = False
+                b.offloaded = True
+                continue
+            # Move each segment's tensors into one flat device buffer (views keep identity).
             for seg in b.segments.values():
                 flat = torch.empty(seg.numel, dtype=seg.key[0], device=seg.key[1])
                 for e in seg.entries:
                     n = e.local.numel()
-                    flat[e.offset : e.offset + n].copy_(e.local.reshape(-1))
+                    if e.cold:
+                        flat[e.offset : e.offset + n].zero_()
+                        e.cold = False
+                    else:
+                        flat[e.offset : e.offset + n].copy_(e.local.reshape(-1))
                     e.local.set_(flat.untyped_storage(), e.offset, e.local.shape)
                 seg.flat = flat
         self._buckets = buckets
         self._initialized = True
+
+    def _host_range(self, seg: _Segment) -> Tensor:
+        """The CPU range that holds (or will receive) ``seg``'s bytes."""
+        buf = seg.host if seg.host is not None else self._groups[seg.key]["cpu_flat"]
+        return buf[seg.cpu_start : seg.cpu_start + seg.numel]
 
     # ------------------------------------------------------------------ streams
     def _side_streams(self, device: torch.device):
@@ -183,7 +251,8 @@ class CPUOffloadPool:
             if b.offloaded:
                 continue
             for key, seg in b.segments.items():
-                cpu = self._groups[key]["cpu_flat"][seg.cpu_start : seg.cpu_start + seg.numel]
+                seg.host = None  # offloads always write the group's current buffer
+                cpu = self._host_range(seg)
                 nbytes = seg.numel * seg.flat.element_size()
                 if key[1].type == "cuda":
                     _, d2h = self._side_streams(key[1])
@@ -214,7 +283,7 @@ class CPUOffloadPool:
             if not b.offloaded:
                 continue
             for key, seg in b.segments.items():
-                cpu = self._groups[key]["cpu_flat"][seg.cpu_start : seg.cpu_start + seg.numel]
+                cpu = self._host_range(seg)
                 nbytes = seg.numel * seg.flat.element_size()
                 if key[1].type == "cuda":
                     h2d, _ = self._side_streams(key[1])
@@ -227,14 +296,25 @@ class CPUOffloadPool:
                         # Allocated on h2d, so the allocator hands out a block that is free
                         # for h2d; the compute stream's queued work need not drain first.
                         seg.flat.untyped_storage().resize_(nbytes)
+                        self._bind(seg)
                         seg.flat.copy_(cpu, non_blocking=True)
                         done = torch.cuda.Event()
                         done.record(h2d)
                     b.h2d_done[key[1]] = done
                 else:
                     seg.flat.untyped_storage().resize_(nbytes)
+                    self._bind(seg)
                     seg.flat.copy_(cpu)
             b.offloaded = False
+
+    @staticmethod
+    def _bind(seg: _Segment) -> None:
+        """Point cold entries at the (now sized) flat storage: no allocation, it is big enough."""
+        if not seg.bound:
+            for e in seg.entries:
+                e.local.set_(seg.flat.untyped_storage(), e.offset, e.local.shape)
+                e.cold = False
+            seg.bound = True
 
     def wait_reload(self, bucket: Hashable | None = None) -> None:
         """Make the current stream wait until the bucket's reload has landed."""
@@ -257,6 +337,7 @@ class CPUOffloadPool:
                 evt.synchronize()
         self.wait_reload()
 
+    # ------------------------------------------------------------------ host views
     def cpu_views(self) -> dict[int, Tensor]:
         """A CPU copy of every tracked tensor, served from the flat CPU buffers.
 
@@ -270,7 +351,8 @@ class CPUOffloadPool:
             if b.offloaded:
                 continue
             for key, seg in b.segments.items():
-                cpu = self._groups[key]["cpu_flat"][seg.cpu_start : seg.cpu_start + seg.numel]
+                seg.host = None
+                cpu = self._host_range(seg)
                 if key[1].type == "cuda":
                     _, d2h = self._side_streams(key[1])
                     # Sync: read the values the compute stream has written so far.
@@ -284,13 +366,88 @@ class CPUOffloadPool:
             # Sync: the host may read the views as soon as this returns.
             self._side_streams(dev)[1].synchronize()
         self.synchronize()
+        return self._views(self._managed.values())
+
+    def host_views(self) -> dict[int, Tensor]:
+        """For every offloaded tensor, ``id(tensor) ->`` the CPU view holding its value
+        (resident tensors are left out). Writing into a view sets the value that the next
+        reload brings back. Valid until the pool next moves that tensor."""
+        self._ensure_initialized()
+        self._wait_offloads()
+        return self._views(self._offloaded_entries())
+
+    def freeze(self) -> FrozenViews:
+        """``host_views()`` that keep their values until ``release()``, whatever the pool
+        does meanwhile (offloads go to a second CPU buffer). No bytes are copied; the second
+        buffer is allocated (and pinned) by the first freeze and reused by later ones."""
+        self._ensure_initialized()
+        if any(g.get("frozen") is not None for g in self._groups.values()):
+            raise RuntimeError("CPUOffloadPool.freeze: already frozen; release() it first")
+        self._wait_offloads()
+        entries = self._offloaded_entries()
+        for key, grp in self._groups.items():
+            cur = grp["cpu_flat"]
+            spare = grp.get("spare")
+            if spare is None or spare.numel() < cur.numel():
+                spare = self._pinned(key, cur.numel())
+            grp["frozen"], grp["cpu_flat"], grp["spare"] = cur, spare, None
+            for b in self._buckets.values():
+                seg = b.segments.get(key)
+                if seg is not None and b.offloaded and seg.host is None:
+                    seg.host = cur
+        return FrozenViews(self._views(entries), self._release)
+
+    def _release(self) -> None:
+        for key, grp in self._groups.items():
+            frozen = grp.get("frozen")
+            if frozen is None:
+                continue
+            segs = [b.segments[key] for b in self._buckets.values() if key in b.segments]
+            still = [s for s in segs if s.host is frozen]
+            newer = [
+                s
+                for b in self._buckets.values()
+                if b.offloaded and key in b.segments
+                for s in [b.segments[key]]
+                if s.host is None
+            ]
+            if still and not newer:
+                # Nothing was offloaded since the freeze: the frozen buffer is current again.
+                grp["spare"], grp["cpu_flat"] = grp["cpu_flat"], frozen
+            else:
+                for s in still:  # offloaded before the freeze and not moved since
+                    grp["cpu_flat"][s.cpu_start : s.cpu_start + s.numel].copy_(
+                        frozen[s.cpu_start : s.cpu_start + s.numel]
+                    )
+                grp["spare"] = frozen
+            for s in still:
+                s.host = None
+            grp["frozen"] = None
+
+    def _offloaded_entries(self) -> list[_Entry]:
+        return [
+            e
+            for b in self._buckets.values()
+            if b.offloaded
+            for seg in b.segments.values()
+            for e in seg.entries
+        ]
+
+    def _wait_offloads(self) -> None:
+        for b in self._buckets.values():
+            for evt in b.d2h_done.values():
+                # Sync: the host reads (or a writer fills) the CPU ranges only after the
+                # offload copies into them have landed.
+                evt.synchronize()
+
+    def _views(self, entries) -> dict[int, Tensor]:
         out: dict[int, Tensor] = {}
-        for e in self._managed.values():
+        for e in entries:
             seg = self._buckets[e.bucket].segments[e.key]
-            start = seg.cpu_start + e.offset
-            flat = self._groups[e.key]["cpu_flat"]
+            rng = self._host_range(seg)
+            flat = rng[e.offset : e.offset + e.local.numel()]
             if e.local is e.obj:
-                out[id(e.obj)] = flat[start : start + e.local.numel()].view(e.local.shape)
+                out[id(e.obj)] = flat.view(e.local.shape)
                 continue
             from torch.distributed.tensor import DTensor
 
@@ -298,15 +455,11 @@ class CPUOffloadPool:
             # a DTensor built around an offset view cannot be deep-copied (torch 2.11-2.13).
             local = torch.empty(0, dtype=flat.dtype)
             view = DTensor(local, e.obj._spec, requires_grad=False)
-            local.set_(flat.untyped_storage(), start, e.local.shape)
+            local.set_(flat.untyped_storage(), flat.storage_offset(), e.local.shape)
             out[id(e.obj)] = view
         return out
 
     # ------------------------------------------------------------------ introspection
-    def is_offloaded(self, bucket: Hashable) -> bool:
-        self._ensure_initialized()
-        return self._buckets[bucket].offloaded
-
     def device_nbytes(self) -> int:
         """Bytes of tracked tensors currently resident on their devices."""
         total = 0
@@ -314,15 +467,16 @@ class CPUOffloadPool:
             if not b.offloaded:
                 total += sum(s.numel * s.flat.element_size() for s in b.segments.values())
         if not self._initialized:
-            total += sum(self._storage_nbytes.values())
+            total += sum(n for i, n in self._storage_nbytes.items() if not self._managed[i].cold)
         return total
 
     def cpu_nbytes(self) -> int:
-        """Bytes held by the flat CPU buffers (allocated once, reused)."""
-        return sum(
-            g["cpu_flat"].numel() * g["cpu_flat"].element_size() for g in self._groups.values()
-        )
-
-    def track_many(self, tensors: Iterable[Tensor], bucket: Hashable = 0) -> None:
-        for t in tensors:
-            self.track(t, bucket)
+        """Bytes held by the flat CPU buffers (allocated once, reused; a second buffer per
+        group once ``freeze`` was used)."""
+        total = 0
+        for g in self._groups.values():
+            for k in ("cpu_flat", "spare", "frozen"):
+                t = g.get(k)
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 ADJUST_LR_FNS = ("match_rms_adamw", "original")
@@ -108,11 +107,6 @@ def check_group(group: dict, gi: int) -> None:
                 )
 
 
-def param_label(group: dict, index: int, gi: int) -> str:
-    names = group.get("names")
-    return names[index] if names is not None else f"group{gi}.param{index}"
-
-
 def check_same_mesh(groups: list[dict]) -> None:
     meshes = []
     for g in groups:
@@ -124,7 +118,3 @@ def check_same_mesh(groups: list[dict]) -> None:
             f"all DTensor params must live on one device mesh, found {len(meshes)} meshes: "
             f"{[str(m) for m in meshes]}"
         )
-
-
-def to_float(v: Any) -> float:
-    return float(v.item()) if isinstance(v, torch.Tensor) else float(v)

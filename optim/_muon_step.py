@@ -9,10 +9,13 @@ Per chunk:
 With ``warmup_step = w``, the gathers of w chunks are in flight while a chunk computes, and a
 chunk's scatter overlaps the next chunk's Newton-Schulz.
 
-Bitwise reproducibility (N ranks == 1 process, same device type): the elementwise work uses
-only single-rounding ops (mul, add, sub; no lerp/addcmul/alpha=, which may fuse into an FMA in
-one code path and not another), so it gives the same bits on a shard as on the full tensor;
-Newton-Schulz always runs on the same full bf16 matrix.
+Bitwise reproducibility (N ranks == 1 process, same device type): every element of a shard
+goes through the same arithmetic as in the full tensor, and Newton-Schulz always runs on the
+same full bf16 matrix. On the CPU the elementwise work uses only single-rounding ops (mul, add,
+sub): a fused lerp/addcmul/alpha= may round differently in a vectorised loop body and its
+scalar tail, i.e. depending on where an element sits. On CUDA every element takes the same
+kernel code wherever it sits, so the fused ``lerp`` and ``add(alpha=)`` of torch.optim.Muon
+are shard-invariant and used there.
 """
 
 from __future__ import annotations

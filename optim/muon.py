@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from offload import CPUOffloadPool
+from offload import CPUOffloadPool, FrozenViews
 from optim import _config
 from optim._adamw import adamw_step
 from optim._muon_step import muon_step
@@ -122,8 +122,23 @@ class Muon(torch.optim.Optimizer):
         """Create the state of every param (zeros; ``step`` = 0) without taking a step.
 
         Used to load a checkpoint into a fresh optimizer. Existing state is left untouched.
-        Call it on every rank (it may build the distributed plan, a collective).
+        Call it on every rank (it may build the distributed plan, a collective). With CPU
+        offload on, a fresh optimizer's states are created in the pinned CPU buffers and no
+        device memory is used for them until the next step.
         """
+        fresh = not any(self.state.get(p) for g in self.param_groups for p in g["params"])
+        if self._cpu_offload and fresh:
+            pool = self._cpu_offload_pool
+            pool.clear()
+            for p, key, bucket in self._offload_slots():
+                self.state[p][key] = pool.new_offloaded(p, bucket)
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if not g["use_muon"]:
+                        self.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
+            self._pool_key = self._pool_key_of(self._state_buckets())
+            pool.offload()  # lays the pool out; every bucket starts offloaded
+            return
         created = False
         for g in self.param_groups:
             for p in g["params"]:
@@ -132,29 +147,33 @@ class Muon(torch.optim.Optimizer):
             self._sync_pool()
             self._cpu_offload_pool.offload()
 
+    def _offload_slots(self) -> list[tuple[Tensor, str, Any]]:
+        """(param, state key, pool bucket) of every state the pool parks: a Muon matrix's
+        momentum in the bucket of its pipeline chunk, AdamW moments in one bucket per group."""
+        out: list[tuple[Tensor, str, Any]] = [
+            (it.param, "momentum_buffer", ("muon", it.chunk)) for it in self._get_plan().items
+        ]
+        for gi, g in enumerate(self.param_groups):
+            if not g["use_muon"]:
+                out += [(p, k, ("adamw", gi)) for p in g["params"] for k in ("moment1", "moment2")]
+        return out
+
     def _state_buckets(self) -> dict[int, tuple[Tensor, Any]]:
         """Map id(state tensor) -> (tensor, pool bucket) for every offloadable state."""
-        plan = self._get_plan()
         out: dict[int, tuple[Tensor, Any]] = {}
-        for it in plan.items:
-            st = self.state.get(it.param)
-            if st and "momentum_buffer" in st:
-                t = st["momentum_buffer"]
-                out[id(t)] = (t, ("muon", it.chunk))
-        for gi, g in enumerate(self.param_groups):
-            if g["use_muon"]:
-                continue
-            for p in g["params"]:
-                st = self.state.get(p)
-                if st and "moment1" in st:
-                    for k in ("moment1", "moment2"):
-                        out[id(st[k])] = (st[k], ("adamw", gi))
+        for p, key, bucket in self._offload_slots():
+            t = self.state.get(p, {}).get(key)
+            if t is not None:
+                out[id(t)] = (t, bucket)
         return out
+
+    def _pool_key_of(self, want: dict[int, tuple[Tensor, Any]]) -> tuple:
+        return (self._plan_key, tuple(sorted(want)))
 
     def _sync_pool(self) -> None:
         """Make the pool track exactly the current states, bucketed by the current plan."""
         want = self._state_buckets()
-        key = (self._plan_key, tuple(sorted(want)))
+        key = self._pool_key_of(want)
         if key == self._pool_key:
             return
         pool = self._cpu_offload_pool
@@ -186,6 +205,36 @@ class Muon(torch.optim.Optimizer):
         self._cpu_offload_pool.reload()
         self._cpu_offload_pool.synchronize()
         self._cpu_offload = False
+
+    # ------------------------------------------------------------------ offloaded snapshots
+    def cpu_state_views(self) -> dict[int, Tensor]:
+        """With CPU offload on: ``id(state tensor) ->`` the CPU tensor (a view of the pinned
+        buffer; a DTensor for a DTensor state) that holds its value between steps.
+
+        Writing into a view sets that state: the next step reloads it from there. Reading
+        one gives the state as of the last step. Valid until the next ``step()`` or toggle;
+        call it between steps. This is how a checkpoint is loaded into (or, while training
+        waits, saved from) an offloading optimizer without bringing its states to the GPU.
+        """
+        self._check_offload_on("cpu_state_views")
+        return self._cpu_offload_pool.host_views()
+
+    def freeze_cpu_state(self) -> FrozenViews:
+        """With CPU offload on: the values of every offloaded state now, as CPU views that keep
+        these values until ``.release()``, while training goes on (steps write the states to a
+        second pinned buffer, allocated by the first call and reused). Nothing is copied.
+        Call it between steps, and ``release()`` from the same thread once done reading."""
+        self._check_offload_on("freeze_cpu_state")
+        return self._cpu_offload_pool.freeze()
+
+    def _check_offload_on(self, what: str) -> None:
+        if not self._cpu_offload:
+            raise RuntimeError(
+                f"Muon.{what}() needs CPU offload on (turn_on_cpu_offload()); with offload off "
+                "the states are ordinary device tensors in optimizer.state"
+            )
+        self._sync_pool()  # states created or replaced since the last step are tracked ...
+        self._cpu_offload_pool.offload()  # ... and parked (a no-op for parked buckets)
 
     # ------------------------------------------------------------------ checkpoint guards
     def state_dict(self) -> dict[str, Any]:
