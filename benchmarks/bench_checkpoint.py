@@ -45,8 +45,8 @@ from torch import nn
 
 from muon_ckpt import CheckpointManager
 from muon_ckpt._flatten import FlatState
-from muon_ckpt._storage import Storage
-from muon_ckpt._writeback import start_writeback
+from muon_ckpt.io._writeback import start_writeback
+from muon_ckpt.store import Storage
 from optim.muon import Muon
 
 GiB = 1 << 30

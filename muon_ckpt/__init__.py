@@ -6,7 +6,7 @@ Public names are imported lazily so that ``muon-ckpt --help`` stays fast.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from muon_ckpt._errors import (
     CheckpointCorruptError,
@@ -15,14 +15,23 @@ from muon_ckpt._errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
+from muon_ckpt._version import __version__
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from muon_ckpt.interop import (
+        ExportSummary,
+        ImportReport,
+        export_safetensors,
+        import_optimizer_state,
+    )
+    from muon_ckpt.manager import CheckpointManager
 
 _LAZY = {
     "CheckpointManager": "muon_ckpt.manager",
-    "import_optimizer_state": "muon_ckpt._import",
-    "ImportReport": "muon_ckpt._import",
-    "export_safetensors": "muon_ckpt._export",
+    "import_optimizer_state": "muon_ckpt.interop",
+    "ImportReport": "muon_ckpt.interop",
+    "export_safetensors": "muon_ckpt.interop",
+    "ExportSummary": "muon_ckpt.interop",
 }
 
 __all__ = [
@@ -32,6 +41,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "ExportSummary",
     "ImportReport",
     "__version__",
     "export_safetensors",

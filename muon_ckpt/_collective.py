@@ -2,6 +2,8 @@
 
 Decisions (which step to load, whether a save committed) are made on rank 0 and broadcast,
 together with any exception, so that every rank returns the same value or raises the same error.
+``group``: the process group to use (None: the default group). Background saves pass their own
+gloo group, so that they never share a communicator with the training loop's collectives.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def _portable(exc: BaseException) -> BaseException:
         return CheckpointError(f"{type(exc).__name__}: {exc}")
 
 
-def on_rank0(fn: Callable[[], T]) -> T:
+def on_rank0(fn: Callable[[], T], group: Any = None) -> T:
     """Run ``fn`` on rank 0 only; every rank returns its result or raises its exception."""
     box: list[Any] = [None]
     if rank() == 0:
@@ -49,28 +51,23 @@ def on_rank0(fn: Callable[[], T]) -> T:
                 raise
             box[0] = (False, _portable(e))
     if is_dist():
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
     ok, value = box[0]
     if not ok:
         raise value
     return value
 
 
-def gather_to_rank0(obj: Any) -> list[Any] | None:
+def gather_to_rank0(obj: Any, group: Any = None) -> list[Any] | None:
     """Every rank's ``obj`` as a list on rank 0; None elsewhere."""
     if not is_dist():
         return [obj]
     out: list[Any] | None = [None] * world_size() if rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    dist.gather_object(obj, out, dst=0, group=group)
     return out
 
 
-def all_ok(ok: bool, what: str) -> None:
-    """Raise on every rank if any rank reports failure (used where ranks may diverge)."""
-    if not is_dist():
-        return
-    flags: list[Any] = [None] * world_size()
-    dist.all_gather_object(flags, ok)
-    bad = [r for r, f in enumerate(flags) if not f]
-    if bad:
-        raise CheckpointError(f"{what} failed on rank(s) {bad}; see their logs for the cause")
+def new_group() -> Any:
+    """A gloo group of every rank for background collectives (collective: every rank calls it
+    at the same point), or None without a process group."""
+    return dist.new_group(backend="gloo") if is_dist() else None

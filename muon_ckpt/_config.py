@@ -27,6 +27,9 @@ class ManagerConfig:
         resume_from: a URL (or ``(url, step)``) to load from while ``url`` has no committed step.
         io_threads: files written / read in parallel per rank.
         verify: ``"crc32"`` (sizes and checksums of every file read) or ``"size"`` (sizes only).
+        async_save: ``save()`` returns after the snapshot; write and commit run in the
+            background.
+        max_staging_bytes: bound on the host memory a save's snapshot may hold (None: none).
     """
 
     url: str
@@ -36,6 +39,8 @@ class ManagerConfig:
     resume_from: str | tuple[str, int] | None = None
     io_threads: int = 4
     verify: str = "crc32"
+    async_save: bool = False
+    max_staging_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.url, os.PathLike):
@@ -81,6 +86,13 @@ class ManagerConfig:
             raise ValueError(f"io_threads must be an int in [1, 64], got {self.io_threads!r}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+        if not isinstance(self.async_save, bool):
+            raise ValueError(f"async_save must be True or False, got {self.async_save!r}")
+        m = self.max_staging_bytes
+        if m is not None and (not _is_int(m) or m < 0):
+            raise ValueError(
+                f"max_staging_bytes must be an int >= 0 (bytes) or None for no bound, got {m!r}"
+            )
 
     @property
     def storage_kwargs(self) -> dict[str, Any]:

@@ -12,14 +12,16 @@ Keys (see ``_layout``)::
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from muon_ckpt._errors import CheckpointMismatchError
-from muon_ckpt._layout import model_key, optim_group_key, optim_state_key
+from muon_ckpt.store import model_key, optim_group_key, optim_state_key
 
 __all__ = ["FlatState", "check_extra", "param_fqns", "prepare_optimizer_state"]
 
@@ -95,12 +97,9 @@ def prepare_optimizer_state(optimizer: torch.optim.Optimizer) -> set[int]:
     elif not before:
         # Any other torch optimizer: one step with zero grads and lr=0 (torch's own helper for
         # the same purpose); parameters do not change, the state tensors are created.
-        try:
-            from torch.distributed.checkpoint.state_dict import _init_optim_state
-        except ImportError:  # pragma: no cover - torch without the helper
-            _init_optim_state = None
-        if _init_optim_state is not None:
-            _init_optim_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        _init_optim_state(optimizer)
     return {id(p) for p, st in optimizer.state.items() if st} - before
 
 
@@ -145,6 +144,25 @@ class FlatState:
             fs.extra_names.append(name)
         return fs
 
+    def host_state_keys(self, views: dict[int, Tensor]) -> set[str]:
+        """The keys whose state has a host view in ``views`` (``id(state tensor) -> view``)."""
+        return {k for k in self.state_slots if id(self.sd[k]) in views}
+
+    def use_host_states(self, views: dict[int, Tensor]) -> set[str]:
+        """Put the host view of each offloaded state (from the optimizer) where the state
+        itself was; returns the keys replaced."""
+        keys = self.host_state_keys(views)
+        for k in keys:
+            self.sd[k] = views[id(self.sd[k])]
+        return keys
+
+    def detach_objects(self) -> None:
+        """Deep copies of every non-tensor value (hyperparameters, ``extra`` state dicts; their
+        tensors as CPU copies), so that a background write sees the values of this moment."""
+        for key, v in self.sd.items():
+            if not isinstance(v, Tensor):
+                self.sd[key] = _host_copy(v)
+
     # ------------------------------------------------------------------ load side
     def check_against(self, metadata: Any, fresh: set[int], url: str) -> None:
         """Fit the dict to the checkpoint: raise CheckpointMismatchError for a missing key or a
@@ -153,6 +171,15 @@ class FlatState:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         have = metadata.state_dict_metadata
+        for name in self.extra_names:
+            flat, _ = flatten_state_dict({f"extra.{name}": self.sd[f"extra.{name}"]})
+            missing = sorted(k for k in flat if k not in have)
+            if missing:
+                raise CheckpointMismatchError(
+                    f"{url}: extra[{name!r}] has key(s) {missing[:8]} that the checkpoint does "
+                    f"not: its state_dict() differs from the one saved; the checkpoint has "
+                    f"{sorted(k for k in have if k.startswith(f'extra.{name}.'))[:8]}"
+                )
         saved_state_fqns = {k.rsplit(".", 1)[0] for k in have if k.startswith("optim.state.")}
         for key in list(self.sd):
             if key.startswith("extra."):
@@ -224,6 +251,16 @@ class FlatState:
                 optimizer.param_groups[gi][hk] = v
         for name in self.extra_names:
             extra[name].load_state_dict(self.sd[f"extra.{name}"])
+
+
+def _host_copy(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        return v.detach().to("cpu", copy=True)
+    if isinstance(v, dict):
+        return {k: _host_copy(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)) and type(v) in (list, tuple):
+        return type(v)(_host_copy(x) for x in v)
+    return copy.deepcopy(v)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -29,7 +29,7 @@ def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
 
 
 def _open(args: argparse.Namespace) -> Any:
-    from muon_ckpt._storage import Storage
+    from muon_ckpt.store import Storage
 
     return Storage(args.url, _storage_options(args.storage_option))
 
@@ -42,14 +42,14 @@ def _human(n: int | None) -> str:
 
 # ---------------------------------------------------------------------------- commands
 def cmd_ls(args: argparse.Namespace) -> int:
-    from muon_ckpt._catalog import list_steps
     from muon_ckpt._errors import CheckpointNotFoundError
+    from muon_ckpt.store import Catalog
 
     st = _open(args)
     st.check_root()
-    if not st.fs.exists(st.root):
+    if not st.exists():
         raise CheckpointNotFoundError(f"{args.url!r} does not exist")
-    steps = list_steps(st)
+    steps = Catalog(st).scan(detail=True)
     if args.json:
         print(json.dumps({"url": args.url, "steps": [s.as_dict() for s in steps]}, indent=1))
         return 0
@@ -58,26 +58,29 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     print(f"{'STEP':>10}  {'STATUS':<11}  {'SIZE':>10}  {'FILES':>5}  {'WORLD':>5}  TIME")
     for s in steps:
-        status = "committed" if s.committed else "UNCOMMITTED"
+        status = "committed" if s.committed else s.status.upper()
         world = "-" if s.world_size is None else str(s.world_size)
         print(
             f"{s.step:>10}  {status:<11}  {_human(s.size):>10}  {s.files:>5}  {world:>5}  "
             f"{s.time or '-'}"
         )
     done = [s.step for s in steps if s.committed]
+    corrupt = [s for s in steps if s.status == "corrupt"]
     tail = f"; newest committed: {done[-1]}" if done else ""
-    print(f"{len(done)} committed, {len(steps) - len(done)} uncommitted{tail}")
+    bad = f"{len(corrupt)} CORRUPT, " if corrupt else ""
+    print(f"{len(done)} committed, {bad}{len(steps) - len(done) - len(corrupt)} uncommitted{tail}")
+    for s in corrupt:
+        print(f"step {s.step}: CORRUPT: {s.problem}")
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     import fnmatch
 
-    from muon_ckpt import _dcp
-    from muon_ckpt._catalog import resolve
+    from muon_ckpt.store import resolve
 
     r = resolve(_open(args), args.step)
-    md = _dcp.read_metadata(r.storage, *r.parts)
+    md = r.metadata()  # every file present at its size, the metadata's checksum checked
     rows = []
     for key, m in sorted(md.state_dict_metadata.items()):
         if args.keys and not fnmatch.fnmatchcase(key, args.keys):
@@ -122,17 +125,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from muon_ckpt._catalog import list_steps, resolve, verify
     from muon_ckpt._errors import CheckpointCorruptError
+    from muon_ckpt.store import MANIFEST, METADATA, Catalog, resolve, verify
 
     st = _open(args)
     bad = 0
-    if args.step is None and not st.exists("manifest.json") and not st.exists(".metadata"):
+    if args.step is None and not st.exists(MANIFEST) and not st.exists(METADATA):
         todo = []
-        for s in list_steps(st):  # a run root: every committed step
+        for s in Catalog(st).scan():  # a run root: every committed step
             if s.committed:
                 todo.append(s.step)
-            elif s.corrupt:
+            elif s.status == "corrupt":
                 print(f"step {s.step}: FAILED: {s.problem}")
                 bad += 1
             else:
@@ -160,7 +163,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from muon_ckpt._export import export_safetensors
+    from muon_ckpt.interop import export_safetensors
 
     s = export_safetensors(
         args.url,
@@ -170,6 +173,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         storage_options=_storage_options(args.storage_option),
         progress=None,
+        verify=args.verify,
     )
     where = f"step {s.step}" if s.step is not None else args.url
     print(f"exported {where}: {s.tensors} tensors, {_human(s.bytes)} -> {s.out}")
@@ -179,7 +183,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from muon_ckpt._catalog import prune
+    from muon_ckpt.store import prune
 
     res = prune(_open(args), args.keep, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
@@ -190,13 +194,25 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"uncommitted leftovers (not touched; a save may still be running): "
             f"{', '.join(map(str, res.leftovers))}"
         )
+    if res.corrupt:
+        print(f"CORRUPT steps (invalid manifest; not touched): {', '.join(map(str, res.corrupt))}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from muon_ckpt.demo import run_demo
+    from muon_ckpt.demo import DemoOptions, run_demo
 
-    return run_demo(args)
+    return run_demo(
+        DemoOptions(
+            url=args.url,
+            steps=args.steps,
+            nproc=args.nproc,
+            offload=args.offload,
+            interval=args.interval,
+            seed=args.seed,
+            storage_options=_storage_options(args.storage_option),
+        )
+    )
 
 
 # ---------------------------------------------------------------------------- parser
@@ -260,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="sections to export (default: model optim)",
     )
     s.add_argument("--dtype", help="cast floating tensors, e.g. bf16, float16, float32")
+    s.add_argument(
+        "--verify",
+        choices=["crc32", "size"],
+        default="crc32",
+        help="check sizes and checksums of the files read (default), or sizes only",
+    )
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("prune", parents=[remote], help="delete old committed steps")

@@ -1,39 +1,48 @@
 """CheckpointManager: save and resume model, optimizer and extra state on any number of ranks.
 
-One save is three stages, kept apart so that an asynchronous save can later run the last two
-in the background without changing the API:
+One save = snapshot -> write -> commit -> retention:
 
-1. snapshot (caller's thread, offload paused): the flat FQN-keyed state dict (``_flatten``),
-   its device tensors copied into reusable host buffers on a side stream (``_staging``);
-2. write (``_writer``): ``dcp.save`` through a writer that checksums every file it writes, each
-   writer thread waiting only for the copy of the tensor it writes next;
-3. commit (``_commit``, rank 0): manifest.json with every file's size and crc32, written last,
-   then retention. ``_pending`` is the slot an asynchronous save would occupy; every public
-   method waits for it first.
+1. snapshot (the caller's thread; the only part an asynchronous save blocks for): the flat
+   FQN-keyed state dict (``_flatten``); with CPU offload on, the optimizer's offloaded states
+   as views of its pinned CPU buffers (frozen for an asynchronous save, so steps taken
+   meanwhile do not change them; no copy); every other tensor copied into reused host
+   buffers (``io.HostStaging``: device tensors on a side stream; for an asynchronous save
+   also CPU tensors and, deep-copied, Python values);
+2. write, commit and retention (``io.SaveJob``): in this thread, or with ``async_save`` in a
+   background thread whose collectives run on a gloo group of their own.
+
+One load = decide (rank 0 picks the step from the catalog and checks it; all ranks get the
+decision) -> read + verify (``io.VerifyingReader``) -> apply. With CPU offload on, optimizer
+states are read straight into the pool's pinned buffers; offload stays on throughout.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import posixpath
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from muon_ckpt import _collective as coll
-from muon_ckpt import _commit
 from muon_ckpt._config import ManagerConfig
-from muon_ckpt._dcp import SafeLoadPlanner
-from muon_ckpt._errors import CheckpointError, CheckpointExistsError, CheckpointMismatchError
+from muon_ckpt._errors import CheckpointError
 from muon_ckpt._flatten import FlatState, check_extra, param_fqns, prepare_optimizer_state
-from muon_ckpt._layout import FileEntry, parse_step_dirname, step_dirname
-from muon_ckpt._staging import HostStaging, StagedSavePlanner
-from muon_ckpt._storage import Storage
-from muon_ckpt._writer import ChecksumWriter, FileRecords, VerifyingReader
+from muon_ckpt._tensors import local_tensor
+from muon_ckpt.io import (
+    DCP_ERRORS,
+    HostStaging,
+    SafeLoadPlanner,
+    SaveJob,
+    VerifyingReader,
+    WriteSpec,
+    dcp_failure,
+    quiet,
+)
+from muon_ckpt.store import Catalog, FileEntry, Storage, parse_step_dirname, step_dirname
 
 __all__ = ["CheckpointManager"]
 
@@ -51,37 +60,9 @@ def _open_storage(field: str, url: str, options: dict[str, Any]) -> Storage:
     return storage
 
 
-class _PhaseClock:
-    def __init__(self) -> None:
-        self._t0 = self._last = time.perf_counter()
-        self.phases: dict[str, float] = {}
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = now - self._last
-        self._last = now
-
-    def total(self) -> float:
-        return self._last - self._t0
-
-
-def _fmt_timings(t: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:.3f}s" for k, v in t.items())
-
-
-def _reraise(e: BaseException, what: str) -> None:
-    """Turn DCP's CheckpointException (failures per rank) back into our error classes."""
-    failures = getattr(e, "failures", None) or {}
-    excs = [v[0] if isinstance(v, tuple) else v for _, v in sorted(failures.items())]
-    for exc in excs:
-        if isinstance(exc, CheckpointError):
-            raise type(exc)(str(exc)) from e
-    text = str(excs[0]) if excs else str(e)
-    if "Missing key" in text or "Size mismatch" in text:
-        raise CheckpointMismatchError(
-            f"{what}: {text}. The model/optimizer/extra do not match the checkpoint"
-        ) from e
-    raise CheckpointError(f"{what} failed: {type(excs[0] if excs else e).__name__}: {text}") from e
+def _nbytes(t: torch.Tensor) -> int:
+    t = local_tensor(t)
+    return t.numel() * t.element_size()
 
 
 class CheckpointManager:
@@ -102,8 +83,12 @@ class CheckpointManager:
         io_threads: files written and read in parallel per rank.
         verify: ``"crc32"`` checks size and checksum of every file a load reads; ``"size"`` only
             sizes.
+        async_save: ``save()`` returns once the state is snapshotted; the write and the commit
+            run in the background (``wait()`` for them).
+        max_staging_bytes: host memory a snapshot may hold; a save that needs more runs
+            synchronously without staging copies (None: no bound).
 
-    Save and load are collectives: call them on every rank.
+    Save, load, wait and close are collectives: call them on every rank.
     """
 
     def __init__(
@@ -119,6 +104,8 @@ class CheckpointManager:
         resume_from: str | tuple[str, int] | None = None,
         io_threads: int = 4,
         verify: str = "crc32",
+        async_save: bool = False,
+        max_staging_bytes: int | None = None,
     ) -> None:
         self.config = ManagerConfig(
             url=url,
@@ -128,6 +115,8 @@ class CheckpointManager:
             resume_from=resume_from,
             io_threads=io_threads,
             verify=verify,
+            async_save=async_save,
+            max_staging_bytes=max_staging_bytes,
         )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
@@ -141,8 +130,8 @@ class CheckpointManager:
         if optimizer is not None:
             param_fqns(model, optimizer)  # a param without a name is a configuration error
         opts = self.config.storage_kwargs
-        self._storage = _open_storage("url", self.config.url, opts)
-        self._resume: tuple[Storage, int | None] | None = None
+        self._catalog = Catalog(_open_storage("url", self.config.url, opts))
+        self._resume: tuple[Catalog, int | None] | None = None
         rf = self.config.resume_from
         if rf is not None:
             rf_url, rf_step = (rf, None) if isinstance(rf, str) else rf
@@ -150,20 +139,21 @@ class CheckpointManager:
             if rf_step is None and parse_step_dirname(base) is not None:
                 rf_step = parse_step_dirname(base)
                 rf_url = rf_url.rstrip("/")[: -len(base)].rstrip("/") or "/"
-            self._resume = (_open_storage("resume_from", rf_url, opts), rf_step)
-        self._pending: Callable[[], None] | None = None
+            self._resume = (Catalog(_open_storage("resume_from", rf_url, opts)), rf_step)
+        self._pending: SaveJob | None = None
+        self._group: Any = None  # gloo group of the background saves, made by the first one
         self._staging = HostStaging()  # host buffers allocated by the first save, then reused
+        self._warned_budget = False
         self._closed = False
-        # Seconds per phase of the last save on this rank (diagnostics; also logged at DEBUG
-        # on the "muon_ckpt" logger): snapshot, prepare, dcp_save, commit, total, and within
-        # dcp_save: write_data (the writer threads' wall time) and, summed over those threads,
-        # stage_wait (waiting for host copies), write (in the storage's write calls),
-        # writeback (queueing local pages for write-out), crc_wait (checksum still running
-        # after its write returned), sync (fsync and close).
+        # Seconds per phase of the last finished save on this rank (also logged at DEBUG):
+        # prepare (rank 0 readies the step directory), snapshot, blocked (all save() took),
+        # dcp_save, commit, total; within dcp_save: write_data (the writer threads' wall
+        # time) and, summed over those threads, stage_wait (waiting for host copies), write
+        # (in the storage's write calls), writeback (queueing local pages for write-out),
+        # crc_wait (checksum still running after its write returned), sync (fsync and close).
         self.last_save_timings: dict[str, float] = {}
-        # The same for the last load: decide, prepare, dcp_load, apply, total; also read
-        # (the reader's wall time: reads, checksums, copies into place) for local files and
-        # for remote ones with verify="size".
+        # The same for the last load: decide, prepare, dcp_load, apply, total; and read (the
+        # reader's wall time: reads, checksums, copies into place).
         self.last_load_timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ queries
@@ -172,9 +162,10 @@ class CheckpointManager:
         return self.config.url
 
     def steps(self) -> list[int]:
-        """Committed steps at ``url``, ascending (this rank's own listing; not a collective)."""
+        """Committed steps at ``url``, ascending (this rank's own listing; not a collective).
+        A step being saved in the background is listed once it is committed."""
         self._check_open()
-        return _commit.committed_steps(self._storage)
+        return self._catalog.committed_steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -185,164 +176,202 @@ class CheckpointManager:
     def save(self, step: int, *, force: bool = False, overwrite: bool = False) -> bool:
         """Save ``step`` if it is due (``interval``) or ``force``; return whether it saved.
 
-        Raises CheckpointExistsError if ``step`` is committed already, unless ``overwrite``.
-        With ``overwrite=True`` the committed step is removed before the new one is written:
-        if this save then fails, that step is gone (every other step is untouched).
+        With ``async_save`` it returns once the state is snapshotted; the step is committed
+        in the background (``wait()``). A pending save is waited for first, and its failure
+        raised here. Raises CheckpointExistsError if ``step`` is committed already, unless
+        ``overwrite``: then the committed step is removed before the new one is written (if
+        this save then fails, that step is gone; every other step is untouched).
         """
         self._check_open()
-        self._check_step(step)
+        step = self._check_step(step)
         if not force and self.config.interval is not None and step % self.config.interval:
             return False
-        self._wait_pending()
-        self.last_save_timings = {}
-        clock = _PhaseClock()
-        with self._offload_paused():
-            flat = FlatState.build(self._model, self._optimizer, self._extra)
-            staged = self._staging.stage(flat.sd)  # copies run while rank 0 prepares the dir
-            clock.mark("snapshot")
-            try:
-                coll.on_rank0(lambda: self._begin_save(step, overwrite))
-                clock.mark("prepare")
-                records = FileRecords()
-                writer = ChecksumWriter(
-                    self._storage, step_dirname(step), records, self.config.io_threads
-                )
-                try:
-                    dcp.save(
-                        staged,
-                        storage_writer=writer,
-                        planner=StagedSavePlanner(self._staging),
-                        no_dist=not coll.is_dist(),
-                    )
-                except BaseException as e:
-                    if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                        raise
-                    _reraise(e, f"saving step {step} to {self.url!r}")
-            finally:
-                self._staging.finish()
-        clock.mark("dcp_save")
-        self._pending = self._commit_job(step, records, len(flat.sd))
-        self._wait_pending()  # synchronous today: commit before returning
-        clock.mark("commit")
-        self.last_save_timings = {
-            **clock.phases,
-            "write_data": writer.write_seconds,
-            "stage_wait": self._staging.wait_seconds,
-            **records.thread_seconds(),
-            "total": clock.total(),
-        }
-        _log.debug("saved step %d: %s", step, _fmt_timings(self.last_save_timings))
+        self.wait()
+        t0 = time.perf_counter()
+        if self.config.async_save and self._group is None:
+            self._group = coll.new_group()  # collective: every rank's first save makes it
+        coll.on_rank0(lambda: self._catalog.begin(step, overwrite))
+        t1 = time.perf_counter()
+        spec, background, release = self._snapshot(step)
+        t2 = time.perf_counter()
+        spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
+        job = SaveJob(spec, finish=lambda: self._finished(spec, release))
+        if background:
+            job.start()
+            self._pending = job
+        else:
+            job.run()
         return True
 
-    def _begin_save(self, step: int, overwrite: bool) -> None:
-        committed = _commit.committed_steps(self._storage)
-        if step in committed:
-            if not overwrite:
-                raise CheckpointExistsError(
-                    f"{self._storage.url_of(step_dirname(step))}: step {step} is already "
-                    "committed; pass overwrite=True to replace it, or save another step"
+    def _snapshot(self, step: int) -> tuple[WriteSpec, bool, Any]:
+        """The state of this moment, as DCP will write it: (spec, background?, release)."""
+        opt, background = self._optimizer, self.config.async_save
+        flat = FlatState.build(self._model, opt, self._extra)
+        views = self._offloaded_views()
+        keep = flat.host_state_keys(views)
+        limit = self.config.max_staging_bytes
+        if background and limit is not None:
+            need = self._staging.bytes_needed(flat.sd, copy_cpu=True, keep=keep)
+            need += sum(_nbytes(flat.sd[k]) for k in keep)  # the pool's second buffer
+            if need > limit:
+                if not self._warned_budget:
+                    _log.warning(
+                        "an asynchronous save of this state needs %d bytes of host memory, "
+                        "more than max_staging_bytes=%d: saves run synchronously, without "
+                        "staging copies",
+                        need,
+                        limit,
+                    )
+                    self._warned_budget = True
+                background = False
+        release = None
+        if background and keep:
+            frozen = opt.freeze_cpu_state()  # keeps these values while training goes on
+            views, release = frozen.views, frozen.release
+        flat.use_host_states(views)
+        if background:
+            flat.detach_objects()
+        staged = flat.sd
+        if background or limit is None or self._within(flat.sd, keep, limit):
+            staged = self._staging.stage(flat.sd, copy_cpu=background, keep=keep)
+        if background:
+            self._staging.finish()  # every copy has landed: training may change anything now
+        spec = WriteSpec(
+            catalog=self._catalog,
+            step=step,
+            sd=staged,
+            staging=self._staging,
+            io_threads=self.config.io_threads,
+            keep_last=self.config.keep_last,
+            group=self._group if background else None,
+        )
+        return spec, background, release
+
+    def _within(self, sd: dict[str, Any], keep: set[str], limit: int) -> bool:
+        return self._staging.bytes_needed(sd, copy_cpu=False, keep=keep) <= limit
+
+    def _offloaded_views(self) -> dict[int, torch.Tensor]:
+        """With CPU offload on: host views of the optimizer's offloaded states (the offload
+        protocol: ``cpu_state_views()``); {} otherwise."""
+        opt = self._optimizer
+        if opt is None or getattr(opt, "cpu_offload", False) is not True:
+            return {}
+        for m in ("cpu_state_views", "freeze_cpu_state"):
+            if not callable(getattr(opt, m, None)):
+                raise TypeError(
+                    f"{type(opt).__name__} has CPU offload on but no {m}(); the checkpoint "
+                    "manager reads and writes offloaded states through cpu_state_views() and "
+                    "freeze_cpu_state() (see optim.Muon)"
                 )
-            _commit.delete_step(self._storage, step)
-        _commit.remove_leftovers(self._storage)
+        return opt.cpu_state_views()
 
-    def _commit_job(self, step: int, records: FileRecords, nkeys: int) -> Callable[[], None]:
-        gathered = coll.gather_to_rank0(records.files)
+    def _finished(self, spec: WriteSpec, release: Any) -> None:
+        """In the caller's thread, once a save's job has ended (committed or not)."""
+        if release is not None:
+            release()
+        t = spec.timings
+        t["total"] = t.get("blocked", 0.0) + t.get("dcp_save", 0.0) + t.get("commit", 0.0)
+        self.last_save_timings = dict(spec.timings)
+        _log.debug("saved step %d: %s", spec.step, _fmt(spec.timings))
 
-        def commit() -> None:
-            files: dict[str, FileEntry] = {}
-            for part in gathered or []:
-                files.update(part)
-            extra = {"io_threads": self.config.io_threads, "keys": nkeys}
-            _commit.write_manifest(self._storage, step, coll.world_size(), files, extra)
-            if self.config.keep_last is not None:
-                _commit.apply_retention(self._storage, self.config.keep_last, step)
-
-        return lambda: coll.on_rank0(commit)
+    def wait(self) -> int | None:
+        """Block until the pending asynchronous save is committed; return its step (None when
+        nothing was pending). Its failure is raised here (CheckpointError naming the step)."""
+        self._check_open()
+        job, self._pending = self._pending, None
+        return None if job is None else job.wait()
 
     # ------------------------------------------------------------------ load
     def load(self, step: int | None = None) -> int | None:
         """Load ``step`` (default: the newest committed one) in place; return the step loaded.
 
         On a fresh run (nothing committed, no ``resume_from``) returns None and changes nothing.
+        A pending asynchronous save is committed first.
         """
         self._check_open()
         if step is not None:
-            self._check_step(step)
-        self._wait_pending()
-        self.last_load_timings = {}
-        clock = _PhaseClock()
+            step = self._check_step(step)
+        self.wait()
+        t0 = time.perf_counter()
         decision = coll.on_rank0(lambda: self._decide(step))
-        clock.mark("decide")
+        t1 = time.perf_counter()
         if decision is None:
             return None
         from_resume, chosen, files, metadata = decision
-        storage = self._resume[0] if from_resume and self._resume else self._storage
-        where = storage.url_of(step_dirname(chosen))
-        with self._offload_paused():
-            fresh: set[int] = set()
-            if self._optimizer is not None:
-                fresh = prepare_optimizer_state(self._optimizer)
-            flat = FlatState.build(self._model, self._optimizer, self._extra)
-            flat.check_against(metadata, fresh, where)
-            clock.mark("prepare")
-            reader = VerifyingReader(
-                storage,
-                step_dirname(chosen),
-                files,
-                metadata=metadata,
-                rank=coll.rank(),
-                world_size=coll.world_size(),
-                io_threads=self.config.io_threads,
-                verify_crc=self.config.verify == "crc32",
-            )
-            try:
+        catalog = self._resume[0] if from_resume and self._resume else self._catalog
+        where = catalog.storage.url_of(step_dirname(chosen))
+        fresh: set[int] = set()
+        if self._optimizer is not None:
+            fresh = prepare_optimizer_state(self._optimizer)
+        flat = FlatState.build(self._model, self._optimizer, self._extra)
+        flat.use_host_states(self._offloaded_views())
+        flat.check_against(metadata, fresh, where)
+        t2 = time.perf_counter()
+        reader = VerifyingReader(
+            catalog.storage.child(step_dirname(chosen)),
+            files,
+            metadata=metadata,
+            rank=coll.rank(),
+            world_size=coll.world_size(),
+            io_threads=self.config.io_threads,
+            verify_crc=self.config.verify == "crc32",
+        )
+        try:
+            with quiet():
                 dcp.load(
                     flat.sd,
                     storage_reader=reader,
                     planner=SafeLoadPlanner(),
                     no_dist=not coll.is_dist(),
                 )
-            except BaseException as e:
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                _reraise(e, f"loading {where}")
-            clock.mark("dcp_load")
-            flat.apply_loaded(self._optimizer, self._extra, where)
-        clock.mark("apply")  # with offload on, this includes parking the states again
-        self.last_load_timings = {**clock.phases, **reader.timings, "total": clock.total()}
-        _log.debug("loaded step %d: %s", chosen, _fmt_timings(self.last_load_timings))
+        except DCP_ERRORS as e:
+            raise dcp_failure(e, f"loading {where}") from e
+        t3 = time.perf_counter()
+        flat.apply_loaded(self._optimizer, self._extra, where)
+        t4 = time.perf_counter()
+        self.last_load_timings = {
+            "decide": t1 - t0,
+            "prepare": t2 - t1,
+            "dcp_load": t3 - t2,
+            "apply": t4 - t3,
+            **reader.timings,
+            "total": t4 - t0,
+        }
+        _log.info("loaded step %d from %s in %.3f s", chosen, where, t4 - t0)
+        _log.debug("loaded step %d: %s", chosen, _fmt(self.last_load_timings))
         return chosen
 
     def _decide(self, step: int | None) -> tuple[bool, int, dict[str, FileEntry], Any] | None:
-        storage, from_resume = self._storage, False
-        steps = _commit.committed_steps(storage)
+        catalog, from_resume = self._catalog, False
+        steps = catalog.committed_steps()
         if step is not None:
             if step not in steps:
-                raise _commit.not_found(storage, step, steps)
+                raise catalog.not_found(step, steps)
         elif steps:
             step = steps[-1]
         elif self._resume is not None:
-            storage, step = self._resume
+            catalog, step = self._resume
             from_resume = True
-            rsteps = _commit.committed_steps(storage)
+            rsteps = catalog.committed_steps()
             if step is None and not rsteps:
-                raise _commit.not_found(storage, None, rsteps)
+                raise catalog.not_found(None, rsteps)
             if step is None:
                 step = rsteps[-1]
             elif step not in rsteps:
-                raise _commit.not_found(storage, step, rsteps)
+                raise catalog.not_found(step, rsteps)
         else:
             return None
-        manifest, metadata = _commit.read_checked_manifest(storage, step)
+        manifest, metadata = catalog.checked(step)
         return from_resume, step, manifest.files, metadata
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Finish any pending work; the manager cannot be used afterwards. Idempotent."""
+        """Finish a pending save (its failure is raised here); the manager cannot be used
+        afterwards. Idempotent."""
         if self._closed:
             return
         try:
-            self._wait_pending()
+            self.wait()
         finally:
             self._staging.release()
             self._closed = True
@@ -360,32 +389,22 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed; create a new one")
 
     @staticmethod
-    def _check_step(step: Any) -> None:
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
-
-    def _wait_pending(self) -> None:
-        job, self._pending = self._pending, None
-        if job is not None:
-            job()
-
-    @contextmanager
-    def _offload_paused(self) -> Iterator[None]:
-        """States on their devices for the duration; an offloading optimizer is restored (and
-        its freshly loaded states offloaded again) afterwards, also on error."""
-        opt = self._optimizer
-        was_on = opt is not None and getattr(opt, "cpu_offload", False) is True
-        if was_on:
-            opt.turn_off_cpu_offload()
+    def _check_step(step: Any) -> int:
         try:
-            yield
-        finally:
-            if was_on:
-                opt.turn_on_cpu_offload()
+            value = operator.index(step) if not isinstance(step, bool) else None
+        except TypeError:
+            value = None
+        if value is None or value < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        return value
 
     def __repr__(self) -> str:
         c = self.config
         return (
             f"CheckpointManager({c.url!r}, keep_last={c.keep_last}, interval={c.interval}, "
-            f"resume_from={c.resume_from!r})"
+            f"async_save={c.async_save}, resume_from={c.resume_from!r})"
         )
+
+
+def _fmt(t: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}s" for k, v in t.items())

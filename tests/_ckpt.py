@@ -15,8 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from muon_ckpt._layout import MANIFEST, FileEntry, Manifest, step_dirname
-from muon_ckpt._storage import Storage
+from muon_ckpt.store import MANIFEST, FileEntry, Manifest, Storage, step_dirname
 
 
 def write_step(

@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import socket
 import sys
 import tempfile
@@ -151,6 +152,14 @@ def run_on_ranks(
     for r in hung:
         procs[r].kill()
         procs[r].join()
+    try:
+        _raise_failures(fn, world_size, outs, failures, stack_files, timeout)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [outs[r] for r in range(world_size)]
+
+
+def _raise_failures(fn, world_size, outs, failures, stack_files, timeout) -> None:
     if failures or len(outs) < world_size:
         parts = [f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items())]
         missing = [r for r in range(world_size) if r not in outs and r not in failures]
@@ -166,7 +175,6 @@ def run_on_ranks(
             f"distributed test {getattr(fn, '__name__', fn)} on {world_size} ranks:\n"
             + "\n".join(parts)
         )
-    return [outs[r] for r in range(world_size)]
 
 
 def run_script(args: list[str], timeout: float = 300.0, env: dict | None = None):

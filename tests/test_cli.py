@@ -14,8 +14,8 @@ import torch
 
 from muon_ckpt import CheckpointManager, CheckpointNotFoundError
 from muon_ckpt._progress import Progress
-from muon_ckpt._storage import Storage
 from muon_ckpt.cli import main
+from muon_ckpt.store import Storage
 from tests._ckpt import TinyNet, make_muon, muon_state_sd, train, write_step
 
 

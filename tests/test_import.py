@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from muon_ckpt import CheckpointManager, ImportReport, import_optimizer_state
-from muon_ckpt._safetensors import write_safetensors
+from muon_ckpt.interop._safetensors import write_safetensors
 from tests._ckpt import TinyNet, is_matrix, make_muon, train
 
 MATRICES = ["fc1.weight", "fc2.weight"]

@@ -123,7 +123,7 @@ def test_uncommitted_step_and_missing_step(tmp_path):
     _, opt, _ = _fresh()
     with pytest.raises(CheckpointNotFoundError, match="never committed"):
         import_optimizer_state(opt, url + "/step-00000002")
-    with pytest.raises(CheckpointNotFoundError, match=r"committed steps: \[1\]"):
+    with pytest.raises(CheckpointNotFoundError, match=r"committed steps: 1\."):
         import_optimizer_state(opt, url, step=2)
     assert import_optimizer_state(opt, url).source_step == 1  # newest committed
 

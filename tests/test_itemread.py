@@ -1,4 +1,4 @@
-"""The local item reader (muon_ckpt/_itemread.py) against DCP's own FileSystemReader.
+"""The local item reader (muon_ckpt/io/_itemread.py) against DCP's own FileSystemReader.
 
 A plain ``dcp.save`` of many dtypes and shapes (0-d, empty, transposed, non-tensor values) is
 loaded twice into identical targets: by ``dcp.load`` with DCP's reader (the reference) and by
@@ -18,12 +18,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-import muon_ckpt._itemread as itemread
+import muon_ckpt.io._itemread as itemread
 from muon_ckpt import CheckpointCorruptError, CheckpointError
-from muon_ckpt._layout import FileEntry
-from muon_ckpt._storage import Storage
-from muon_ckpt._writer import VerifyingReader, crc_hex
-from muon_ckpt.manager import _reraise
+from muon_ckpt.io import VerifyingReader, dcp_failure
+from muon_ckpt.store import FileEntry, Storage, crc_hex
 
 
 def _stored() -> dict[str, object]:
@@ -110,8 +108,7 @@ def _ours(d: str, targets: dict, files: dict | None = None, verify: bool = True)
     does with DCP's CheckpointException)."""
     metadata = dcp.FileSystemReader(d).read_metadata()
     reader = VerifyingReader(
-        Storage(os.path.dirname(d)),
-        os.path.basename(d),
+        Storage(d),
         files if files is not None else _manifest(d),
         metadata=metadata,
         rank=0,
@@ -122,7 +119,7 @@ def _ours(d: str, targets: dict, files: dict | None = None, verify: bool = True)
     try:
         dcp.load(targets, storage_reader=reader, no_dist=True)
     except CheckpointException as e:
-        _reraise(e, f"loading {d}")
+        raise dcp_failure(e, f"loading {d}") from e
 
 
 def check_same_bits_as_dcp_reader(tmp_path, kind: str, verify: bool, device: str) -> None:

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from muon_ckpt import CheckpointManager
-from muon_ckpt._layout import MANIFEST, parse_step_dirname
-from muon_ckpt._storage import Storage
+from muon_ckpt.store import MANIFEST, Storage, parse_step_dirname
 from tests._dist import _context
 
 

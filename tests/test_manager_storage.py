@@ -16,8 +16,7 @@ from muon_ckpt import (
     CheckpointExistsError,
     CheckpointManager,
 )
-from muon_ckpt._layout import MANIFEST
-from muon_ckpt._storage import Storage
+from muon_ckpt.store import MANIFEST, Storage
 from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
 
 
@@ -234,7 +233,7 @@ def test_save_and_load_report_their_phase_timings(storage_url, caplog):
 
 
 def test_start_writeback_keeps_the_bytes_and_never_raises(tmp_path):
-    from muon_ckpt._writeback import start_writeback
+    from muon_ckpt.io._writeback import start_writeback
 
     data = bytes(range(256)) * 40000
     path = tmp_path / "f"

@@ -324,7 +324,7 @@ def body_all_behaviours(rank, world_size):
             # Peers may now wait in a collective: fail this rank at once (the harness stops
             # the others and shows this traceback) rather than hang until the timeout.
             raise RuntimeError(f"behaviour {name!r} failed on rank {rank}") from e
-        results[name] = None
+        results[name] = "passed"
         dist.barrier()
     return results
 
@@ -336,5 +336,7 @@ def outcomes(request):
 
 @pytest.mark.parametrize("behaviour", BEHAVIOURS)
 def test_offload_behaviour(outcomes, behaviour):
-    failures = {r: res[behaviour] for r, res in enumerate(outcomes) if res[behaviour]}
-    assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
+    # A behaviour that raised failed the whole run (the fixture raises with its traceback);
+    # here every rank must have run this one to the end.
+    got = [res.get(behaviour) for res in outcomes]
+    assert got == ["passed"] * len(outcomes), f"{behaviour}: per rank {got}"

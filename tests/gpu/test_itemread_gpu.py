@@ -26,7 +26,7 @@ def test_cuda_targets_same_bits_as_dcp_reader(tmp_path, kind, verify):
 def test_cuda_targets_go_through_the_page_locked_buffers(tmp_path, monkeypatch):
     """Contiguous CUDA targets of the stored dtype take the pinned double-buffer path (and
     the 3-chunk tensor cycles through both buffers)."""
-    import muon_ckpt._itemread as itemread
+    import muon_ckpt.io._itemread as itemread
     from tests.test_itemread import _ours, _save, _targets
 
     used: list[int] = []

@@ -1,10 +1,11 @@
-"""One rank of the demo: ``python -m muon_ckpt._demo_worker CONFIG.json`` (env:// rendezvous).
+"""One rank of the demo: ``python -m muon_ckpt.demo._worker CONFIG.json`` (env:// rendezvous).
 
 Trains the FSDP2-sharded TinyLM with Muon + AdamW. Phase ``reference`` runs all steps without
-checkpoints; ``train`` saves every ``interval`` steps and, at ``kill_at``, rank 0 SIGKILLs every
-worker and itself (a crash: nothing is flushed or closed); ``resume`` loads the newest committed
-step and finishes. Rank 0 appends each step's loss to ``losses-<phase>.txt`` as it goes and, at
-the end, writes the full parameters and optimizer state and the timings.
+checkpoints; ``train`` saves asynchronously every ``interval`` steps and, at ``kill_at``, rank 0
+SIGKILLs every worker and itself (a crash: nothing is flushed or closed, a background write may
+be in flight); ``resume`` loads the newest committed step and finishes. Rank 0 appends one JSON
+line per event (each step's loss, each save's blocked time, the load) to ``events.jsonl`` as it
+goes and, at the end, writes the full parameters and optimizer state to ``<phase>.pt``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from muon_ckpt._demo_model import DemoConfig, TinyLM, batch, loss_fn, param_groups
 from muon_ckpt._progress import human_bytes
+from muon_ckpt.demo._model import DemoConfig, TinyLM, batch, loss_fn, param_groups
 
 
 class DataPosition:
@@ -104,6 +105,7 @@ def main(cfg_path: str) -> None:
             keep_last=3,
             interval=cfg["interval"],
             storage_options=cfg["storage_options"],
+            async_save=True,
         )
         dist.barrier()
         t0 = time.perf_counter()
@@ -133,11 +135,9 @@ def main(cfg_path: str) -> None:
         if rank == 0 and (step % every == 0 or step == steps):
             print(f"    step {step:4d}/{steps}  loss {avg.item():.4f}", flush=True)
         if mgr is not None and (step % cfg["interval"] == 0):
-            dist.barrier()
             t0 = time.perf_counter()
-            mgr.save(step)
-            secs = time.perf_counter() - t0
-            event(kind="save", step=step, s=secs, bytes=_step_bytes(cfg, step) if rank == 0 else 0)
+            mgr.save(step)  # returns after the snapshot; the write runs while training goes on
+            event(kind="save", step=step, s=time.perf_counter() - t0)
         if step == cfg.get("kill_at") and rank == 0:
             print(f"    step {step:4d}: SIGKILL to every worker", flush=True)
             _kill_everyone(cfg["pid_file"])
@@ -159,12 +159,9 @@ def main(cfg_path: str) -> None:
 
 
 def _step_bytes(cfg: dict[str, Any], step: int) -> int:
-    from muon_ckpt._layout import MANIFEST, Manifest, step_dirname
-    from muon_ckpt._storage import Storage
+    from muon_ckpt.store import Catalog, Storage
 
-    st = Storage(cfg["url"], cfg["storage_options"])
-    raw = st.read_bytes(step_dirname(step), MANIFEST)
-    return Manifest.from_json(raw, cfg["url"]).total_bytes
+    return Catalog(Storage(cfg["url"], cfg["storage_options"])).manifest(step).total_bytes
 
 
 if __name__ == "__main__":

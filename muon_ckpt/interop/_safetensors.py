@@ -1,16 +1,16 @@
-"""A small safetensors reader/writer over fsspec, with no numpy and no pickle.
+"""A small safetensors reader/writer over any Storage, streaming one tensor at a time.
 
 The format (https://github.com/huggingface/safetensors): 8 bytes little-endian header length N,
 N bytes of JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]},
 "__metadata__": {str: str}}`` padded with spaces to a multiple of 8, then the raw little-endian
-tensor bytes. ``safetensors.torch.save_file`` needs numpy, which muon-ckpt does not depend on;
-this writer streams one tensor at a time to any fsspec file (local or remote) instead. Files
-written here are read by the ``safetensors`` package and vice versa (tests check both).
+tensor bytes. ``safetensors.torch.save_file`` builds the whole file in memory; this writer
+streams one tensor at a time to any open binary file (local or remote) instead, and the reader
+reads one tensor's byte range at a time. Files written here are read by the ``safetensors``
+package and vice versa (tests check both).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import struct
@@ -22,6 +22,8 @@ from typing import IO, Any
 import torch
 
 from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt._tensors import tensor_bytes
+from muon_ckpt.store import Storage
 
 __all__ = ["DTYPES", "SafetensorsFile", "TensorInfo", "write_safetensors"]
 
@@ -66,12 +68,12 @@ def _check_little_endian() -> None:
 class SafetensorsFile:
     """The header of a safetensors file, and lazy reads of its tensors (any fsspec file)."""
 
-    def __init__(self, fs: Any, path: str) -> None:
-        self.fs = fs
-        self.path = path
-        where = f"{path!r} (safetensors)"
-        size = int(fs.size(path))
-        with fs.open(path, "rb") as f:
+    def __init__(self, file: Storage) -> None:
+        self.file = file  # rooted at the file itself
+        self.path = file.url
+        where = f"{self.path!r} (safetensors)"
+        size = file.size()
+        with file.open() as f:
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointCorruptError(f"{where}: file is {size} bytes, too short")
@@ -115,22 +117,13 @@ class SafetensorsFile:
         info = self.tensors[name]
         if info.end == info.begin:
             return torch.empty(info.shape, dtype=info.dtype)
-        data = self.fs.cat_file(self.path, start=info.begin, end=info.end)
+        data = self.file.read_range(info.begin, info.end)
         if len(data) != info.end - info.begin:
             raise CheckpointCorruptError(
                 f"{self.path!r}: short read for {name!r} ({len(data)} of "
                 f"{info.end - info.begin} bytes); the file is truncated"
             )
         return torch.frombuffer(bytearray(data), dtype=info.dtype).reshape(info.shape)
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy, writable byte view of a contiguous CPU tensor (the caller keeps ``t``
-    alive)."""
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
 def write_safetensors(

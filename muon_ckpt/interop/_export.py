@@ -1,8 +1,9 @@
 """Export a checkpoint's consolidated (full) tensors to one safetensors file.
 
 Runs in one process with no process group, whatever the world size of the save: tensors are read
-through DCP with ``no_dist=True`` (DCP assembles every shard into the full tensor), a batch of
-at most ``_BATCH`` bytes at a time, and streamed to the output (local path or fsspec URL).
+through the verifying reader (``io.CheckpointReader``: DCP assembles every shard into the full
+tensor; sizes and checksums are checked as for a load), a batch of at most ``_BATCH`` bytes at a
+time, and streamed to the output (local path or fsspec URL), which appears only when complete.
 Keys are kept as stored (``model.<fqn>``, ``optim.state.<fqn>.<key>``, ...), so the file can be
 given back to ``import_optimizer_state``; the optimizer's param-group hyperparameters go into
 the metadata as JSON (safetensors holds tensors only).
@@ -11,20 +12,16 @@ the metadata as JSON (safetensors holds tensors only).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from fsspec.core import url_to_fs
 
-from muon_ckpt import _dcp
-from muon_ckpt._catalog import resolve
-from muon_ckpt._layout import KEY_FORMAT_VERSION
 from muon_ckpt._progress import Progress
-from muon_ckpt._safetensors import write_safetensors
-from muon_ckpt._storage import Storage
+from muon_ckpt.interop._safetensors import write_safetensors
+from muon_ckpt.io import CheckpointReader
+from muon_ckpt.store import KEY_FORMAT_VERSION, Storage, bytes_keys, resolve, tensor_entries
 
 __all__ = ["ExportSummary", "export_safetensors", "parse_dtype"]
 
@@ -101,6 +98,7 @@ def export_safetensors(
     dtype: str | torch.dtype | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: bool | None = False,
+    verify: str = "crc32",
 ) -> ExportSummary:
     """Write the full tensors of a checkpoint to the safetensors file ``out``.
 
@@ -112,17 +110,18 @@ def export_safetensors(
         dtype: cast floating tensors of one or more dimensions to this dtype (scalars such as
             AdamW's ``step`` keep theirs); default: as stored.
         progress: draw a progress bar on stderr (``None``: only on a TTY).
+        verify: ``"crc32"`` checks the size and checksum of every file read (a damaged file
+            is a CheckpointCorruptError naming it); ``"size"`` sizes only.
     """
     inc = tuple(include)
     bad = [s for s in inc if s not in SECTIONS]
     if bad or not inc:
         raise ValueError(f"include must be a non-empty subset of {SECTIONS}, got {inc!r}")
     cast = parse_dtype(dtype)
-    r = resolve(Storage(url, storage_options), step)
-    md = _dcp.read_metadata(r.storage, *r.parts)
-    reader = _dcp.open_reader(r.storage, *r.parts, storage_options=storage_options)
+    reader = CheckpointReader(resolve(Storage(url, storage_options), step), verify=verify)
+    r, md = reader.resolved, reader.metadata
     src_dtype, layout = {}, []
-    for key, tm in sorted(_dcp.tensor_entries(md).items()):
+    for key, tm in sorted(tensor_entries(md).items()):
         if section_of(key) not in inc:
             continue
         d = tm.properties.dtype
@@ -130,7 +129,7 @@ def export_safetensors(
         if cast is not None and d.is_floating_point and len(tm.size) >= 1:
             d = cast
         layout.append((key, d, tuple(tm.size)))
-    nontensor = [k for k in _dcp.bytes_keys(md) if section_of(k) in inc]
+    nontensor = [k for k in bytes_keys(md) if section_of(k) in inc]
     groups = [k for k in nontensor if k.startswith(("optim.param_groups.", "param_groups."))]
     meta = {
         "format": "muon-ckpt-export",
@@ -144,37 +143,24 @@ def export_safetensors(
         meta["step"] = str(r.step)
     if groups:
         hp: dict[str, Any] = {k: None for k in groups}
-        _dcp.load(hp, reader)
+        reader.load(hp)
         meta["optim.param_groups"] = json.dumps(hp, sort_keys=True, default=repr)
     total = sum(torch.Size(s).numel() * d.itemsize for _, d, s in layout)
 
     def tensors(bar: Progress) -> Iterator[tuple[str, torch.Tensor]]:
         for batch in _batches(layout, src_dtype):
             sd = {k: torch.empty(s, dtype=src_dtype[k]) for k, _, s in batch}
-            _dcp.load(sd, reader)
+            reader.load(sd)
             for k, d, _ in batch:
                 t = sd.pop(k).to(d)
                 bar.update(t.numel() * t.element_size())
                 yield k, t
 
     opts = storage_options if "://" in out and not out.startswith("file://") else {}
-    fs, path = url_to_fs(out, **(opts or {}))
-    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-    target = path + ".tmp" if local else path
-    parent = os.path.dirname(path) if local else None
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    try:
-        with (
-            Progress(total, f"export step {r.step}", enabled=progress) as bar,
-            fs.open(target, "wb") as f,
-        ):
-            written = write_safetensors(f, layout, tensors(bar), meta)
-        if local:
-            os.replace(target, path)
-    except BaseException:
-        if local and os.path.exists(target):
-            os.remove(target)
-        raise
+    with (
+        Progress(total, f"export step {r.step}", enabled=progress) as bar,
+        Storage(out, opts).open_atomic() as f,
+    ):
+        written = write_safetensors(f, layout, tensors(bar), meta)
     skipped = [k for k in nontensor if k not in groups]
     return ExportSummary(out, r.step, len(layout), written, skipped)

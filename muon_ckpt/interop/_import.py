@@ -15,15 +15,18 @@ read and copied in. On N ranks every rank calls this (it is collective only thro
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import TensorMeta
 
 from muon_ckpt._errors import CheckpointError, CheckpointMismatchError
-from muon_ckpt._sources import Source, SrcEntry, open_source
+from muon_ckpt._tensors import local_tensor
+from muon_ckpt.interop._sources import Source, SrcEntry, open_source
 
 __all__ = ["ImportReport", "import_optimizer_state"]
 
@@ -181,8 +184,15 @@ def _plan(
     return plan
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+def _buffer_like(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor with ``like``'s shape, placement and the device of its data, in
+    ``dtype`` (a DTensor around a host view keeps its local part on the host)."""
+    local = local_tensor(like)
+    if not isinstance(like, DTensor) or local.device.type == like.device_mesh.device_type:
+        return torch.empty_like(like, dtype=dtype)
+    meta = TensorMeta(like.shape, like.stride(), dtype)
+    spec = dataclasses.replace(like._spec, tensor_meta=meta)
+    return DTensor(torch.empty(local.shape, dtype=dtype), spec, requires_grad=False)
 
 
 @torch.no_grad()
@@ -196,6 +206,7 @@ def import_optimizer_state(
     step: int | None = None,
     adam_into_muon: bool = False,
     dry_run: bool = False,
+    verify: str = "crc32",
 ) -> ImportReport:
     """Load optimizer state from ``source`` into ``optimizer`` (a Muon), by parameter FQN.
 
@@ -211,6 +222,8 @@ def import_optimizer_state(
         step: which step of a muon-ckpt run to read (default: newest committed).
         adam_into_muon: use Adam's ``exp_avg`` as the momentum of Muon (matrix) params.
         dry_run: plan and check only; the optimizer is not changed.
+        verify: for a muon-ckpt source, ``"crc32"`` checks the size and checksum of every
+            file read, ``"size"`` sizes only (as ``CheckpointManager(verify=)``).
 
     Raises:
         CheckpointMismatchError: a source tensor's shape does not match its parameter.
@@ -218,7 +231,14 @@ def import_optimizer_state(
         CheckpointError: the source cannot be read safely or is not optimizer state.
     """
     targets = _targets(optimizer, model)
-    src = open_source(source, names=names, model=model, storage_options=storage_options, step=step)
+    src = open_source(
+        source,
+        names=names,
+        model=model,
+        storage_options=storage_options,
+        step=step,
+        verify=verify,
+    )
     if not src.entries:
         raise CheckpointError(
             f"{src.description}: no optimizer state found (expected keys "
@@ -228,25 +248,19 @@ def import_optimizer_state(
     plan = _plan(targets, src, adam_into_muon, report)
     if dry_run:
         return report
-    was_on = bool(getattr(optimizer, "cpu_offload", False))
-    if was_on:
-        optimizer.turn_off_cpu_offload()
-    try:
-        optimizer.init_state()
-        wanted = []
-        for t, dst, e in plan:
-            like = optimizer.state[t.param][dst]
-            buf = (
-                torch.empty(e.shape, dtype=e.dtype)
-                if dst == "step"
-                else (torch.empty_like(like, dtype=e.dtype))
-            )
-            wanted.append((e, buf))
-        src.read(wanted)  # everything is read before anything is written
-        for (t, dst, _), (_, buf) in zip(plan, wanted, strict=True):
-            dest = optimizer.state[t.param][dst]
-            _local(dest).copy_(_local(buf).reshape(_local(dest).shape))
-    finally:
-        if was_on:
-            optimizer.turn_on_cpu_offload()
+    optimizer.init_state()
+    # With CPU offload on, states are written where they are parked (pinned host memory):
+    # nothing comes to the device, and offload stays on.
+    views = optimizer.cpu_state_views() if optimizer.cpu_offload else {}
+    dests = []
+    for t, dst, _ in plan:
+        state = optimizer.state[t.param][dst]
+        dests.append(views.get(id(state), state))
+    wanted = []
+    for (_, dst, e), dest in zip(plan, dests, strict=True):
+        buf = torch.empty(e.shape, dtype=e.dtype) if dst == "step" else _buffer_like(dest, e.dtype)
+        wanted.append((e, buf))
+    src.read(wanted)  # everything is read before anything is written
+    for dest, (_, buf) in zip(dests, wanted, strict=True):
+        local_tensor(dest).copy_(local_tensor(buf).reshape(local_tensor(dest).shape))
     return report

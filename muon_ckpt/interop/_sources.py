@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from muon_ckpt import _dcp
-from muon_ckpt._catalog import resolve
+from muon_ckpt import _collective as coll
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from muon_ckpt._safetensors import SafetensorsFile
-from muon_ckpt._storage import Storage
+from muon_ckpt.interop._safetensors import SafetensorsFile
+from muon_ckpt.io import CheckpointReader
+from muon_ckpt.store import Storage, resolve, tensor_entries
 
 __all__ = ["STATE_PREFIXES", "Source", "SrcEntry", "open_source"]
 
@@ -108,22 +108,24 @@ class _SafetensorsSource(Source):
 
 
 class _DCPSource(Source):
-    def __init__(self, storage: Storage, step: int | None, opts: dict[str, Any] | None) -> None:
+    def __init__(self, storage: Storage, step: int | None, verify: str) -> None:
         r = resolve(storage, step)
         self.step = r.step
         what = "muon-ckpt checkpoint" if r.manifest else "DCP checkpoint"
         self.description = f"{what} at {r.url}"
-        md = _dcp.read_metadata(r.storage, *r.parts)
-        self._reader = _dcp.open_reader(r.storage, *r.parts, storage_options=opts)
+        # Every rank reads the slices of its own targets; each file is checked by one rank.
+        self._reader = CheckpointReader(
+            r, verify=verify, rank=coll.rank(), world_size=coll.world_size()
+        )
         self.entries = []
-        for key, tm in _dcp.tensor_entries(md).items():
+        for key, tm in tensor_entries(self._reader.metadata).items():
             parts = split_state_key(key)
             if parts:
                 self.entries.append(SrcEntry(key, *parts, tuple(tm.size), tm.properties.dtype))
 
     def read(self, wanted: list[tuple[SrcEntry, torch.Tensor]]) -> None:
         if wanted:
-            _dcp.load({e.key: buf for e, buf in wanted}, self._reader)
+            self._reader.load({e.key: buf for e, buf in wanted})
 
 
 def _kind_of_torch_optimizer(groups: Sequence[Mapping[str, Any]]) -> str:
@@ -213,6 +215,7 @@ def open_source(
     model: Any = None,
     storage_options: dict[str, Any] | None = None,
     step: int | None = None,
+    verify: str = "crc32",
 ) -> Source:
     """Open ``source``: a path/URL (file or directory), or an in-memory state dict."""
     if isinstance(source, Mapping):
@@ -226,14 +229,13 @@ def open_source(
             f"source must be a path, an fsspec URL or a state dict, got {type(source).__name__}"
         )
     storage = Storage(source, storage_options)
-    fs, path = storage.fs, storage.root
-    if fs.isfile(path):
-        with fs.open(path, "rb") as f:
+    if storage.isfile():
+        with storage.open() as f:
             head = f.read(9)
         if len(head) == 9 and head[8:9] == b"{":
-            return _SafetensorsSource(SafetensorsFile(fs, path), source)
+            return _SafetensorsSource(SafetensorsFile(storage), source)
         if head[:2] == b"PK" or head[:1] == b"\x80":
-            with fs.open(path, "rb") as f:
+            with storage.open() as f:
                 try:
                     sd = torch.load(f, map_location="cpu", weights_only=True)
                 except Exception as e:
@@ -254,6 +256,6 @@ def open_source(
             f"{source!r}: not a safetensors file, a torch.save file or a DCP directory "
             f"(first bytes {head[:9]!r})"
         )
-    if not fs.exists(path):
+    if not storage.exists():
         raise CheckpointNotFoundError(f"{source!r} does not exist")
-    return _DCPSource(storage, step, storage_options)
+    return _DCPSource(storage, step, verify)

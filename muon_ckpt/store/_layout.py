@@ -26,6 +26,7 @@ from muon_ckpt._errors import CheckpointCorruptError
 
 STEP_PREFIX = "step-"
 MANIFEST = "manifest.json"
+METADATA = ".metadata"  # DCP's own metadata file, in every step directory
 FORMAT = "muon-ckpt"
 FORMAT_VERSION = 1
 KEY_FORMAT_VERSION = 1
@@ -52,15 +53,6 @@ def optim_state_key(fqn: str, key: str) -> str:
 
 def optim_group_key(fqn: str, hparam: str) -> str:
     return f"optim.param_groups.{fqn}.{hparam}"
-
-
-def split_last(key: str, prefix: str) -> tuple[str, str] | None:
-    """``optim.state.a.b.momentum_buffer`` with prefix ``optim.state.`` -> (``a.b``, key)."""
-    if not key.startswith(prefix):
-        return None
-    rest = key[len(prefix) :]
-    fqn, _, last = rest.rpartition(".")
-    return (fqn, last) if fqn else None
 
 
 @dataclass

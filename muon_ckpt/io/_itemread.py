@@ -12,7 +12,7 @@ Here, for a local file:
   reused host buffer when it is on another device, and through a reused buffer holding the
   whole record otherwise (slices of it for resharding, dtype casts, odd strides);
 * when this rank verifies the file, every byte of it, gaps and other ranks' items included,
-  goes through ``zlib.crc32`` in file order right after it is read, while it is still in cache.
+  goes through the checksum in file order right after it is read, while it is still in cache.
 
 Anything this module does not recognise (another pickle, several storages, a compressed
 record, a big-endian file, a DCP storage transform) is loaded the way DCP does it: the item's
@@ -29,15 +29,16 @@ import pickle
 import pickletools
 import struct
 import sys
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ._errors import CheckpointCorruptError
-from ._safetensors import tensor_bytes
+from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt._tensors import tensor_bytes
+from muon_ckpt.store import update
+from offload import pinned_empty
 
 # Bytes per pread (and per crc32 call): big enough that syscalls cost nothing, small enough
 # that the bytes are still in cache when the checksum runs over them.
@@ -279,7 +280,7 @@ class FileLoad:
         if self._verify:
             if offset != self._pos:
                 raise AssertionError(f"crc out of order: at {self._pos}, read at {offset}")
-            self._crc = zlib.crc32(mv, self._crc)
+            self._crc = update(self._crc, mv)
             self._pos = offset + len(mv)
 
     def _chunk_buf(self) -> memoryview:
@@ -333,7 +334,7 @@ class FileLoad:
             self._drain()
             if not self._pinned_bufs:
                 for _ in range(2):
-                    t = torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
+                    t = pinned_empty(CHUNK, pin=True)
                     self._pinned_bufs.append((t, tensor_bytes(t), None))
             self._pinned_bufs = [(t, v, torch.cuda.Event()) for t, v, _ in self._pinned_bufs]
             self._pinned_device = device

@@ -1,0 +1,66 @@
+"""DCP safety pieces: non-tensor values loaded with ``weights_only=True``, and the one place
+that turns DCP's failures back into muon-ckpt's errors.
+
+DCP loads non-tensor values with ``torch.load(weights_only=False)``; here they go through
+``weights_only=True``. (The ``.metadata`` pickle is read by ``store``'s restricted
+unpickler; tensors are read by ``_itemread`` or DCP's ``weights_only`` reader.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+from muon_ckpt._errors import CheckpointError
+
+__all__ = ["DCP_ERRORS", "SafeLoadPlanner", "dcp_failure", "quiet"]
+
+# What a failed dcp.save/dcp.load raises: DCP's CheckpointException derives from BaseException.
+DCP_ERRORS = (Exception, CheckpointException)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that loads non-tensor values with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def dcp_failure(e: BaseException, what: str) -> CheckpointError:
+    """The CheckpointError to raise for a failed ``dcp.save``/``dcp.load``: DCP wraps the
+    failures of every rank (``CheckpointException.failures``); a CheckpointError raised by one
+    of ours inside DCP comes back as itself (same class and message), anything else as a
+    CheckpointError naming ``what`` and the first cause."""
+    if isinstance(e, CheckpointError):
+        return e
+    failures: dict[int, Any] = getattr(e, "failures", None) or {}
+    causes = [v[0] if isinstance(v, tuple) else v for _, v in sorted(failures.items())]
+    for c in causes:
+        if isinstance(c, CheckpointError):
+            return type(c)(str(c))
+    first = causes[0] if causes else e
+    ranks = f" on rank(s) {sorted(failures)}" if failures else ""
+    return CheckpointError(f"{what} failed{ranks}: {type(first).__name__}: {first}")
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """DCP without its "torch.distributed is disabled" warning (every save or load in a
+    single process would print it: there, no process group is the normal case)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        warnings.filterwarnings("ignore", message=".*torch.distributed is not initialized.*")
+        yield

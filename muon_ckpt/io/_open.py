@@ -1,0 +1,54 @@
+"""A stored checkpoint opened for reading in this process: import, export and inspect read
+through the same verifying reader as the manager's load, with the same ``verify`` option."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from muon_ckpt._config import VERIFY_MODES
+from muon_ckpt.io._dcp import DCP_ERRORS, SafeLoadPlanner, dcp_failure, quiet
+from muon_ckpt.io._reader import VerifyingReader
+from muon_ckpt.store import Resolved
+
+__all__ = ["CheckpointReader"]
+
+
+class CheckpointReader:
+    """``resolved`` opened for reading: ``metadata`` (checked against the manifest: every
+    file present at its size, the metadata's checksum) and ``load(sd)``, which fills ``sd``'s
+    tensors (DTensors: their local slices) and non-tensor keys in place, checking the size and
+    (``verify="crc32"``) the checksum of every file it reads. ``rank``/``world_size``: when N
+    processes each read a part, which files this one checks whole (every file by some rank)."""
+
+    def __init__(
+        self,
+        resolved: Resolved,
+        *,
+        verify: str = "crc32",
+        io_threads: int = 4,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        self.resolved = resolved
+        self.metadata = resolved.metadata()
+        m = resolved.manifest
+        self._reader = VerifyingReader(
+            resolved.storage.child(*resolved.parts),
+            None if m is None else m.files,
+            metadata=self.metadata,
+            rank=rank,
+            world_size=world_size,
+            io_threads=io_threads,
+            verify_crc=verify == "crc32",
+        )
+
+    def load(self, sd: dict[str, Any]) -> None:
+        try:
+            with quiet():
+                dcp.load(sd, storage_reader=self._reader, planner=SafeLoadPlanner(), no_dist=True)
+        except DCP_ERRORS as e:
+            raise dcp_failure(e, f"reading {self.resolved.url}") from e

@@ -1,0 +1,218 @@
+"""The load path's one DCP reader: every byte it hands on is checked against the manifest.
+
+Used by the manager's ``load`` and, in one process, by import, export and inspect (through
+``open_checkpoint``). How files are read depends on where they are:
+
+* local files (``_itemread``): each file this rank needs is one task on ``io_threads``
+  threads; its items are parsed (torch's zip reader, a restricted unpickler) and their tensor
+  bytes read with ``pread`` straight into the targets (through page-locked chunk buffers for
+  CUDA targets), with no ``torch.load``. A file is checksummed on the way when this reader
+  checks it whole (below), every byte once, in order;
+* remote files with ``verify="crc32"`` (``_remote``): a file read completely is streamed
+  front to back, chaining the crc32, each stored blob handed to DCP as it arrives; a file
+  needed only in part is read by slices;
+* remote files with ``verify="size"``: DCP's own reads, file by file in parallel (sizes were
+  checked when the step was chosen).
+
+Which files a rank checks whole: the ones it owns (the rank that wrote it, modulo this world
+size) and, with ``check_unread``, the owned files it does not read at all. So on N ranks every
+file is checked by some rank; a file is checked at most once per reader. A corrupt file fails
+the load with a CheckpointCorruptError naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
+from muon_ckpt.io._itemread import FileLoad
+from muon_ckpt.io._remote import ServingFileSystem, read_remote
+from muon_ckpt.io._tasks import prefer_corruption, run_all
+from muon_ckpt.store import FileEntry, Storage, crc_hex, file_checksum
+
+__all__ = ["VerifyingReader"]
+
+_RANK_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+class VerifyingReader(FileSystemReader):
+    """DCP reader for one checkpoint directory ``step`` (a Storage rooted there).
+
+    ``files``: the manifest's files (None for a plain DCP directory: nothing to check against).
+    ``metadata``: the DCP metadata, already read and checked by the caller.
+    """
+
+    def __init__(
+        self,
+        step: Storage,
+        files: dict[str, FileEntry] | None,
+        *,
+        metadata: Any,
+        rank: int = 0,
+        world_size: int = 1,
+        io_threads: int = 4,
+        verify_crc: bool = True,
+        check_unread: bool = True,
+    ) -> None:
+        super().__init__(step.root)
+        self.fs = ServingFileSystem(step)
+        self.path = self.fs.init_path(step.root)
+        self.step = step
+        self._files = files
+        self._metadata = metadata
+        self._rank, self._world = rank, world_size
+        self.threads = io_threads
+        self._verify_crc = verify_crc and files is not None
+        self._check_unread = check_unread
+        self._checked: set[str] = set()
+        self._lock = threading.Lock()
+        self.timings: dict[str, float] = {}  # "read": wall time of read_data
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        # Already read (and checked) by the caller: no second round trip.
+        md = dataclasses.replace(self._metadata)
+        if md.storage_meta is not None:
+            md.storage_meta = dataclasses.replace(md.storage_meta, load_id=self.load_id)
+        return md
+
+    # ------------------------------------------------------------------ checks
+    def where(self, name: str) -> str:
+        return self.step.url_of(name)
+
+    def entry(self, name: str) -> FileEntry | None:
+        """The manifest's entry for ``name`` (None without a manifest); a file the manifest
+        does not list is an error."""
+        if self._files is None:
+            return None
+        want = self._files.get(name)
+        if want is None:
+            raise CheckpointCorruptError(
+                f"{self.where(name)}: the DCP metadata refers to this file but the manifest "
+                "does not list it; the step was not written by one save. Load another step"
+            )
+        return want
+
+    def to_check(self, read: set[str]) -> set[str]:
+        """The files this reader checksums whole (and marks as checked): owned ones, among
+        those it reads unless ``check_unread``."""
+        if not self._verify_crc or self._files is None:
+            return set()
+        names = sorted(self._files)
+        owned = set()
+        for i, n in enumerate(names):
+            m = _RANK_FILE_RE.match(n)
+            if (int(m.group(1)) if m else i) % self._world == self._rank:
+                owned.add(n)
+        if not self._check_unread:
+            owned &= read
+        with self._lock:
+            todo = owned - self._checked
+            self._checked |= todo
+        return todo
+
+    def check(self, name: str, size: int, crc: str) -> None:
+        want = self.entry(name)
+        if want is not None and (size != want.size or crc != want.crc32):
+            raise CheckpointCorruptError(
+                f"{self.where(name)}: file is corrupt: {size} bytes with crc32 {crc}, the "
+                f"manifest says {want.size} bytes with crc32 {want.crc32}. Load another step "
+                "(muon-ckpt ls lists them) or restore this file"
+            )
+
+    def fetch_and_check(self, name: str) -> None:
+        """Read ``name`` whole only to check its size and crc32."""
+        self.entry(name)
+        with self.step.open(name) as f:
+            self.check(name, *file_checksum(f))
+
+    def verdict(self, name: str) -> BaseException | None:
+        """The corruption of ``name`` if its checksum finds one (for ``prefer_corruption``)."""
+        if not self._verify_crc:
+            return None
+        try:
+            self.fetch_and_check(name)
+        except CheckpointCorruptError as e:
+            return e
+        return None
+
+    # ------------------------------------------------------------------ reading
+    def read_items(self, plan: Any, planner: Any, items: list[Any]) -> None:
+        """DCP's own reader on a subset of this rank's plan."""
+        super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+
+    def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
+        t0 = time.perf_counter()
+        if self.step.is_local:
+            self._read_local(plan, planner)
+        else:
+            read_remote(self, plan, planner, stream=self._verify_crc)
+        self.timings = {"read": time.perf_counter() - t0}
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _read_local(self, plan: Any, planner: Any) -> None:
+        """Each file one task on ``threads`` threads (``_itemread``): the items this rank needs
+        go straight into their targets, a file to check is checksummed on the way (one that
+        is not read, only checksummed). Items with a DCP storage transform go through DCP's
+        own reader."""
+        per_file: dict[str, dict[int, tuple[int, list[Any]]]] = {}
+        dcp_items: dict[str, list[Any]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if getattr(info, "transform_descriptors", None):  # (absent in older torch)
+                dcp_items.setdefault(info.relative_path, []).append(item)
+                continue
+            slot = per_file.setdefault(info.relative_path, {})
+            slot.setdefault(info.offset, (info.length, []))[1].append(item)
+        check = self.to_check(set(per_file) | set(dcp_items))
+        work = sorted(set(per_file) | set(dcp_items) | check)
+        sizes = {n: (e.size if (e := self.entry(n)) else 0) for n in work}
+        work.sort(key=lambda n: (-sizes[n], n))  # largest first: even finish
+
+        def one(name: str) -> None:
+            # A checked file is checksummed once: on the way by FileLoad, or by its own pass
+            # when DCP's reader is involved or nothing is read from it.
+            separate = name in check and (name in dcp_items or name not in per_file)
+            if separate:
+                self.fetch_and_check(name)
+            if name in dcp_items:
+                self.read_items(plan, planner, dcp_items[name])
+            if name in per_file:
+                self._load_file(name, per_file[name], planner, name in check and not separate)
+
+        run_all(self.threads, one, work)
+
+    def _load_file(
+        self, name: str, items: dict[int, tuple[int, list[Any]]], planner: Any, verify: bool
+    ) -> None:
+        where = self.where(name)
+        load = FileLoad(self.step.path(name), where, planner, verify)
+
+        def run() -> tuple[int, int] | None:
+            try:
+                return load.run(items)
+            except (CheckpointError, OSError):
+                raise
+            except Exception as e:
+                hint = (
+                    ""
+                    if self._verify_crc
+                    else '. If the file is damaged, load another step; verify="crc32" '
+                    "(the default) checks every byte of it"
+                )
+                raise CheckpointError(
+                    f"{where}: cannot load it: {type(e).__name__}: {e}{hint}"
+                ) from e
+
+        got = prefer_corruption(run, lambda: self.verdict(name))
+        if got is not None:
+            size, crc = got
+            self.check(name, size, crc_hex(crc))

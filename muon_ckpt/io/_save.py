@@ -1,0 +1,165 @@
+"""One save after its snapshot: write every rank's files, commit, apply retention.
+
+``SaveJob`` runs that work either here (a synchronous save) or in a background thread (an
+asynchronous one), and is the single place its failure is re-raised: ``wait()`` returns the
+step once it is committed, or raises a CheckpointError naming the step and the cause.
+
+Ordering, on every rank: ``dcp.save`` (DCP's planning collectives, then this rank's writer
+threads, each file checksummed as it is written; a failure on any rank fails it on all) ->
+gather every rank's file records on rank 0 -> rank 0 checks the files and writes the manifest
+(the commit), then applies retention -> the outcome is broadcast. A failure anywhere before
+the manifest leaves the step uncommitted and every committed step untouched; retention runs
+only after a commit, and a retention delete that fails is a warning (the step is committed).
+
+The background thread's collectives run on a gloo group of their own (``group``), never on
+the default group the training loop uses, so the two cannot interleave or deadlock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from muon_ckpt import _collective as coll
+from muon_ckpt._errors import CheckpointError
+from muon_ckpt.io._dcp import DCP_ERRORS, dcp_failure, quiet
+from muon_ckpt.io._staging import HostStaging, StagedSavePlanner
+from muon_ckpt.io._writer import ChecksumWriter, FileRecords
+from muon_ckpt.store import Catalog, FileEntry, step_dirname
+
+__all__ = ["SaveJob", "WriteSpec", "write_and_commit"]
+
+_log = logging.getLogger("muon_ckpt")
+
+
+@dataclass
+class WriteSpec:
+    """Everything the write of one snapshot needs."""
+
+    catalog: Catalog
+    step: int
+    sd: dict[str, Any]  # host tensors (or the live ones, for a synchronous save) and objects
+    staging: HostStaging
+    io_threads: int
+    keep_last: int | None
+    group: Any = None  # process group of the collectives (None: the default group)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def write_and_commit(w: WriteSpec) -> None:
+    storage, step = w.catalog.storage, w.step
+    t0 = time.perf_counter()
+    records = FileRecords()
+    writer = ChecksumWriter(storage, step_dirname(step), records, w.io_threads)
+    try:
+        with quiet():
+            dcp.save(
+                w.sd,
+                storage_writer=writer,
+                planner=StagedSavePlanner(w.staging),
+                process_group=w.group,
+                no_dist=not coll.is_dist(),
+            )
+    except DCP_ERRORS as e:
+        raise dcp_failure(e, f"saving step {step} to {storage.url!r}") from e
+    finally:
+        w.staging.finish()
+    t1 = time.perf_counter()
+    gathered = coll.gather_to_rank0(records.files, w.group)
+
+    def commit() -> list[int]:
+        files: dict[str, FileEntry] = {}
+        for part in gathered or []:
+            files.update(part)
+        extra = {"io_threads": w.io_threads, "keys": len(w.sd)}
+        m = w.catalog.commit(step, coll.world_size(), files, extra)
+        _log.info(
+            "committed step %d to %s: %d files, %d bytes",
+            step,
+            storage.url_of(step_dirname(step)),
+            len(m.files),
+            m.total_bytes,
+        )
+        if w.keep_last is None:
+            return []
+        try:
+            deleted = w.catalog.retain(w.keep_last, step)
+        except Exception as e:  # the step is committed: a failed clean-up does not undo that
+            _log.warning("retention after step %d failed (steps kept): %s", step, e)
+            return []
+        if deleted:
+            _log.info("retention (keep_last=%d) deleted steps %s", w.keep_last, deleted)
+        return deleted
+
+    coll.on_rank0(commit, w.group)
+    t2 = time.perf_counter()
+    w.timings.update(
+        dcp_save=t1 - t0,
+        commit=t2 - t1,
+        write_data=writer.write_seconds,
+        stage_wait=w.staging.wait_seconds,
+        **records.thread_seconds(),
+    )
+
+
+class SaveJob:
+    """The write and commit of one snapshot: ``start()`` runs it in a background thread,
+    ``run()`` in this one; ``wait()`` joins it, calls ``finish`` (in the caller's thread: it
+    gives the snapshot's buffers back) and returns the step, or raises its failure."""
+
+    def __init__(self, spec: WriteSpec, finish: Callable[[], None]) -> None:
+        self.spec = spec
+        self.step = spec.step
+        self._finish: Callable[[], None] | None = finish
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._background = False
+
+    def _run(self) -> None:
+        try:
+            write_and_commit(self.spec)
+        except BaseException as e:
+            self._error = e
+
+    def start(self) -> None:
+        # Not a daemon: like DCP's async_save executor, an interpreter that exits with a save
+        # pending lets it finish (or fail) before it goes; it never leaves half a commit.
+        self._background = True
+        self._thread = threading.Thread(
+            target=self._run, name=f"muon_ckpt-save-{self.step}", daemon=False
+        )
+        self._thread.start()
+
+    def run(self) -> int:
+        self._run()
+        return self.wait()
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> int:
+        if self._thread is not None:
+            self._thread.join()
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+        err, self._error = self._error, None
+        if err is None:
+            return self.step
+        if not self._background:
+            raise err
+        if isinstance(err, CheckpointError):
+            raise type(err)(
+                f"the asynchronous save of step {self.step} failed, so it was not committed "
+                f"(committed steps are unchanged): {err}"
+            ) from err
+        raise CheckpointError(
+            f"the asynchronous save of step {self.step} failed, so it was not committed "
+            f"(committed steps are unchanged): {type(err).__name__}: {err}"
+        ) from err

@@ -1,0 +1,281 @@
+"""The save path's DCP writer: every file checksummed while it is written.
+
+``ChecksumWriter`` is DCP's ``FileSystemWriter`` with its ``fs`` swapped for one whose write
+streams compute crc32 and size as the bytes pass through, so the manifest costs no read-back;
+a large buffer's crc runs in a helper thread while the same buffer is written (both release
+the GIL). Locally, each large write's pages are queued for write-out right away
+(``_writeback``), and every file is fsynced once, by DCP. While a writer thread writes a file,
+``torch.save`` (which DCP calls once per tensor) is told not to compute its zip records' crc32
+(``torch.serialization.set_crc32_options``, set in that thread): that is a second full pass
+over the bytes, and the manifest's per-file crc32 already covers them. The files stay plain
+DCP files; ``torch.load`` reads zip records without a crc.
+
+DCP's writer threads die silently on an error (``dcp.save`` would still return): failures are
+recorded per file, and ``write_data`` raises, so a partial step is never committed.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import threading
+import time
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+
+from muon_ckpt._errors import CheckpointError
+from muon_ckpt.io._writeback import start_writeback
+from muon_ckpt.store import (
+    DelegatingFileSystem,
+    FileEntry,
+    Storage,
+    crc_hex,
+    dcp_filesystem,
+    update,
+)
+
+__all__ = ["ChecksumWriter", "FileRecords"]
+
+_PARALLEL_CRC_BYTES = 4 << 20  # buffers at least this big: crc in a helper thread during write
+
+
+_zip_crc_get = getattr(torch.serialization, "get_crc32_options", None)
+_zip_crc_set = getattr(torch.serialization, "set_crc32_options", None)
+_zip_crc_lock = threading.Lock()
+_zip_crc_users = 0
+_zip_crc_saved = True
+_zip_crc_thread_local: bool | None = None
+
+
+def _zip_crc_per_thread() -> bool:
+    """Whether torch keeps the crc32 switch per thread (torch 2.13 does; older builds share
+    one setting). Probed once: a helper thread flips it and this thread looks."""
+    global _zip_crc_thread_local
+    if _zip_crc_thread_local is None:
+        assert _zip_crc_get is not None and _zip_crc_set is not None
+        with _zip_crc_lock:
+            before = _zip_crc_get()
+            t = threading.Thread(target=lambda: _zip_crc_set(not before))
+            t.start()
+            t.join()
+            _zip_crc_thread_local = _zip_crc_get() == before
+            if not _zip_crc_thread_local:
+                _zip_crc_set(before)  # shared: undo the probe
+    return _zip_crc_thread_local
+
+
+@contextmanager
+def _torch_save_without_zip_crc() -> Generator[None, None, None]:
+    """torch.save in this thread skips its per-record crc32 for the duration. Where torch
+    shares one setting between threads, concurrent uses share one switch and the last one
+    out restores the caller's setting."""
+    global _zip_crc_users, _zip_crc_saved
+    if _zip_crc_get is None or _zip_crc_set is None:  # pragma: no cover - no switch in torch
+        yield
+        return
+    if _zip_crc_per_thread():
+        saved = _zip_crc_get()
+        _zip_crc_set(False)
+        try:
+            yield
+        finally:
+            _zip_crc_set(saved)
+        return
+    with _zip_crc_lock:
+        if _zip_crc_users == 0:
+            _zip_crc_saved = _zip_crc_get()
+            _zip_crc_set(False)
+        _zip_crc_users += 1
+    try:
+        yield
+    finally:
+        with _zip_crc_lock:
+            _zip_crc_users -= 1
+            if _zip_crc_users == 0:
+                _zip_crc_set(_zip_crc_saved)
+
+
+class FileRecords:
+    """name -> FileEntry for the files one rank wrote (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.files: dict[str, FileEntry] = {}
+        self.errors: list[tuple[str, BaseException]] = []  # (file, error) of failed writes
+        self._seconds = {
+            "write": 0.0,
+            "writeback": 0.0,
+            "crc_wait": 0.0,
+            "sync": 0.0,
+        }  # summed over threads
+
+    def add_seconds(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[kind] += seconds
+
+    def thread_seconds(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._seconds)
+
+    def fail(self, name: str, error: BaseException) -> None:
+        with self._lock:
+            self.errors.append((name, error))
+
+    def put(self, name: str, size: int, crc: int) -> None:
+        with self._lock:
+            self.files[name] = FileEntry(size, crc_hex(crc))
+
+    def rename(self, old: str, new: str) -> None:
+        with self._lock:
+            if old in self.files:
+                self.files[new] = self.files.pop(old)
+
+
+class _CrcStream(io.RawIOBase):
+    """Write-only pass-through that keeps the running crc32 and byte count."""
+
+    def __init__(self, raw: Any, records: FileRecords, fd: int | None = None) -> None:
+        super().__init__()
+        self._raw = raw
+        self._records = records
+        self._fd = fd  # a local file's descriptor: large writes start their write-out at once
+        self.crc = 0
+        self.size = 0
+        self.last_write_end = time.perf_counter()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b)
+        n = mv.nbytes
+        if n >= _PARALLEL_CRC_BYTES:
+            box: list[int] = []
+            flat = mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
+            t = threading.Thread(target=lambda: box.append(update(self.crc, flat)))
+            t.start()
+            try:
+                t0 = time.perf_counter()
+                written = self._raw.write(b)
+                t1 = time.perf_counter()
+                if self._fd is not None:
+                    start_writeback(self._fd, self.size, n)
+                t2 = time.perf_counter()
+            finally:
+                # Even when the write fails: the crc thread reads ``b``, whose memory the
+                # caller may free as soon as this returns or raises.
+                t.join()
+            self.crc = box[0]
+            self.last_write_end = time.perf_counter()
+            self._records.add_seconds("write", t1 - t0)
+            self._records.add_seconds("writeback", t2 - t1)
+            self._records.add_seconds("crc_wait", self.last_write_end - t2)
+        else:
+            t0 = time.perf_counter()
+            written = self._raw.write(b)
+            self.crc = update(self.crc, mv)
+            self.last_write_end = time.perf_counter()
+            self._records.add_seconds("write", self.last_write_end - t0)
+        if written is not None and written != n:
+            raise OSError(f"short write: {written} of {n} bytes")
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+
+class _RecordingFileSystem(DelegatingFileSystem):
+    """Delegates to ``inner``; write streams are checksummed into ``records``."""
+
+    def __init__(self, inner: FileSystemBase, records: FileRecords) -> None:
+        super().__init__(inner)
+        self.records = records
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        name = posixpath.basename(os.fspath(path))
+        try:
+            with self.inner.create_stream(path, mode) as raw:
+                if "w" not in mode:
+                    yield raw
+                    return
+                s = _CrcStream(raw, self.records, _local_fd(raw))
+                # In the writer thread that runs torch.save: the switch is per thread in
+                # recent torch, so setting it around write_data missed DCP's other threads.
+                with _torch_save_without_zip_crc():
+                    yield s
+                # DCP fsyncs (locally) after the last write; the file closes on leaving here.
+                tail_start = s.last_write_end
+        except BaseException as e:
+            # DCP's writer threads die silently (dcp.save still returns): remember the error
+            # so that ChecksumWriter fails the save instead of committing a partial step.
+            self.records.fail(name, e)
+            raise
+        # Recorded only once the inner stream closed cleanly (an object store's upload done).
+        self.records.add_seconds("sync", time.perf_counter() - tail_start)
+        self.records.put(posixpath.basename(os.fspath(path)), s.size, s.crc)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        self.inner.rename(path, new_path)
+        self.records.rename(
+            posixpath.basename(os.fspath(path)), posixpath.basename(os.fspath(new_path))
+        )
+
+
+def _local_fd(raw: Any) -> int | None:
+    """The OS file descriptor behind a local file stream, else None (object stores)."""
+    if not isinstance(raw, io.IOBase):
+        return None
+    try:
+        return raw.fileno()
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        return None
+
+
+class ChecksumWriter(FileSystemWriter):
+    """DCP writer for one step directory of ``storage``; fills ``records`` while writing."""
+
+    def __init__(
+        self, storage: Storage, step_dir: str, records: FileRecords, io_threads: int
+    ) -> None:
+        super().__init__(
+            storage.path(step_dir),
+            single_file_per_rank=True,
+            # fsync once per file, locally; object stores have no fsync (DCP would os.sync()).
+            sync_files=storage.is_local,
+            thread_count=io_threads,
+            overwrite=True,
+        )
+        self.fs = _RecordingFileSystem(dcp_filesystem(storage), records)
+        self.path = self.fs.init_path(storage.path(step_dir))
+        self.write_seconds = 0.0  # wall time of write_data (all writer threads)
+
+    def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
+        t0 = time.perf_counter()
+        fut = super().write_data(plan, planner)
+        results = fut.wait()  # DCP's writer returns a completed future
+        self.write_seconds = time.perf_counter() - t0
+        errors = self.fs.records.errors
+        written = {r.index for r in results or ()}
+        missing = [it.index.fqn for it in plan.items if it.index not in written]
+        if errors or missing:
+            name, err = errors[0] if errors else ("?", None)
+            raise CheckpointError(
+                f"writing {self.path}: {len(missing)} of {len(plan.items)} items were not "
+                f"written (first failed file: {name}: {type(err).__name__}: {err}); the step "
+                "is not committed and nothing committed was touched"
+            ) from err
+        return fut

@@ -1,0 +1,67 @@
+"""Storage: the only fsspec caller; the checkpoint layout and manifest; the one catalog of steps.
+
+``Storage`` (a root on any fsspec filesystem), ``Catalog`` (steps and their status; commit,
+delete, retention), ``resolve``/``verify``/``prune`` (for the CLI and interop), the layout
+names and ``Manifest``, and DCP's metadata read without unpickling untrusted bytes.
+"""
+
+from muon_ckpt.store._catalog import (
+    COMMITTED,
+    CORRUPT,
+    UNCOMMITTED,
+    Catalog,
+    Resolved,
+    StepInfo,
+    VerifyResult,
+    prune,
+    resolve,
+    verify,
+)
+from muon_ckpt.store._checksum import crc_hex, file_checksum, update
+from muon_ckpt.store._dcpfs import DelegatingFileSystem, dcp_filesystem
+from muon_ckpt.store._layout import (
+    KEY_FORMAT_VERSION,
+    MANIFEST,
+    METADATA,
+    FileEntry,
+    Manifest,
+    model_key,
+    optim_group_key,
+    optim_state_key,
+    parse_step_dirname,
+    step_dirname,
+)
+from muon_ckpt.store._metadata import bytes_keys, parse_metadata, tensor_entries
+from muon_ckpt.store._storage import Storage
+
+__all__ = [
+    "COMMITTED",
+    "CORRUPT",
+    "KEY_FORMAT_VERSION",
+    "MANIFEST",
+    "METADATA",
+    "UNCOMMITTED",
+    "Catalog",
+    "DelegatingFileSystem",
+    "FileEntry",
+    "Manifest",
+    "Resolved",
+    "StepInfo",
+    "Storage",
+    "VerifyResult",
+    "bytes_keys",
+    "crc_hex",
+    "dcp_filesystem",
+    "file_checksum",
+    "model_key",
+    "optim_group_key",
+    "optim_state_key",
+    "parse_metadata",
+    "parse_step_dirname",
+    "prune",
+    "resolve",
+    "step_dirname",
+    "tensor_entries",
+    "update",
+    "verify",
+]
