@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import operator
 import posixpath
+import threading
 import time
 from typing import Any
 
@@ -145,9 +146,12 @@ class CheckpointManager:
         self._staging = HostStaging()  # host buffers allocated by the first save, then reused
         self._warned_budget = False
         self._closed = False
+        # Tests only: a background write starts once this event is set, so a test can change
+        # the state while a save is certainly still pending.
+        self._write_gate: threading.Event | None = None
         # Seconds per phase of the last finished save on this rank (also logged at DEBUG):
         # prepare (rank 0 readies the step directory), snapshot, blocked (all save() took),
-        # dcp_save, commit, total; within dcp_save: write_data (the writer threads' wall
+        # dcp_save, commit (the manifest), retention, total; within dcp_save: write_data (the writer threads' wall
         # time) and, summed over those threads, stage_wait (waiting for host copies), write
         # (in the storage's write calls), writeback (queueing local pages for write-out),
         # crc_wait (checksum still running after its write returned), sync (fsync and close).
@@ -228,14 +232,20 @@ class CheckpointManager:
         if background and keep:
             frozen = opt.freeze_cpu_state()  # keeps these values while training goes on
             views, release = frozen.views, frozen.release
-        flat.use_host_states(views)
-        if background:
-            flat.detach_objects()
-        staged = flat.sd
-        if background or limit is None or self._within(flat.sd, keep, limit):
-            staged = self._staging.stage(flat.sd, copy_cpu=background, keep=keep)
-        if background:
-            self._staging.finish()  # every copy has landed: training may change anything now
+        try:
+            flat.use_host_states(views)
+            if background:
+                flat.detach_objects()
+            staged = flat.sd
+            if background or limit is None or self._within(flat.sd, keep, limit):
+                staged = self._staging.stage(flat.sd, copy_cpu=background, keep=keep)
+            if background:
+                self._staging.finish()  # every copy has landed: training may change anything
+        except BaseException:
+            self._staging.finish()
+            if release is not None:
+                release()
+            raise
         spec = WriteSpec(
             catalog=self._catalog,
             step=step,
@@ -244,6 +254,7 @@ class CheckpointManager:
             io_threads=self.config.io_threads,
             keep_last=self.config.keep_last,
             group=self._group if background else None,
+            gate=self._write_gate if background else None,
         )
         return spec, background, release
 
@@ -270,7 +281,7 @@ class CheckpointManager:
         if release is not None:
             release()
         t = spec.timings
-        t["total"] = t.get("blocked", 0.0) + t.get("dcp_save", 0.0) + t.get("commit", 0.0)
+        t["total"] = sum(t.get(k, 0.0) for k in ("blocked", "dcp_save", "commit", "retention"))
         self.last_save_timings = dict(spec.timings)
         _log.debug("saved step %d: %s", spec.step, _fmt(spec.timings))
 

@@ -79,6 +79,18 @@ class _Bucket:
     d2h_done: dict = field(default_factory=dict)  # device -> CUDA event of the last offload
 
 
+def _exact_view(buf: Tensor, start: int, shape: torch.Size) -> Tensor:
+    """A view of ``buf`` (a flat CPU buffer) from element ``start``, of ``shape``, whose
+    storage is exactly its own bytes (made through a numpy slice): DCP writes such a tensor
+    as it is, where it would first clone one whose storage is larger than itself."""
+    size = buf.element_size()
+    n = 1
+    for d in shape:
+        n *= d
+    raw = buf.view(torch.uint8).numpy()[start * size : (start + n) * size]
+    return torch.from_numpy(raw).view(buf.dtype).view(shape)
+
+
 class FrozenViews:
     """The values of every offloaded tensor at ``CPUOffloadPool.freeze()``, as CPU views that
     keep those values until ``release()``. ``views`` maps ``id(tracked tensor)`` to its view."""
@@ -444,18 +456,12 @@ class CPUOffloadPool:
         out: dict[int, Tensor] = {}
         for e in entries:
             seg = self._buckets[e.bucket].segments[e.key]
-            rng = self._host_range(seg)
-            flat = rng[e.offset : e.offset + e.local.numel()]
-            if e.local is e.obj:
-                out[id(e.obj)] = flat.view(e.local.shape)
-                continue
-            from torch.distributed.tensor import DTensor
+            buf = seg.host if seg.host is not None else self._groups[e.key]["cpu_flat"]
+            view = _exact_view(buf, seg.cpu_start + e.offset, e.local.shape)
+            if e.local is not e.obj:
+                from torch.distributed.tensor import DTensor
 
-            # Wrap a tensor that owns its (empty) storage first, then point it at the buffer:
-            # a DTensor built around an offset view cannot be deep-copied (torch 2.11-2.13).
-            local = torch.empty(0, dtype=flat.dtype)
-            view = DTensor(local, e.obj._spec, requires_grad=False)
-            local.set_(flat.untyped_storage(), flat.storage_offset(), e.local.shape)
+                view = DTensor(view, e.obj._spec, requires_grad=False)
             out[id(e.obj)] = view
         return out
 

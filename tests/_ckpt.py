@@ -53,6 +53,26 @@ def write_step(
     return storage.url_of(name)
 
 
+def three_step_run(url: str, opts: dict[str, Any], *, leftover: bool = False) -> dict[str, Any]:
+    """Committed steps 1, 2, 3 saved by the CheckpointManager (TinyNet + Muon), with
+    ``leftover`` also an uncommitted step 4; returns url, opts, CLI flags and the Storage."""
+    import json
+
+    from muon_ckpt import CheckpointManager
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = make_muon(model)
+    with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts) as mgr:
+        for step in (1, 2, 3):
+            train(model, opt, 1, seed=step)
+            mgr.save(step)
+    if leftover:
+        write_step(url, 4, muon_state_sd(model, opt), storage_options=opts, commit=False)
+    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in opts.items()]
+    return {"url": url, "opts": opts, "flags": flags, "storage": Storage(url, opts)}
+
+
 class TinyNet(nn.Module):
     """Two matrices (Muon), an embedding, a norm and biases (AdamW)."""
 

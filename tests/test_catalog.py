@@ -19,26 +19,16 @@ from muon_ckpt import (
 )
 from muon_ckpt.cli import main
 from muon_ckpt.store import MANIFEST, METADATA, Storage, step_dirname
-from tests._ckpt import TinyNet, make_muon, train
+from tests._ckpt import TinyNet, make_muon, three_step_run
 
 
 @pytest.fixture(params=["local", "s3"])
 def run(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
     """Committed steps 1, 2, 3 saved by the manager."""
     if request.param == "local":
-        url, opts = str(tmp_path / "run"), {}
-    else:
-        bucket, opts = request.getfixturevalue("s3_bucket")
-        url = f"s3://{bucket}/run"
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = make_muon(model)
-    with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts) as mgr:
-        for step in (1, 2, 3):
-            train(model, opt, 1, seed=step)
-            mgr.save(step)
-    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in opts.items()]
-    return {"url": url, "opts": opts, "flags": flags, "storage": Storage(url, opts)}
+        return three_step_run(str(tmp_path / "run"), {}, leftover=False)
+    bucket, opts = request.getfixturevalue("s3_bucket")
+    return three_step_run(f"s3://{bucket}/run", opts, leftover=False)
 
 
 def _cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
@@ -146,15 +136,13 @@ def test_inspect_and_export_refuse_a_damaged_metadata_file(run, capsys, tmp_path
     rc, _, err = _cli(capsys, "inspect", run["url"], *run["flags"])
     assert rc == 1 and "CheckpointCorruptError" in err and METADATA in err
     with pytest.raises(CheckpointCorruptError, match=METADATA):
-        export_safetensors(
-            run["url"], str(tmp_path / "o.safetensors"), storage_options=run["opts"]
-        )
+        export_safetensors(run["url"], str(tmp_path / "o.safetensors"), storage_options=run["opts"])
 
 
 def test_verify_size_mode_reads_without_checksums(run, tmp_path):
     """``verify="size"`` (export and import) still refuses a truncated file."""
     _flip_or_truncate(run["storage"], _biggest_data_file(run["storage"]), "truncate")
-    with pytest.raises(CheckpointCorruptError, match="truncated|bytes, the manifest says"):
+    with pytest.raises(CheckpointCorruptError, match=r"truncated|bytes, the manifest says"):
         export_safetensors(
             run["url"],
             str(tmp_path / "o.safetensors"),

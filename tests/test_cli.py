@@ -16,27 +16,16 @@ from muon_ckpt import CheckpointManager, CheckpointNotFoundError
 from muon_ckpt._progress import Progress
 from muon_ckpt.cli import main
 from muon_ckpt.store import Storage
-from tests._ckpt import TinyNet, make_muon, muon_state_sd, train, write_step
+from tests._ckpt import three_step_run
 
 
 @pytest.fixture(params=["local", "s3"])
 def run(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
     """A run with committed steps 1, 2, 3 (CheckpointManager) and an uncommitted leftover 4."""
     if request.param == "local":
-        url, opts = str(tmp_path / "run"), {}
-    else:
-        bucket, opts = request.getfixturevalue("s3_bucket")
-        url = f"s3://{bucket}/run"
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = make_muon(model)
-    with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts) as mgr:
-        for step in (1, 2, 3):
-            train(model, opt, 1, seed=step)
-            mgr.save(step)
-    write_step(url, 4, muon_state_sd(model, opt), storage_options=opts, commit=False)
-    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in opts.items()]
-    return {"url": url, "opts": opts, "flags": flags, "storage": Storage(url, opts)}
+        return three_step_run(str(tmp_path / "run"), {}, leftover=True)
+    bucket, opts = request.getfixturevalue("s3_bucket")
+    return three_step_run(f"s3://{bucket}/run", opts, leftover=True)
 
 
 def cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:

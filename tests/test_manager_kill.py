@@ -3,7 +3,10 @@ load() then returns the previous committed step, and the next save cleans up.
 
 A child process saves steps 1, 2, 3, ... back to back (parameters filled with the step number,
 keep_last=3, so kills also land in retention); the parent kills it after a random delay, or,
-in every other trial, the moment it sees a step's data files without their manifest.
+in every other trial, the moment it sees a step's data files without their manifest. With
+``async_save`` the child refills the parameters as soon as save() returns, while the step is
+still being written in the background: a kill then lands in a background write, and a step
+that did commit must hold the values of its save() call.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ def _model() -> nn.Module:
     return nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])  # ~2 MiB of fp32
 
 
-def child_save_forever(url: str, opts: dict, progress: str) -> None:
+def child_save_forever(url: str, opts: dict, progress: str, async_save: bool) -> None:
     torch.set_num_threads(1)
     model = _model()
-    mgr = CheckpointManager(url, model=model, storage_options=opts, keep_last=3, io_threads=2)
+    mgr = CheckpointManager(
+        url, model=model, storage_options=opts, keep_last=3, io_threads=2, async_save=async_save
+    )
     fd = os.open(progress, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     step = 0
     while True:
@@ -68,15 +73,17 @@ def _writing_uncommitted(st: Storage) -> bool:
 
 
 def _kill_mid_save(
-    url: str, opts: dict, progress: str, rng: random.Random, mid_write: bool
+    url: str, opts: dict, progress: str, rng: random.Random, mid_write: bool, async_save: bool
 ) -> tuple[int, int]:
     """Start a saving child, then SIGKILL it: after a random delay, or (``mid_write``) as soon
     as a step's data files are visible without their manifest, so that some kills surely land
     between the data and the commit marker, whatever the speed of the storage."""
-    p = _context().Process(target=child_save_forever, args=(url, opts, progress), daemon=True)
+    p = _context().Process(
+        target=child_save_forever, args=(url, opts, progress, async_save), daemon=True
+    )
     p.start()
     deadline = time.monotonic() + 120
-    while _progress(progress)[1] < 1:  # step 1 committed
+    while _progress(progress)[1] < 1 + async_save:  # step 1 committed
         assert p.is_alive(), f"child exited with {p.exitcode}"
         assert time.monotonic() < deadline, "child never committed step 1"
         time.sleep(0.01)
@@ -92,7 +99,7 @@ def _kill_mid_save(
     return _progress(progress)
 
 
-def _check_after_kill(url: str, opts: dict, begun: int, saved: int) -> bool:
+def _check_after_kill(url: str, opts: dict, begun: int, saved: int, async_save: bool) -> bool:
     """The invariants; returns whether the kill left an uncommitted step behind."""
     st = Storage(url, opts)
     dirs = {parse_step_dirname(n): n for n in st.listdir() if parse_step_dirname(n) is not None}
@@ -102,8 +109,10 @@ def _check_after_kill(url: str, opts: dict, begun: int, saved: int) -> bool:
     steps = mgr.steps()
     assert steps and not set(steps) & uncommitted
     assert set(steps) <= set(range(1, begun + 1))
-    # The last save that returned is committed; the killed one only if its manifest landed.
-    assert saved in steps and steps[-1] in (saved, begun)
+    # The last save that returned is committed (asynchronous: the one before it, which that
+    # save waited for); a later one only if its manifest landed.
+    certain = saved - 1 if async_save else saved
+    assert certain in steps and steps[-1] in range(certain, begun + 1)
     assert mgr.load() == steps[-1]
     assert all(torch.all(p == steps[-1]) for p in model.parameters())
     if len(steps) > 1:
@@ -117,8 +126,9 @@ def _check_after_kill(url: str, opts: dict, begun: int, saved: int) -> bool:
     return bool(uncommitted)
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("backend,trials", [("local", 6), ("s3", 4)])
-def test_resume_after_kill_mid_save(backend, trials, tmp_path, request):
+def test_resume_after_kill_mid_save(backend, trials, async_save, tmp_path, request):
     rng = random.Random(1234)
     if backend == "s3":
         bucket, opts = request.getfixturevalue("s3_bucket")
@@ -129,8 +139,8 @@ def test_resume_after_kill_mid_save(backend, trials, tmp_path, request):
     for t in range(trials):
         url = f"{base}/trial{t}"
         progress = str(tmp_path / f"progress{t}.txt")
-        begun, saved = _kill_mid_save(url, opts, progress, rng, mid_write=t % 2 == 1)
-        interrupted += _check_after_kill(url, opts, begun, saved)
+        begun, saved = _kill_mid_save(url, opts, progress, rng, t % 2 == 1, async_save)
+        interrupted += _check_after_kill(url, opts, begun, saved, async_save)
     # The kills really landed inside saves (not only between them).
     print(f"{backend}: {interrupted}/{trials} kills interrupted a save")
     assert interrupted >= 1, f"no kill out of {trials} interrupted a save"

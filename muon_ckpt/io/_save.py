@@ -49,11 +49,15 @@ class WriteSpec:
     io_threads: int
     keep_last: int | None
     group: Any = None  # process group of the collectives (None: the default group)
+    gate: threading.Event | None = None  # tests: the write starts once this is set
     timings: dict[str, float] = field(default_factory=dict)
+    committed_at: float | None = None  # time.perf_counter() once the step was committed
 
 
 def write_and_commit(w: WriteSpec) -> None:
     storage, step = w.catalog.storage, w.step
+    if w.gate is not None:
+        w.gate.wait()
     t0 = time.perf_counter()
     records = FileRecords()
     writer = ChecksumWriter(storage, step_dirname(step), records, w.io_threads)
@@ -73,7 +77,7 @@ def write_and_commit(w: WriteSpec) -> None:
     t1 = time.perf_counter()
     gathered = coll.gather_to_rank0(records.files, w.group)
 
-    def commit() -> list[int]:
+    def commit() -> None:
         files: dict[str, FileEntry] = {}
         for part in gathered or []:
             files.update(part)
@@ -86,19 +90,21 @@ def write_and_commit(w: WriteSpec) -> None:
             len(m.files),
             m.total_bytes,
         )
-        if w.keep_last is None:
-            return []
+
+    def retain() -> None:
         try:
             deleted = w.catalog.retain(w.keep_last, step)
         except Exception as e:  # the step is committed: a failed clean-up does not undo that
             _log.warning("retention after step %d failed (steps kept): %s", step, e)
-            return []
+            return
         if deleted:
             _log.info("retention (keep_last=%d) deleted steps %s", w.keep_last, deleted)
-        return deleted
 
     coll.on_rank0(commit, w.group)
-    t2 = time.perf_counter()
+    t2 = w.committed_at = time.perf_counter()
+    if w.keep_last is not None:
+        coll.on_rank0(retain, w.group)
+        w.timings["retention"] = time.perf_counter() - t2
     w.timings.update(
         dcp_save=t1 - t0,
         commit=t2 - t1,
