@@ -124,7 +124,28 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def measure_ours(model, opt, grads, dev, url, opts, rounds: int, io_threads: int) -> dict[str, Any]:
+def _any_rank(flag: bool) -> bool:
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
+    return bool(t.item())
+
+
+_GROUP: list[Any] = []
+
+
+def _cpu_group() -> Any:
+    if not _GROUP:
+        _GROUP.append(dist.new_group(backend="gloo"))
+    return _GROUP[0]
+
+
+def measure_ours(
+    model, opt, grads, dev, url, opts, rounds: int, io_threads: int, plain
+) -> dict[str, Any]:
+    """Our saves, each round after one run of ``plain()`` (plain writes of the same bytes to
+    the same storage: interleaved, so that both meet the disk in the same state)."""
     mgr = CheckpointManager(
         url,
         model=model,
@@ -135,15 +156,23 @@ def measure_ours(model, opt, grads, dev, url, opts, rounds: int, io_threads: int
         io_threads=io_threads,
     )
     base_steps = [step(model, opt, grads, dev) for _ in range(5)]
-    out: dict[str, Any] = {"blocked": [], "e2e": [], "in_flight": [], "steps": base_steps}
+    out: dict[str, Any] = {
+        "blocked": [],
+        "e2e": [],
+        "in_flight": [],
+        "steps": base_steps,
+        "plain": [],
+    }
     for r in range(rounds + 1):
+        if r:
+            out["plain"].append(plain(r))
         sync(dev)
         t0 = time.perf_counter()
         mgr.save(r + 1, force=True)
         blocked = time.perf_counter() - t0
         flight = []
         job = mgr._pending
-        while job is not None and not job.done():
+        while _any_rank(job is not None and not job.done()):  # every rank steps alike
             flight.append(step(model, opt, grads, dev))
         mgr.wait()
         e2e = (job.spec.committed_at if job is not None else time.perf_counter()) - t0
@@ -230,23 +259,26 @@ def measure_dcp(model, opt, dev, path: str, rounds: int, pinned: bool, group) ->
     return times
 
 
-def plain_write_speed(model, copies: int, st: Storage, threads: int, rounds: int) -> float:
-    """Bytes per second of plain parallel writes of this rank's state bytes (all ranks at
-    once), to the same storage."""
+def plain_writer(model, copies: int, st: Storage, threads: int):
+    """A function that writes this rank's state bytes as plain files (all ranks at once, to the
+    same storage) and returns the bytes per second."""
     keep = []
     for p in model.parameters():
         t = local_tensor(p).detach().cpu().contiguous()
         keep += [t] + [t.clone() for _ in range(copies - 1)]  # params, and as many per state
     views = [tensor_bytes(t) for t in keep]
-    times = []
-    for r in range(rounds):
+
+    def run(r: int) -> float:
         sync(torch.device("cpu"))
         t0 = time.perf_counter()
         storage_write(st, views, threads, f"plain{r}-{rank()}", writeback=True)
         sync(torch.device("cpu"))
-        times.append(time.perf_counter() - t0)
+        secs = time.perf_counter() - t0
         st.rm(f"raw-plain{r}-{rank()}")
-    return sum(v.nbytes for v in views) / statistics.median(times)
+        return sum(v.nbytes for v in views) / secs
+
+    run.keep = keep  # the bytes stay alive with the function
+    return run
 
 
 def main() -> None:
@@ -266,10 +298,10 @@ def main() -> None:
     dev = torch.device(args.device, rank()) if args.device == "cuda" else torch.device("cpu")
     server, opts = None, {}
     tmp = tempfile.mkdtemp(prefix="bench-async-")
-    url = args.url or tmp
-    run_id = [uuid.uuid4().hex[:8]]
+    run_id = [uuid.uuid4().hex[:8], args.url or tmp]  # rank 0's temp dir for every rank
     if dist.is_initialized():
         dist.broadcast_object_list(run_id)
+    url = run_id[1]
     if url == "moto":
         if rank() == 0:
             server, opts = start_moto()
@@ -292,21 +324,21 @@ def main() -> None:
     if dist.is_initialized():
         dist.broadcast_object_list(box)
     dcp_dir = box[0]
-    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    group = _cpu_group() if dist.is_initialized() else None
     rows = []
     for case in args.case or ["16x4096"]:
         n, side = (int(x) for x in case.split("x"))
-        plain = None
         for offload in (True, False):
             model, opt, grads = build(n, side, dev, offload, args.adamw)
             step(model, opt, grads, dev)  # states exist (and are parked, with offload on)
             nbytes = state_bytes(model, opt)
             gib = nbytes / GiB
-            if plain is None:
-                copies = nbytes // sum(_nbytes(local_tensor(p)) for p in model.parameters())
-                plain = plain_write_speed(model, copies, Storage(url, opts), args.io_threads, 2)
+            copies = nbytes // sum(_nbytes(local_tensor(p)) for p in model.parameters())
+            plain = plain_writer(model, copies, Storage(url, opts), args.io_threads)
             run_url = f"{url}/{case}-{'on' if offload else 'off'}"
-            ours = measure_ours(model, opt, grads, dev, run_url, opts, args.rounds, args.io_threads)
+            ours = measure_ours(
+                model, opt, grads, dev, run_url, opts, args.rounds, args.io_threads, plain
+            )
             k = max(1, args.rounds - 1)
             ref = measure_dcp(model, opt, dev, dcp_dir, k, pinned=False, group=group)
             try:
@@ -314,7 +346,7 @@ def main() -> None:
             except Exception as e:  # report it and go on: it is a reference, not ours
                 print(f"dcp.async_save with the pinned stager failed: {type(e).__name__}: {e}")
                 ref_pin = None
-            rows.append((case, offload, gib, plain, ours, ref, ref_pin))
+            rows.append((case, offload, gib, statistics.median(ours["plain"]), ours, ref, ref_pin))
             del model, opt, grads
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from muon_ckpt import _collective as coll
+import muon_ckpt._collective as coll
 from muon_ckpt._config import ManagerConfig
 from muon_ckpt._errors import CheckpointError
 from muon_ckpt._flatten import FlatState, check_extra, param_fqns, prepare_optimizer_state

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+import optim._config as _config
 from offload import CPUOffloadPool, FrozenViews
-from optim import _config
 from optim._adamw import adamw_step
 from optim._muon_step import muon_step
 from optim._plan import Plan, build_plan

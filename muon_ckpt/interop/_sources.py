@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from muon_ckpt import _collective as coll
+import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from muon_ckpt.interop._safetensors import SafetensorsFile
 from muon_ckpt.io import CheckpointReader

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from muon_ckpt import _collective as coll
+import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointError
 from muon_ckpt.io._dcp import DCP_ERRORS, dcp_failure, quiet
 from muon_ckpt.io._staging import HostStaging, StagedSavePlanner
