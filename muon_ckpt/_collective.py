@@ -67,6 +67,15 @@ def gather_to_rank0(obj: Any, group: Any = None) -> list[Any] | None:
     return out
 
 
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, on every rank (default group)."""
+    if not is_dist():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def new_group() -> Any:
     """A gloo group of every rank for background collectives (collective: every rank calls it
     at the same point), or None without a process group."""

@@ -41,7 +41,6 @@ from muon_ckpt.io import (
     VerifyingReader,
     WriteSpec,
     dcp_failure,
-    quiet,
 )
 from muon_ckpt.store import Catalog, FileEntry, Storage, parse_step_dirname, step_dirname
 
@@ -196,7 +195,22 @@ class CheckpointManager:
             self._group = coll.new_group()  # collective: every rank's first save makes it
         coll.on_rank0(lambda: self._catalog.begin(step, overwrite))
         t1 = time.perf_counter()
-        spec, background, release = self._snapshot(step)
+        error: Exception | None = None
+        try:
+            spec, background, release = self._snapshot(step)
+        except Exception as e:  # every rank must learn of it before any starts to write
+            error = e
+        failed = [r for r, ok in enumerate(coll.all_gather(error is None)) if not ok]
+        if failed:
+            if error is not None:
+                raise error
+            self._staging.finish()
+            if release is not None:
+                release()
+            raise CheckpointError(
+                f"saving step {step}: taking the snapshot failed on rank(s) {failed} (their "
+                "own error says why); nothing was written and every committed step is intact"
+            )
         t2 = time.perf_counter()
         spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
         job = SaveJob(spec, finish=lambda: self._finished(spec, release))
@@ -217,6 +231,7 @@ class CheckpointManager:
         if background and limit is not None:
             need = self._staging.bytes_needed(flat.sd, copy_cpu=True, keep=keep)
             need += sum(_nbytes(flat.sd[k]) for k in keep)  # the pool's second buffer
+            need = max(coll.all_gather(need))  # every rank takes the same path
             if need > limit:
                 if not self._warned_budget:
                     _log.warning(
@@ -229,10 +244,10 @@ class CheckpointManager:
                     self._warned_budget = True
                 background = False
         release = None
-        if background and keep:
-            frozen = opt.freeze_cpu_state()  # keeps these values while training goes on
-            views, release = frozen.views, frozen.release
         try:
+            if background and keep:
+                frozen = opt.freeze_cpu_state()  # keeps these values while training goes on
+                views, release = frozen.views, frozen.release
             flat.use_host_states(views)
             if background:
                 flat.detach_objects()
@@ -242,9 +257,11 @@ class CheckpointManager:
             if background:
                 self._staging.finish()  # every copy has landed: training may change anything
         except BaseException:
-            self._staging.finish()
-            if release is not None:
-                release()
+            try:
+                self._staging.finish()
+            finally:
+                if release is not None:
+                    release()
             raise
         spec = WriteSpec(
             catalog=self._catalog,
@@ -289,8 +306,14 @@ class CheckpointManager:
         """Block until the pending asynchronous save is committed; return its step (None when
         nothing was pending). Its failure is raised here (CheckpointError naming the step)."""
         self._check_open()
-        job, self._pending = self._pending, None
-        return None if job is None else job.wait()
+        job = self._pending
+        if job is None:
+            return None
+        try:
+            return job.wait()
+        finally:
+            if job.joined:  # interrupted while joining (Ctrl-C): still pending
+                self._pending = None
 
     # ------------------------------------------------------------------ load
     def load(self, step: int | None = None) -> int | None:
@@ -328,13 +351,12 @@ class CheckpointManager:
             verify_crc=self.config.verify == "crc32",
         )
         try:
-            with quiet():
-                dcp.load(
-                    flat.sd,
-                    storage_reader=reader,
-                    planner=SafeLoadPlanner(),
-                    no_dist=not coll.is_dist(),
-                )
+            dcp.load(
+                flat.sd,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+                no_dist=not coll.is_dist(),
+            )
         except DCP_ERRORS as e:
             raise dcp_failure(e, f"loading {where}") from e
         t3 = time.perf_counter()

@@ -15,12 +15,9 @@ are bit-exact, so anything computed with offload on equals the same computation 
 Tensors made by ``new_offloaded`` start life offloaded: their value (zeros) is written into
 the CPU buffer and no device memory is allocated until their bucket is first reloaded.
 
-Snapshots. ``host_views()`` gives, for every offloaded tensor, the CPU range that holds its
-value (writing there sets the value the next reload brings back). ``freeze()`` gives the same
-views and keeps them unchanged until ``release()`` while the pool goes on working: the group
-swaps to a second CPU buffer (allocated on the first freeze, then reused), offloads write
-there, and a reload reads each bucket from whichever buffer holds its latest bytes. No byte is
-copied to take the snapshot.
+Host views and snapshots (``host_views()``, ``freeze()``, ``cpu_views()``) are in
+``_host.py``: a snapshot swaps each group to a second CPU buffer, so ``seg.host`` names the
+buffer that holds a segment's newest bytes when it is not the group's current one.
 
 On CUDA the copies run on two side streams (host-to-device and device-to-host, which the
 hardware runs concurrently) and are ordered with events; every synchronisation point says why
@@ -32,12 +29,13 @@ The pool knows nothing of optimizers: it holds tensors, buckets and buffers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from offload._host import FrozenViews, HostViews
 from offload._pinned import pinned_empty
 
 __all__ = ["CPUOffloadPool", "FrozenViews"]
@@ -79,35 +77,7 @@ class _Bucket:
     d2h_done: dict = field(default_factory=dict)  # device -> CUDA event of the last offload
 
 
-def _exact_view(buf: Tensor, start: int, shape: torch.Size) -> Tensor:
-    """A view of ``buf`` (a flat CPU buffer) from element ``start``, of ``shape``, whose
-    storage is exactly its own bytes (made through a numpy slice): DCP writes such a tensor
-    as it is, where it would first clone one whose storage is larger than itself."""
-    size = buf.element_size()
-    n = 1
-    for d in shape:
-        n *= d
-    raw = buf.view(torch.uint8).numpy()[start * size : (start + n) * size]
-    return torch.from_numpy(raw).view(buf.dtype).view(shape)
-
-
-class FrozenViews:
-    """The values of every offloaded tensor at ``CPUOffloadPool.freeze()``, as CPU views that
-    keep those values until ``release()``. ``views`` maps ``id(tracked tensor)`` to its view."""
-
-    def __init__(self, views: dict[int, Tensor], release: Callable[[], None]) -> None:
-        self.views = views
-        self._release: Callable[[], None] | None = release
-
-    def release(self) -> None:
-        """Give the frozen buffer back to the pool (call from the thread that steps). Idempotent."""
-        rel, self._release = self._release, None
-        self.views = {}
-        if rel is not None:
-            rel()
-
-
-class CPUOffloadPool:
+class CPUOffloadPool(HostViews):
     """Flat CPU parking space for tensors that are idle between uses.
 
     ``track(t, bucket)`` registers a tensor; ``offload(bucket)`` / ``reload(bucket)`` move one
@@ -206,7 +176,9 @@ class CPUOffloadPool:
             if grp is None or grp["cpu_flat"].numel() < n:
                 # Allocate once per group; grow only when more state is tracked (first step,
                 # add_param_group). Pinning costs ~1 s/GiB, so it is never done per step.
-                grp = {"cpu_flat": self._pinned(key, n), "spare": None, "frozen": None}
+                old = grp or {}
+                # A frozen buffer stays frozen (a writer may still read it) until released.
+                grp = {"cpu_flat": self._pinned(key, n), "spare": None, "frozen": old.get("frozen")}
                 self._groups[key] = grp
             grp["used"] = n
         for b in buckets.values():
@@ -348,122 +320,6 @@ class CPUOffloadPool:
             for evt in (*b.h2d_done.values(), *b.d2h_done.values()):
                 evt.synchronize()
         self.wait_reload()
-
-    # ------------------------------------------------------------------ host views
-    def cpu_views(self) -> dict[int, Tensor]:
-        """A CPU copy of every tracked tensor, served from the flat CPU buffers.
-
-        Resident buckets are first copied into their CPU ranges (one copy per segment); the
-        call returns once every copy has landed. Returns ``id(tracked tensor) -> CPU tensor``
-        viewing the buffer (a DTensor with the same spec for a DTensor). The views alias the
-        pool's buffers: they hold the values of this call until the pool next offloads.
-        """
-        self._ensure_initialized()
-        for b in self._buckets.values():
-            if b.offloaded:
-                continue
-            for key, seg in b.segments.items():
-                seg.host = None
-                cpu = self._host_range(seg)
-                if key[1].type == "cuda":
-                    _, d2h = self._side_streams(key[1])
-                    # Sync: read the values the compute stream has written so far.
-                    d2h.wait_stream(torch.cuda.current_stream(key[1]))
-                    with torch.cuda.stream(d2h):
-                        cpu.copy_(seg.flat, non_blocking=True)
-                    seg.flat.record_stream(d2h)
-                else:
-                    cpu.copy_(seg.flat)
-        for dev in {key[1] for key in self._groups if key[1].type == "cuda"}:
-            # Sync: the host may read the views as soon as this returns.
-            self._side_streams(dev)[1].synchronize()
-        self.synchronize()
-        return self._views(self._managed.values())
-
-    def host_views(self) -> dict[int, Tensor]:
-        """For every offloaded tensor, ``id(tensor) ->`` the CPU view holding its value
-        (resident tensors are left out). Writing into a view sets the value that the next
-        reload brings back. Valid until the pool next moves that tensor."""
-        self._ensure_initialized()
-        self._wait_offloads()
-        return self._views(self._offloaded_entries())
-
-    def freeze(self) -> FrozenViews:
-        """``host_views()`` that keep their values until ``release()``, whatever the pool
-        does meanwhile (offloads go to a second CPU buffer). No bytes are copied; the second
-        buffer is allocated (and pinned) by the first freeze and reused by later ones."""
-        self._ensure_initialized()
-        if any(g.get("frozen") is not None for g in self._groups.values()):
-            raise RuntimeError("CPUOffloadPool.freeze: already frozen; release() it first")
-        self._wait_offloads()
-        entries = self._offloaded_entries()
-        for key, grp in self._groups.items():
-            cur = grp["cpu_flat"]
-            spare = grp.get("spare")
-            if spare is None or spare.numel() < cur.numel():
-                spare = self._pinned(key, cur.numel())
-            grp["frozen"], grp["cpu_flat"], grp["spare"] = cur, spare, None
-            for b in self._buckets.values():
-                seg = b.segments.get(key)
-                if seg is not None and b.offloaded and seg.host is None:
-                    seg.host = cur
-        return FrozenViews(self._views(entries), self._release)
-
-    def _release(self) -> None:
-        for key, grp in self._groups.items():
-            frozen = grp.get("frozen")
-            if frozen is None:
-                continue
-            segs = [b.segments[key] for b in self._buckets.values() if key in b.segments]
-            still = [s for s in segs if s.host is frozen]
-            newer = [
-                s
-                for b in self._buckets.values()
-                if b.offloaded and key in b.segments
-                for s in [b.segments[key]]
-                if s.host is None
-            ]
-            if still and not newer:
-                # Nothing was offloaded since the freeze: the frozen buffer is current again.
-                grp["spare"], grp["cpu_flat"] = grp["cpu_flat"], frozen
-            else:
-                for s in still:  # offloaded before the freeze and not moved since
-                    grp["cpu_flat"][s.cpu_start : s.cpu_start + s.numel].copy_(
-                        frozen[s.cpu_start : s.cpu_start + s.numel]
-                    )
-                grp["spare"] = frozen
-            for s in still:
-                s.host = None
-            grp["frozen"] = None
-
-    def _offloaded_entries(self) -> list[_Entry]:
-        return [
-            e
-            for b in self._buckets.values()
-            if b.offloaded
-            for seg in b.segments.values()
-            for e in seg.entries
-        ]
-
-    def _wait_offloads(self) -> None:
-        for b in self._buckets.values():
-            for evt in b.d2h_done.values():
-                # Sync: the host reads (or a writer fills) the CPU ranges only after the
-                # offload copies into them have landed.
-                evt.synchronize()
-
-    def _views(self, entries) -> dict[int, Tensor]:
-        out: dict[int, Tensor] = {}
-        for e in entries:
-            seg = self._buckets[e.bucket].segments[e.key]
-            buf = seg.host if seg.host is not None else self._groups[e.key]["cpu_flat"]
-            view = _exact_view(buf, seg.cpu_start + e.offset, e.local.shape)
-            if e.local is not e.obj:
-                from torch.distributed.tensor import DTensor
-
-                view = DTensor(view, e.obj._spec, requires_grad=False)
-            out[id(e.obj)] = view
-        return out
 
     # ------------------------------------------------------------------ introspection
     def device_nbytes(self) -> int:

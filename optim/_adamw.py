@@ -11,9 +11,7 @@ import math
 import torch
 from torch import Tensor
 
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+from optim._plan import local
 
 
 def adamw_step(params: list[Tensor], group: dict, state: dict) -> None:
@@ -29,13 +27,13 @@ def adamw_step(params: list[Tensor], group: dict, state: dict) -> None:
         st["step"] += 1
         by_step.setdefault(float(st["step"]), []).append(p)
     for step, ps in by_step.items():
-        ps = [p for p in ps if _local(p).numel() > 0]
+        ps = [p for p in ps if local(p).numel() > 0]
         if not ps:
             continue
-        p_l = [_local(p) for p in ps]
-        g_l = [_local(p.grad) for p in ps]
-        m_l = [_local(state[p]["moment1"]) for p in ps]
-        v_l = [_local(state[p]["moment2"]) for p in ps]
+        p_l = [local(p) for p in ps]
+        g_l = [local(p.grad) for p in ps]
+        m_l = [local(state[p]["moment1"]) for p in ps]
+        v_l = [local(state[p]["moment2"]) for p in ps]
         bc1 = 1.0 - b1**step
         bc2 = 1.0 - b2**step
         if wd:

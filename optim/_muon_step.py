@@ -27,12 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from optim._plan import Item, Plan
+from optim._plan import Item, Plan, local
 from optim.newton_schulz import newton_schulz
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def adjusted_lr(lr: float, rows: int, cols: int, adjust_lr_fn: str) -> float:
@@ -48,8 +44,8 @@ def _momentum_updates(items: list[Item], state: dict) -> list[Tensor]:
     for i, it in enumerate(items):
         by_hp.setdefault((it.group["momentum"], it.group["nesterov"]), []).append(i)
     for (m, nesterov), idx in by_hp.items():
-        bufs = [_local(state[items[i].param]["momentum_buffer"]) for i in idx]
-        grads = [_local(_grad_like_param(items[i].param)) for i in idx]
+        bufs = [local(state[items[i].param]["momentum_buffer"]) for i in idx]
+        grads = [local(_grad_like_param(items[i].param)) for i in idx]
         if bufs[0].device.type == "cuda":
             # CUDA: every element goes through the same kernel code wherever it sits in a
             # tensor, so the fused lerp is shard-invariant; it is also torch.optim.Muon's math.
@@ -109,7 +105,7 @@ def _grad_like_param(p: Tensor) -> Tensor:
 
 def _apply(it: Item, update_local: Tensor, adjust_lr_fn: str) -> None:
     g = it.group
-    p = _local(it.param)
+    p = local(it.param)
     if update_local.numel() == 0:
         return
     lr = float(g["lr"])

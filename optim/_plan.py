@@ -54,6 +54,11 @@ class Plan:
     device: torch.device | None  # where small control tensors live for collectives
 
 
+def local(t: Tensor) -> Tensor:
+    """A DTensor's local shard, else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _ns_cost(shape: torch.Size) -> float:
     a = shape[0]
     b = math.prod(shape) // max(a, 1)

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from muon_ckpt import CheckpointError, CheckpointManager
+from muon_ckpt._flatten import FlatState
 from muon_ckpt.store import Catalog, Storage
 from tests._dist import run_on_ranks
 from tests.test_manager_fsdp import build, train
@@ -266,3 +267,91 @@ def test_background_failure_on_one_rank_is_raised_by_the_next_call_everywhere(tm
     loaded = run_on_ranks(body_load_step_1, 2, url)
     for (_, want), got in zip(results, loaded, strict=True):
         assert_bitwise(want, got, "step 1 after three failed saves")
+
+
+# ---------------------------------------------------------------------------- agreement
+class _FailsOnRank1:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.rank == 1:
+            raise RuntimeError("data loader state unavailable on rank 1")
+        return {"pos": 1}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def body_snapshot_fails_on_one_rank(rank, world_size, url):
+    """A snapshot that fails on one rank fails the save on every rank, with nothing written
+    (the others would otherwise wait in the background write for the missing rank)."""
+    model, opt = build(world_size)
+    mgr = CheckpointManager(url, model=model, optimizer=opt, async_save=True)
+    mgr._extra["data"] = _FailsOnRank1(rank)
+    with pytest.raises((CheckpointError, RuntimeError)) as err:
+        mgr.save(1)
+    del mgr._extra["data"]
+    assert mgr.save(2) and mgr.wait() == 2  # the manager is still usable
+    mgr.close()
+    return str(err.value)
+
+
+def test_a_snapshot_failing_on_one_rank_fails_the_save_everywhere(tmp_path):
+    msgs = run_on_ranks(body_snapshot_fails_on_one_rank, 2, str(tmp_path / "run"), timeout=90)
+    assert "snapshot failed on rank(s) [1]" in msgs[0], msgs[0]
+    assert "data loader state unavailable on rank 1" in msgs[1], msgs[1]
+    assert Catalog(Storage(str(tmp_path / "run"))).committed_steps() == [2]
+
+
+def body_budget_over_on_some_ranks(rank, world_size, url, limit):
+    """Uneven shards: the staging bytes needed differ per rank; with a bound between them
+    every rank must still take the same path (else their collectives never meet)."""
+    model, opt = build(world_size)
+    train(model, range(1, 2), opt)
+    mgr = CheckpointManager(
+        url, model=model, optimizer=opt, async_save=True, max_staging_bytes=limit
+    )
+    assert mgr.save(1)
+    pending = mgr.wait()  # 1 if the save ran in the background, None if synchronously
+    assert mgr.steps() == [1]
+    mgr.close()
+    need = mgr._staging.bytes_needed(FlatState.build(model, opt, {}).sd, copy_cpu=True, keep=set())
+    return need, pending
+
+
+def test_a_staging_bound_reached_on_one_rank_makes_every_rank_save_synchronously(tmp_path):
+    # TinyTransformer's 10- and 14-row matrices shard 4/4/2 and 5/5/4 rows over 3 ranks.
+    got = run_on_ranks(body_budget_over_on_some_ranks, 3, str(tmp_path / "a"), 1 << 40)
+    needs = [need for need, _ in got]
+    assert len(set(needs)) > 1 and [p for _, p in got] == [1, 1, 1], got
+    limit = (max(needs) + min(needs)) // 2  # over on some ranks, under on others
+    got = run_on_ranks(body_budget_over_on_some_ranks, 3, str(tmp_path / "b"), limit, timeout=90)
+    assert [p for _, p in got] == [None, None, None], got
+
+
+def test_an_interrupted_wait_keeps_the_save_pending(tmp_path):
+    """Ctrl-C while wait() joins the background write: the save stays pending (its buffers
+    held), and the next wait() finishes it."""
+    import os
+    import signal
+
+    model, opt = build(None)
+    opt.turn_on_cpu_offload()
+    train(model, range(1, 2), opt)
+    data = DataPosition(0)
+    mgr = CheckpointManager(
+        str(tmp_path / "run"), model=model, optimizer=opt, extra={"data": data}, async_save=True
+    )
+    mgr._write_gate = gate = threading.Event()
+    want = state_of(model, opt, data)
+    mgr.save(1)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        mgr.wait()
+    assert mgr._pending is not None
+    train(model, range(2, 3), opt)  # the pool is still frozen for the pending write
+    gate.set()
+    assert mgr.wait() == 1
+    mgr.close()
+    assert_bitwise(want, load_fresh(str(tmp_path / "run"), {}, None, "on", step=1), "step 1")

@@ -8,10 +8,8 @@ unpickler; tensors are read by ``_itemread`` or DCP's ``weights_only`` reader.)
 
 from __future__ import annotations
 
-import contextlib
 import io
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,7 +20,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from muon_ckpt._errors import CheckpointError
 
-__all__ = ["DCP_ERRORS", "SafeLoadPlanner", "dcp_failure", "quiet"]
+__all__ = ["DCP_ERRORS", "SafeLoadPlanner", "dcp_failure"]
 
 # What a failed dcp.save/dcp.load raises: DCP's CheckpointException derives from BaseException.
 DCP_ERRORS = (Exception, CheckpointException)
@@ -56,11 +54,8 @@ def dcp_failure(e: BaseException, what: str) -> CheckpointError:
     return CheckpointError(f"{what} failed{ranks}: {type(first).__name__}: {first}")
 
 
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """DCP without its "torch.distributed is disabled" warning (every save or load in a
-    single process would print it: there, no process group is the normal case)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        warnings.filterwarnings("ignore", message=".*torch.distributed is not initialized.*")
-        yield
+# DCP warns on every save or load without a process group ("torch.distributed is disabled,
+# unavailable or uninitialized, assuming the intent is to save in a single process"): that is
+# the normal case of a single process here. Filtered once, at import: catch_warnings() is not
+# thread-safe, and background saves run in their own thread.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable")

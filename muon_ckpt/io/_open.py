@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from muon_ckpt._config import VERIFY_MODES
-from muon_ckpt.io._dcp import DCP_ERRORS, SafeLoadPlanner, dcp_failure, quiet
+from muon_ckpt.io._dcp import DCP_ERRORS, SafeLoadPlanner, dcp_failure
 from muon_ckpt.io._reader import VerifyingReader
 from muon_ckpt.store import Resolved
 
@@ -48,7 +48,6 @@ class CheckpointReader:
 
     def load(self, sd: dict[str, Any]) -> None:
         try:
-            with quiet():
-                dcp.load(sd, storage_reader=self._reader, planner=SafeLoadPlanner(), no_dist=True)
+            dcp.load(sd, storage_reader=self._reader, planner=SafeLoadPlanner(), no_dist=True)
         except DCP_ERRORS as e:
             raise dcp_failure(e, f"reading {self.resolved.url}") from e

@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointError
-from muon_ckpt.io._dcp import DCP_ERRORS, dcp_failure, quiet
+from muon_ckpt.io._dcp import DCP_ERRORS, dcp_failure
 from muon_ckpt.io._staging import HostStaging, StagedSavePlanner
 from muon_ckpt.io._writer import ChecksumWriter, FileRecords
 from muon_ckpt.store import Catalog, FileEntry, step_dirname
@@ -62,14 +62,13 @@ def write_and_commit(w: WriteSpec) -> None:
     records = FileRecords()
     writer = ChecksumWriter(storage, step_dirname(step), records, w.io_threads)
     try:
-        with quiet():
-            dcp.save(
-                w.sd,
-                storage_writer=writer,
-                planner=StagedSavePlanner(w.staging),
-                process_group=w.group,
-                no_dist=not coll.is_dist(),
-            )
+        dcp.save(
+            w.sd,
+            storage_writer=writer,
+            planner=StagedSavePlanner(w.staging),
+            process_group=w.group,
+            no_dist=not coll.is_dist(),
+        )
     except DCP_ERRORS as e:
         raise dcp_failure(e, f"saving step {step} to {storage.url!r}") from e
     finally:
@@ -126,12 +125,18 @@ class SaveJob:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._background = False
+        self.joined = False  # the work has ended and was joined
+        # Set when the work has ended. Waited on rather than Thread.join(): a join that Ctrl-C
+        # interrupts can report a live thread as ended on the next call (CPython).
+        self._ended = threading.Event()
 
     def _run(self) -> None:
         try:
             write_and_commit(self.spec)
         except BaseException as e:
             self._error = e
+        finally:
+            self._ended.set()
 
     def start(self) -> None:
         # Not a daemon: like DCP's async_save executor, an interpreter that exits with a save
@@ -147,17 +152,26 @@ class SaveJob:
         return self.wait()
 
     def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
+        return self._thread is None or self._ended.is_set()
 
     def wait(self) -> int:
+        """Join the work (again, if a first wait was interrupted); then, once, give the
+        snapshot's buffers back and return the step or raise the failure."""
         if self._thread is not None:
+            self._ended.wait()
             self._thread.join()
+        self.joined = True
         finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
         err, self._error = self._error, None
-        if err is None:
-            return self.step
+        try:
+            if finish is not None:
+                finish()
+        finally:
+            if err is not None:
+                self._raise(err)
+        return self.step
+
+    def _raise(self, err: BaseException) -> None:
         if not self._background:
             raise err
         if isinstance(err, CheckpointError):

@@ -111,6 +111,9 @@ class HostStaging:
                         dst.copy_(src, non_blocking=True)
                         ev = torch.cuda.Event()
                         ev.record(stream)
+                    # Sync: a source that only the state dict held (a hook's temporary) must
+                    # not be handed to another tensor before the side stream has read it.
+                    src.record_stream(stream)
                     self._events[key] = ev
                 v = sd[key]
                 out[key] = DTensor(dst, v._spec, requires_grad=False) if v is not src else dst
