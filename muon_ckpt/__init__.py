@@ -9,6 +9,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from muon_ckpt._errors import (
+    CheckpointCollectiveError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,
@@ -35,6 +36,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "CheckpointCollectiveError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointExistsError",

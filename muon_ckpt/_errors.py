@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointCollectiveError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointExistsError",
@@ -29,3 +30,7 @@ class CheckpointMismatchError(CheckpointError):
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """The step is already committed and the caller did not ask to overwrite it."""
+
+
+class CheckpointCollectiveError(CheckpointError):
+    """A rank did not join a save/load in time, joined another call, or a collective failed."""

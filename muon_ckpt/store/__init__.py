@@ -25,10 +25,12 @@ from muon_ckpt.store._layout import (
     METADATA,
     FileEntry,
     Manifest,
+    extra_key,
     model_key,
     optim_group_key,
     optim_state_key,
     parse_step_dirname,
+    rank_extra_key,
     step_dirname,
 )
 from muon_ckpt.store._metadata import bytes_keys, parse_metadata, tensor_entries
@@ -52,6 +54,7 @@ __all__ = [
     "bytes_keys",
     "crc_hex",
     "dcp_filesystem",
+    "extra_key",
     "file_checksum",
     "model_key",
     "optim_group_key",
@@ -59,6 +62,7 @@ __all__ = [
     "parse_metadata",
     "parse_step_dirname",
     "prune",
+    "rank_extra_key",
     "resolve",
     "step_dirname",
     "tensor_entries",
