@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Any
 
+from muon_ckpt._version import __version__
+
 __all__ = ["main"]
 
 
@@ -249,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="muon-ckpt", description="Inspect, verify, export and prune muon-ckpt checkpoints."
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    p.add_argument("--version", action="version", version=f"muon-ckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("ls", parents=[remote], help="list steps, committed or not")

@@ -193,6 +193,19 @@ def test_console_script_help_is_fast_and_imports_no_torch():
     assert len(errs) == 1 and "Traceback" not in r.stderr
 
 
+def test_version_prints_the_package_version(capsys):
+    import muon_ckpt
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"muon-ckpt {muon_ckpt.__version__}\n"
+    r = subprocess.run(
+        [sys.executable, "-m", "muon_ckpt.cli", "--version"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and r.stdout.split() == ["muon-ckpt", muon_ckpt.__version__]
+
+
 class _Tty(io.StringIO):
     def isatty(self) -> bool:
         return True
