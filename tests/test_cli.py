@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from muon_ckpt import CheckpointManager, CheckpointNotFoundError
-from muon_ckpt._progress import Progress
+from muon_ckpt._progress import progress_bar
 from muon_ckpt.cli import main
 from muon_ckpt.store import Storage
 from tests._ckpt import three_step_run
@@ -213,10 +213,14 @@ class _Tty(io.StringIO):
 
 def test_progress_bar_is_drawn_only_on_a_tty():
     quiet = io.StringIO()
-    with Progress(100, "verify", stream=quiet) as bar:
+    with progress_bar(100, "verify", stream=quiet) as bar:
         bar.update(100)
     assert quiet.getvalue() == ""
     tty = _Tty()
-    with Progress(100, "verify", stream=tty) as bar:
+    with progress_bar(100, "verify", stream=tty) as bar:
         bar.update(100)
-    assert tty.getvalue().startswith("\rverify [") and "100.0%" in tty.getvalue()
+    assert tty.getvalue().startswith("\rverify:") and "100%" in tty.getvalue()  # tqdm's bar
+    forced = io.StringIO()
+    with progress_bar(100, "export", stream=forced, enabled=True) as bar:
+        bar.update(50)
+    assert "export:  50%" in forced.getvalue()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from muon_ckpt._progress import Progress
+from muon_ckpt._progress import progress_bar
 from muon_ckpt.interop._safetensors import write_safetensors
 from muon_ckpt.io import CheckpointReader
 from muon_ckpt.store import KEY_FORMAT_VERSION, Storage, bytes_keys, resolve, tensor_entries
@@ -147,7 +147,7 @@ def export_safetensors(
         meta["optim.param_groups"] = json.dumps(hp, sort_keys=True, default=repr)
     total = sum(torch.Size(s).numel() * d.itemsize for _, d, s in layout)
 
-    def tensors(bar: Progress) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(bar: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for batch in _batches(layout, src_dtype):
             sd = {k: torch.empty(s, dtype=src_dtype[k]) for k, _, s in batch}
             reader.load(sd)
@@ -158,7 +158,7 @@ def export_safetensors(
 
     opts = storage_options if "://" in out and not out.startswith("file://") else {}
     with (
-        Progress(total, f"export step {r.step}", enabled=progress) as bar,
+        progress_bar(total, f"export step {r.step}", enabled=progress) as bar,
         Storage(out, opts).open_atomic() as f,
     ):
         written = write_safetensors(f, layout, tensors(bar), meta)
