@@ -14,9 +14,13 @@ from muon_ckpt import (
     CheckpointManager,
     CheckpointNotFoundError,
     ExportSummary,
+    HFExportSummary,
+    HFLoadReport,
     ImportReport,
+    export_hf,
     export_safetensors,
     import_optimizer_state,
+    load_hf_model,
 )
 from optim import Muon
 
@@ -40,6 +44,21 @@ def interop(opt: Muon, url: str) -> None:
     summary: ExportSummary = export_safetensors(url, "state.safetensors", include=("model",))
     n: int = summary.tensors
     print(n, muon_ckpt.__version__)
+
+
+def hugging_face(model: torch.nn.Module, url: str) -> None:
+    out: HFExportSummary = export_hf(
+        url,
+        "hf",
+        dtype="bf16",
+        max_shard_size="2GB",
+        rename={r"layers\.(\d+)\.(.*)": r"model.layers.\1.\2"},
+        tied={"lm_head.weight": "model.embed_tokens.weight"},
+    )
+    shards: list[str] = out.files["model"]
+    report: HFLoadReport = load_hf_model(model, "hf", strict=False, rename=str.lower)
+    missing: list[str] = report.missing
+    print(shards, missing)
 
 
 def newest(url: str) -> int | None:
