@@ -27,10 +27,25 @@ from tests._dist import dist_device, run_on_ranks
 from tests.test_export import body_save_sharded
 
 
-def body_load_into_fsdp2(rank, world_size, hf_dir, full_file):
+def body_save_export_load(rank, world_size, url, full_file, hf_dir):
+    """Save on N ranks (FSDP2); rank 0 exports with `muon-ckpt export --hf`; every rank loads
+    the export into a fresh FSDP2 model (its rows only) and checks it against the saved one."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    body_save_sharded(rank, world_size, url, full_file)
+    dist.barrier()
+    doc = None
+    if rank == 0:
+        argv = ["export", url, "--hf", hf_dir, "--max-shard-size", "300", "--json"]
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert main(argv) == 0
+        doc = json.loads(out.getvalue())
+    dist.barrier()
     want = torch.load(full_file, weights_only=True)
     mesh = init_device_mesh(dist_device().type, (world_size,))
     torch.manual_seed(1)  # other values than the saved ones
@@ -41,19 +56,15 @@ def body_load_into_fsdp2(rank, world_size, hf_dir, full_file):
     for fqn, p in model.named_parameters():
         full = p.full_tensor().cpu()
         assert full.dtype == want[f"model.{fqn}"].dtype and torch.equal(full, want[f"model.{fqn}"])
-    return len(report.loaded)
+    return doc, len(report.loaded)
 
 
-def test_fsdp2_checkpoint_exported_with_hf_loads_bitwise_with_huggingface_hub(tmp_path, capsys):
-    url, full_file = str(tmp_path / "run"), str(tmp_path / "full.pt")
-    run_on_ranks(body_save_sharded, 2, url, full_file)
-    out = str(tmp_path / "hf")
-    rc = main(["export", url, "--hf", out, "--max-shard-size", "300", "--json"])
-    assert rc == 0
-    doc = json.loads(capsys.readouterr().out)
+def test_fsdp2_checkpoint_exported_with_hf_loads_bitwise_with_huggingface_hub(tmp_path):
+    url, full_file, out = str(tmp_path / "run"), str(tmp_path / "full.pt"), str(tmp_path / "hf")
+    (doc, n0), (_, n1) = run_on_ranks(body_save_export_load, 2, url, full_file, out)
     want = torch.load(full_file, weights_only=True)
     model_keys = [k.removeprefix("model.") for k in want if k.startswith("model.")]
-    assert doc["step"] == 3 and doc["tensors"] == len(model_keys)
+    assert doc["step"] == 3 and doc["tensors"] == len(model_keys) == n0 == n1
     shards = [f for f in doc["files"]["model"] if not f.endswith(".json")]
     assert len(shards) > 1 and doc["files"]["model"][-1] == "model.safetensors.index.json"
     assert sorted(os.listdir(out)) == sorted(doc["files"]["model"])  # no optimizer by default
@@ -66,8 +77,6 @@ def test_fsdp2_checkpoint_exported_with_hf_loads_bitwise_with_huggingface_hub(tm
     for fqn, t in model.state_dict().items():
         ref = want[f"model.{fqn}"]
         assert t.dtype == ref.dtype and torch.equal(t, ref), fqn
-    # ... and back into an FSDP2 model on 2 ranks, each rank reading its rows only.
-    assert run_on_ranks(body_load_into_fsdp2, 2, out, full_file) == [len(model_keys)] * 2
 
 
 def _saved_run(url: str, model: nn.Module, *, optimizer: bool = True) -> tuple[nn.Module, object]:
@@ -174,6 +183,17 @@ def test_optimizer_state_goes_to_its_own_file_set_and_imports_back(tmp_path):
     for (n, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
         for k, v in opt.state[p].items():
             assert torch.equal(fresh_opt.state[q][k], v), (n, k)
+    # Sharded, the set imports from its directory (the index gives step and files).
+    s = export_hf(url, out, include=("optim",), max_shard_size="1KB")
+    assert s.files["optim"][-1] == "optimizer.safetensors.index.json" and len(s.files["optim"]) > 2
+    assert "model.safetensors" in os.listdir(out)  # the model set is left as it was
+    fresh_opt = make_muon(fresh)
+    report = import_optimizer_state(fresh_opt, out)
+    assert report.fresh == [] and report.unused == [] and report.source_step == 2
+    assert report.source.startswith("optimizer safetensors set ")
+    for (n, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        for k, v in opt.state[p].items():
+            assert torch.equal(fresh_opt.state[q][k], v), (n, k)
 
 
 def test_bad_arguments_are_errors_that_say_what_to_do(tmp_path):
@@ -233,3 +253,22 @@ def test_load_hf_model_checks_everything_before_changing_the_model(tmp_path):
     os.remove(os.path.join(out, shard))
     with pytest.raises(Exception, match=f"{shard}: named by model.safetensors.index.json"):
         load_hf_model(TinyNet(), out)
+
+
+def test_export_to_and_load_from_s3(s3_bucket):
+    bucket, opts = s3_bucket
+    url, out = f"s3://{bucket}/run", f"s3://{bucket}/hf"
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = make_muon(model)
+    with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts) as mgr:
+        train(model, opt, 1)
+        mgr.save(1)
+    s = export_hf(url, out, max_shard_size="1KB", storage_options=opts)
+    assert len(s.files["model"]) > 2
+    fresh = TinyNet()
+    report = load_hf_model(fresh, out, storage_options=opts)
+    assert report.missing == [] and report.unexpected == []
+    assert report.files == [f for f in s.files["model"] if f.endswith(".safetensors")]
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k

@@ -34,6 +34,8 @@ from muon_ckpt.interop._export import (
     section_of,
 )
 from muon_ckpt.interop._hflayout import (
+    MODEL_STEM,
+    OPTIMIZER_STEM,
     clean_fqn,
     index_json,
     index_name,
@@ -50,7 +52,7 @@ from muon_ckpt.store import Storage, bytes_keys, resolve, tensor_entries
 __all__ = ["HFExportSummary", "export_hf"]
 
 HF_SECTIONS = ("model", "optim")
-STEMS = {"model": "model", "optim": "optimizer"}
+STEMS = {"model": MODEL_STEM, "optim": OPTIMIZER_STEM}
 
 
 @dataclass

@@ -20,10 +20,17 @@ activation checkpointing add removed (``clean_fqn``), then an optional user rena
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointNotFoundError
+from muon_ckpt.store import Storage
 
 __all__ = [
+    "MODEL_STEM",
+    "OPTIMIZER_STEM",
     "clean_fqn",
     "index_json",
     "index_name",
@@ -31,9 +38,12 @@ __all__ = [
     "old_files",
     "parse_size",
     "plan_shards",
+    "read_set",
     "single_name",
 ]
 
+MODEL_STEM, OPTIMIZER_STEM = "model", "optimizer"  # model*.safetensors, optimizer*.safetensors
+_MAX_INDEX = 10 * 1024 * 1024  # huggingface_hub's limit: an index is metadata
 SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # as huggingface_hub
 _WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
@@ -157,3 +167,39 @@ def index_json(total_size: int, files: Mapping[str, list[str]], meta: Mapping[st
     weight_map = {name: fname for fname, names in files.items() for name in names}
     index = {"metadata": {"total_size": total_size, **meta}, "weight_map": weight_map}
     return json.dumps(index, indent=2).encode()
+
+
+def read_set(st: Storage, stem: str) -> tuple[list[str], dict[str, Any]]:
+    """The files of the set ``stem`` at ``st`` (the index's shards, or the one file) and the
+    index's metadata ({} for one file). Shard names must be plain file names (no paths)."""
+    if not st.exists(index_name(stem)):
+        if st.exists(single_name(stem)):
+            return [single_name(stem)], {}
+        raise CheckpointNotFoundError(
+            f"{st.url!r}: no {index_name(stem)} or {single_name(stem)} (the Hugging Face "
+            f"layout that export_hf writes); found {st.listdir()[:8]}"
+        )
+    where = st.url_of(index_name(stem))
+    if st.size(index_name(stem)) > _MAX_INDEX:
+        raise CheckpointCorruptError(f"{where}: larger than {_MAX_INDEX} bytes; not an index")
+    try:
+        index = json.loads(st.read_bytes(index_name(stem)))
+        files = sorted(set(index["weight_map"].values()))
+        meta = dict(index.get("metadata") or {})
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointCorruptError(
+            f"{where}: not a safetensors index (expected JSON with a 'weight_map' object of "
+            f"name -> file; {type(e).__name__}: {e})"
+        ) from e
+    for f in files:
+        if not isinstance(f, str) or posixpath.basename(f) != f or not f.endswith(".safetensors"):
+            raise CheckpointCorruptError(
+                f"{where}: weight_map names {f!r}; expected a .safetensors file in the same "
+                "directory"
+            )
+        if not st.exists(f):
+            raise CheckpointCorruptError(
+                f"{st.url_of(f)}: named by {index_name(stem)} but missing; the export is "
+                "incomplete: export again or restore the file"
+            )
+    return files, meta

@@ -11,8 +11,6 @@ checksums, so a read error after the checks (an I/O failure) can leave the model
 
 from __future__ import annotations
 
-import json
-import posixpath
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,16 +21,13 @@ from torch.distributed.tensor import DTensor
 from muon_ckpt._errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
-    CheckpointNotFoundError,
 )
 from muon_ckpt._tensors import local_tensor
-from muon_ckpt.interop._hflayout import clean_fqn, index_name, make_renamer, single_name
+from muon_ckpt.interop._hflayout import MODEL_STEM, clean_fqn, make_renamer, read_set
 from muon_ckpt.interop._safetensors import SafetensorsFile, TensorInfo
 from muon_ckpt.store import Storage
 
 __all__ = ["HFLoadReport", "load_hf_model"]
-
-_MAX_INDEX = 10 * 1024 * 1024  # huggingface_hub's limit: an index is metadata
 
 
 @dataclass
@@ -64,47 +59,9 @@ class HFLoadReport:
         return "\n".join(lines)
 
 
-def _shard_files(st: Storage) -> list[str]:
-    """The safetensors files of the model set at ``st``: the index's shards, or the one file."""
-    if st.exists(index_name("model")):
-        where = st.url_of(index_name("model"))
-        if st.size(index_name("model")) > _MAX_INDEX:
-            raise CheckpointCorruptError(f"{where}: larger than {_MAX_INDEX} bytes; not an index")
-        try:
-            index = json.loads(st.read_bytes(index_name("model")))
-            files = sorted(set(index["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointCorruptError(
-                f"{where}: not a safetensors index (expected JSON with a 'weight_map' object "
-                f"of name -> file; {type(e).__name__}: {e})"
-            ) from e
-        for f in files:
-            if (
-                not isinstance(f, str)
-                or posixpath.basename(f) != f
-                or not f.endswith(".safetensors")
-            ):
-                raise CheckpointCorruptError(
-                    f"{where}: weight_map names {f!r}; expected a .safetensors file in the "
-                    "same directory"
-                )
-        return files
-    if st.exists(single_name("model")):
-        return [single_name("model")]
-    raise CheckpointNotFoundError(
-        f"{st.url!r}: no {index_name('model')} or {single_name('model')} (the Hugging Face "
-        f"layout that export_hf writes); found {st.listdir()[:8]}"
-    )
-
-
 def _read_headers(st: Storage, files: list[str]) -> dict[str, tuple[SafetensorsFile, TensorInfo]]:
     out: dict[str, tuple[SafetensorsFile, TensorInfo]] = {}
     for fname in files:
-        if not st.exists(fname):
-            raise CheckpointCorruptError(
-                f"{st.url_of(fname)}: named by {index_name('model')} but missing; the export "
-                "is incomplete: export again or restore the file"
-            )
         f = SafetensorsFile(st.child(fname))
         for name, info in f.tensors.items():
             if name in out:
@@ -158,7 +115,7 @@ def load_hf_model(
         CheckpointCorruptError: an index or file header is malformed, or a shard is missing.
     """
     st = Storage(hf_dir, storage_options)
-    files = _shard_files(st)
+    files, _ = read_set(st, MODEL_STEM)
     have = _read_headers(st, files)
     renamer = make_renamer(rename)
     report = HFLoadReport(source=st.url, files=files)
