@@ -211,8 +211,10 @@ def test_bad_arguments_are_errors_that_say_what_to_do(tmp_path):
             export_hf(url, out, max_shard_size=bad)
     with pytest.raises(ValueError, match="is not a regular expression"):
         export_hf(url, out, rename={"(": "x"})
-    with pytest.raises(ValueError, match="expected two different exported model names"):
+    with pytest.raises(ValueError, match=r"\['nope.weight'\] is not an exported model name"):
         export_hf(url, out, tied={"nope.weight": "emb.weight"})
+    with pytest.raises(ValueError, match=r"'fc1\.weight' is dropped itself"):
+        export_hf(url, out, tied={"emb.weight": "fc1.weight", "fc1.weight": "emb.weight"})
     with pytest.raises(CheckpointNotFoundError):
         export_hf(str(tmp_path / "nothing"), out)
     assert not os.path.exists(out)  # nothing was written by a failed call
@@ -242,7 +244,10 @@ def test_load_hf_model_checks_everything_before_changing_the_model(tmp_path):
     assert report.missing == ["extra.weight", "extra.bias"] and report.unexpected == []
     assert torch.equal(model.fc1.weight, saved.fc1.weight)
     assert "2 missing" in str(report)
-    with pytest.raises(CheckpointMismatchError, match="has shape"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"model-0000\d-of-0000\d\.safetensors: .emb\.weight. has shape \[11, 8\] in the files but .emb\.weight. has \[11, 4\]",
+    ):
         load_hf_model(TinyNet(dim=4), out)
     model = TinyNet().to(torch.float64)
     report = load_hf_model(model, out)

@@ -111,12 +111,16 @@ def _apply_ties(s: _Set, tied: Mapping[str, str]) -> dict[str, tuple[Item, Item]
     pairs = {}
     for dropped, kept in tied.items():
         missing = [n for n in (dropped, kept) if n not in s.items]
-        if missing or dropped == kept or kept in tied:
-            some = ", ".join(list(s.items)[:6])
+        if missing:
             raise ValueError(
-                f"tied={{{dropped!r}: {kept!r}}}: expected two different exported model names, "
-                f"the kept one not dropped itself; {missing or [kept]} is not one (names are "
-                f"as written, after rename, e.g. {some})"
+                f"tied={{{dropped!r}: {kept!r}}}: {missing} is not an exported model name; "
+                f"tied names are as written, after rename (e.g. {', '.join(list(s.items)[:6])})"
+            )
+        if dropped == kept or kept in tied:
+            raise ValueError(
+                f"tied={{{dropped!r}: {kept!r}}}: expected each dropped name to map to a "
+                f"different name that is written; {kept!r} is "
+                + ("the same name" if dropped == kept else "dropped itself")
             )
         a, b = s.items[dropped], s.items[kept]
         if (a.shape, a.src_dtype) != (b.shape, b.src_dtype):

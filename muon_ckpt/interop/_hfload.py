@@ -127,10 +127,10 @@ def load_hf_model(
         if not isinstance(value, torch.Tensor) or name not in have:
             pending.append((key, id(value)))
             continue
-        _, info = have[name]
+        f, info = have[name]
         if tuple(value.shape) != info.shape:
             raise CheckpointMismatchError(
-                f"{st.url_of(name)}: {name!r} has shape {list(info.shape)} in the files but "
+                f"{f.path}: {name!r} has shape {list(info.shape)} in the files but "
                 f"{key!r} has {list(value.shape)} in the model; build the model with the "
                 "exported configuration (or fix rename=)"
             )
