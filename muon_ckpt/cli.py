@@ -277,7 +277,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     where = f"step {doc['step']}" if doc["step"] is not None else args.url
     print(f"exported {where}: {doc['tensors']} tensors, {_human(doc['bytes'])} -> {doc['out']}")
     for section, files in doc.get("files", {}).items():
-        print(f"  {section}: {', '.join(files)}")
+        shards = f"{len(files) - 1} shards + {files[-1]}" if len(files) > 1 else files[0]
+        print(f"  {section}: {shards}")
     if doc["skipped"]:
         print(
             f"not exported (non-tensor values): {len(doc['skipped'])} keys, "
