@@ -107,12 +107,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
     # Values: every non-tensor value (hyperparameters, extra state) and the tensors of extra.
     shown = [x["key"] for x in rows if x["shape"] is None or x["key"].startswith("extra.")]
-    for x, v in zip(
-        [x for x in rows if x["key"] in set(shown)],
-        read_values(reader, shown).values(),
-        strict=True,
-    ):
-        x.update(v)
+    values = read_values(reader, shown)
+    for x in rows:
+        x.update(values.get(x["key"], {}))
     total = sum(r_["bytes"] or 0 for r_ in rows)
     head = {"url": r.url, "kind": r.kind, "step": r.step}
     if r.manifest is not None:
