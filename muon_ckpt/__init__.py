@@ -21,9 +21,13 @@ from muon_ckpt._version import __version__
 if TYPE_CHECKING:
     from muon_ckpt.interop import (
         ExportSummary,
+        HFExportSummary,
+        HFLoadReport,
         ImportReport,
+        export_hf,
         export_safetensors,
         import_optimizer_state,
+        load_hf_model,
     )
     from muon_ckpt.manager import CheckpointManager
 
@@ -33,6 +37,10 @@ _LAZY = {
     "ImportReport": "muon_ckpt.interop",
     "export_safetensors": "muon_ckpt.interop",
     "ExportSummary": "muon_ckpt.interop",
+    "export_hf": "muon_ckpt.interop",
+    "HFExportSummary": "muon_ckpt.interop",
+    "load_hf_model": "muon_ckpt.interop",
+    "HFLoadReport": "muon_ckpt.interop",
 }
 
 __all__ = [
@@ -44,10 +52,14 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "ExportSummary",
+    "HFExportSummary",
+    "HFLoadReport",
     "ImportReport",
     "__version__",
+    "export_hf",
     "export_safetensors",
     "import_optimizer_state",
+    "load_hf_model",
 ]
 
 

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
-from muon_ckpt._progress import Progress
+from muon_ckpt._progress import progress_bar
 from muon_ckpt._version import __version__
 from muon_ckpt.store._checksum import crc_hex, file_checksum, update
 from muon_ckpt.store._layout import (
@@ -354,7 +354,7 @@ def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
     present = st.walk_files(*r.parts)
     res.unexpected = sorted(set(present) - set(r.manifest.files) - {MANIFEST})
     total = sum(e.size for e in r.manifest.files.values())
-    with Progress(total, f"verify step {r.step}", enabled=progress) as bar:
+    with progress_bar(total, f"verify step {r.step}", enabled=progress) as bar:
         for name, entry in sorted(r.manifest.files.items()):
             res.checked += 1
             if name not in present:
