@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["canonical_names", "legacy_aliases", "param_fqns"]
+__all__ = ["canonical_names", "legacy_aliases", "param_fqns", "strip_wrappers"]
 
 # Atoms that are always a wrapper's attribute, whatever module holds them.
 _WRAPPER_ATTRS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+_LEGACY_ATOMS = _WRAPPER_ATTRS | {"_orig_mod"}
 
 
 def _is_wrapper(mod: Any, atom: str) -> bool:
@@ -57,18 +58,31 @@ def canonical_names(model: nn.Module, names: list[str]) -> dict[str, str]:
     return out
 
 
+def strip_wrappers(fqn: str) -> str:
+    """A stored name without wrapper atoms, when the model that saved it is unknown: every
+    ``_orig_mod``/``_checkpoint_wrapped_module``/``_fsdp_wrapped_module`` and a leading
+    ``module`` (DDP wraps the root; a ``module`` deeper down may be the user's own)."""
+    parts = [p for p in fqn.split(".") if p not in _LEGACY_ATOMS]
+    while len(parts) > 1 and parts[0] == "module":
+        parts = [p for p in parts[1:] if p not in _LEGACY_ATOMS]
+    return ".".join(parts)
+
+
 def legacy_aliases(saved_keys: Any) -> dict[str, str]:
-    """``{canonical key: saved key}`` for saved keys that still carry a wrapper atom (written
-    before names were canonical). Without the model that saved them the atoms are dropped
-    wherever they occur; a key that two saved keys would claim is left out."""
-    strip = _WRAPPER_ATTRS | {"_orig_mod", "module"}
+    """``{canonical key: saved key}`` for saved keys (``<section>.<fqn>``) that still carry a
+    wrapper atom (written before names were canonical); a key that two saved keys would claim
+    is left out."""
     out: dict[str, str] = {}
     ambiguous: set[str] = set()
     for key in saved_keys:
-        atoms = key.split(".")
-        if not strip.intersection(atoms):
+        for section in ("model.", "optim.state.", "optim.param_groups."):
+            if key.startswith(section):
+                clean = section + strip_wrappers(key[len(section) :])
+                break
+        else:
             continue
-        clean = ".".join(a for a in atoms if a not in strip)
+        if clean == key:
+            continue
         if clean in out:
             ambiguous.add(clean)
         out[clean] = key

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from muon_ckpt._fqn import strip_wrappers
 from muon_ckpt._progress import progress_bar
 from muon_ckpt.interop._export import (
     Item,
@@ -36,7 +37,6 @@ from muon_ckpt.interop._export import (
 from muon_ckpt.interop._hflayout import (
     MODEL_STEM,
     OPTIMIZER_STEM,
-    clean_fqn,
     index_json,
     index_name,
     make_renamer,
@@ -80,12 +80,12 @@ class _Set:
 def _name(section: str, key: str, rename: Callable[[str], str]) -> str | None:
     """Output name of a stored key, or None when it is not a tensor of this section."""
     if section == "model":
-        return rename(clean_fqn(key.removeprefix("model.")))
+        return rename(strip_wrappers(key.removeprefix("model.")))
     parts = split_state_key(key)
     if parts is None:
         return None
     fqn, state_key = parts
-    return f"state.{rename(clean_fqn(fqn))}.{state_key}"
+    return f"state.{rename(strip_wrappers(fqn))}.{state_key}"
 
 
 def _collect(md: Any, section: str, rename: Callable[[str], str], cast: torch.dtype | None) -> _Set:

@@ -13,7 +13,7 @@ files without it). A tied weight is written once; the dropped name maps to the k
 index's metadata (one file: in that file's metadata), as huggingface_hub records it.
 
 Names: model FQNs with the wrappers that torch.compile (``_orig_mod``), DDP (``module``) and
-activation checkpointing add removed (``clean_fqn``), then an optional user rename
+activation checkpointing add removed (``_fqn.strip_wrappers``), then an optional user rename
 (``make_renamer``). huggingface_hub is never imported here: it is not a dependency.
 """
 
@@ -31,7 +31,6 @@ from muon_ckpt.store import Storage
 __all__ = [
     "MODEL_STEM",
     "OPTIMIZER_STEM",
-    "clean_fqn",
     "index_json",
     "index_name",
     "make_renamer",
@@ -45,7 +44,6 @@ __all__ = [
 MODEL_STEM, OPTIMIZER_STEM = "model", "optimizer"  # model*.safetensors, optimizer*.safetensors
 _MAX_INDEX = 10 * 1024 * 1024  # huggingface_hub's limit: an index is metadata
 SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}  # as huggingface_hub
-_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 Renamer = Callable[[str], str]
 
@@ -72,18 +70,6 @@ def parse_size(size: int | str) -> int:
             f"got {size!r}"
         )
     return value
-
-
-def clean_fqn(fqn: str) -> str:
-    """``fqn`` without wrapper modules: a leading ``module.`` (DDP, DataParallel) and every
-    ``_orig_mod.`` (torch.compile), ``_checkpoint_wrapped_module.`` (activation checkpointing)
-    and ``_fsdp_wrapped_module.`` (FSDP1), wherever they sit. Needed for checkpoints saved
-    before the manager normalised these names itself."""
-    parts = [p for p in fqn.split(".") if p not in _WRAPPERS]
-    while len(parts) > 1 and parts[0] == "module":
-        parts = parts[1:]
-        parts = [p for p in parts if p not in _WRAPPERS]
-    return ".".join(parts)
 
 
 def make_renamer(rename: Mapping[str, str] | Callable[[str], str] | None) -> Renamer:

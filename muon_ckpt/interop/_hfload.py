@@ -22,8 +22,9 @@ from muon_ckpt._errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
 )
+from muon_ckpt._fqn import strip_wrappers
 from muon_ckpt._tensors import local_tensor
-from muon_ckpt.interop._hflayout import MODEL_STEM, clean_fqn, make_renamer, read_set
+from muon_ckpt.interop._hflayout import MODEL_STEM, make_renamer, read_set
 from muon_ckpt.interop._safetensors import SafetensorsFile, TensorInfo
 from muon_ckpt.store import Storage
 
@@ -123,7 +124,7 @@ def load_hf_model(
     owner: dict[int, str] = {}  # id(tensor) -> the first model key that holds it
     pending: list[tuple[str, int]] = []
     for key, value in model.state_dict(keep_vars=True).items():
-        name = renamer(clean_fqn(key))
+        name = renamer(strip_wrappers(key))
         if not isinstance(value, torch.Tensor) or name not in have:
             pending.append((key, id(value)))
             continue
