@@ -95,6 +95,12 @@ def new_group(timeout: float) -> Any:
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
 
+def _store() -> Any:
+    # torch has no public accessor for the default group's store; this one has existed since
+    # torch 1.x and is what torch's own store-based barriers use.
+    return dist.distributed_c10d._get_default_store()
+
+
 def handshake(tag: str, call: str, timeout: float) -> None:
     """Every rank announces ``call`` (e.g. ``"save(step=5)"``) under ``tag`` and waits until
     every rank has announced the same call; raises CheckpointCollectiveError naming the ranks that
@@ -102,29 +108,34 @@ def handshake(tag: str, call: str, timeout: float) -> None:
 
     Runs on the default group's key-value store (no communicator), so a rank that never calls
     costs the others ``timeout`` seconds and an error that names it, instead of a hang inside
-    the first collective. ``tag`` must be unique per call and the same on every rank.
+    the first collective. ``tag`` must be unique per call and the same on every rank. Whether
+    the handshake succeeded is decided once, atomically (``compare_set`` of a verdict key: the
+    first rank to see every key, or to time out, sets it), so a rank that arrives just after
+    another gave up follows that verdict instead of going on alone.
     """
     if not is_dist():
         return
-    # torch has no public accessor for the default group's store; this one has existed since
-    # torch 1.x and is what torch's own store-based barriers use.
-    store = dist.distributed_c10d._get_default_store()
+    store = _store()
     me, n = rank(), world_size()
     store.set(f"{tag}/{me}", call)
     keys = [f"{tag}/{r}" for r in range(n)]
     deadline = time.monotonic() + timeout
     pause = 0.001
-    while not store.check(keys):  # polled: store.wait() logs a C++ warning on every timeout
-        if time.monotonic() > deadline:
-            missing = [r for r in range(n) if not store.check([keys[r]])]
-            raise CheckpointCollectiveError(
-                f"{call} on rank {me}: rank(s) {missing} of {n} did not call it within "
-                f"{timeout:g} s (collective_timeout); save() and load() are collectives: call "
-                "them on every rank, with the same step"
-            )
-        time.sleep(pause)
+    while not (complete := store.check(keys)) and time.monotonic() < deadline:
+        time.sleep(pause)  # polled: store.wait() logs a C++ warning on every timeout
         pause = min(pause * 2, 0.05)
-    calls = {r: store.get(keys[r]).decode() for r in range(n)}
+    if complete:
+        mine = "ok"
+    else:
+        missing = [r for r in range(n) if not store.check([keys[r]])]
+        mine = f"rank(s) {missing} of {n} did not call it within {timeout:g} s"
+    verdict = store.compare_set(f"{tag}/verdict", "", mine).decode()
+    if verdict != "ok":
+        raise CheckpointCollectiveError(
+            f"{call} on rank {me}: {verdict} (collective_timeout); save() and load() are "
+            "collectives: call them on every rank, with the same step"
+        )
+    calls = dict(enumerate(v.decode() for v in store.multi_get(keys)))
     if len(set(calls.values())) > 1:
         raise CheckpointCollectiveError(
             f"{call} on rank {me}: the ranks called different things: "
@@ -134,9 +145,13 @@ def handshake(tag: str, call: str, timeout: float) -> None:
 
 
 def forget(tag: str) -> None:
-    """Remove this rank's key of an earlier ``handshake`` (once every rank is past it)."""
+    """Remove this rank's key of an earlier ``handshake`` (once every rank is past it), and
+    rank 0 the verdict."""
     if is_dist():
-        dist.distributed_c10d._get_default_store().delete_key(f"{tag}/{rank()}")
+        store = _store()
+        store.delete_key(f"{tag}/{rank()}")
+        if rank() == 0:
+            store.delete_key(f"{tag}/verdict")
 
 
 def comm_failure(e: RuntimeError, what: str) -> CheckpointCollectiveError:

@@ -6,7 +6,9 @@ Keys (see ``store._layout``; FQNs without wrapper prefixes, see ``_fqn``)::
 
     model.<fqn>                        every entry of model.state_dict()
     optim.state.<fqn>.<key>            every entry of optimizer.state[param]
-    optim.param_groups.<fqn>.<hparam>  every hyperparameter of the param's group (not params/names)
+    optim.param_groups.<lead>.<hparam>  every hyperparameter of a group (not params/names), once:
+                                       <lead> is the FQN of the group's first param
+    optim.param_groups.<lead>.params   the FQNs of the group's params (a list)
     extra.<name>                       obj.state_dict(), nested; DCP flattens it to extra.<name>.<k>
     rank_extra.<rank>.<name>           the same, for each rank's own objects
 """
@@ -23,7 +25,7 @@ from torch import Tensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from muon_ckpt._errors import CheckpointMismatchError
-from muon_ckpt._fqn import canonical_names, legacy_aliases, param_fqns
+from muon_ckpt._fqn import canonical_names, legacy_aliases, param_fqns, strip_wrappers
 from muon_ckpt._tensors import host_copy
 from muon_ckpt.store import extra_key, model_key, optim_group_key, optim_state_key, rank_extra_key
 
@@ -31,6 +33,7 @@ __all__ = ["PARTS", "FlatState", "LoadReport", "check_stateful", "extra_digests"
 
 PARTS = ("model", "optim", "extra", "rank_extra")
 _GROUP_SKIP = ("params", "names")
+_GROUPS = "optim.param_groups."
 
 
 def check_stateful(field_name: str, objs: Any) -> dict[str, Any]:
@@ -71,15 +74,21 @@ def extra_digests(extra: dict[str, Any]) -> dict[str, str]:
 
 
 def _feed(h: Any, v: Any) -> None:
+    """Feed ``v`` into ``h`` independently of the process: dict items and set elements in
+    sorted order (insertion order and string hashing differ between processes)."""
     if isinstance(v, Tensor):
-        t = v.detach()
-        t = getattr(t, "_local_tensor", t).cpu().contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(f"T{v.dtype}{tuple(v.shape)}".encode())
+        if not hasattr(v, "_local_tensor"):  # a DTensor's shards differ by rank: shape only
+            t = v.detach().cpu().contiguous()
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     elif isinstance(v, dict):
         h.update(b"D%d" % len(v))
-        for k, x in v.items():
+        for k, x in sorted(v.items(), key=lambda kv: repr(kv[0])):
             _feed(h, k)
+            _feed(h, x)
+    elif isinstance(v, (set, frozenset)):
+        h.update(b"S%d" % len(v))
+        for x in sorted(v, key=repr):
             _feed(h, x)
     elif isinstance(v, (list, tuple)):
         h.update(b"L%d" % len(v))
@@ -148,9 +157,9 @@ class FlatState:
     """The flat dict handed to DCP, plus where each optimizer entry goes back."""
 
     sd: dict[str, Any] = field(default_factory=dict)
-    # key -> (param, state key) for optimizer state; key -> (group index, hparam) for groups
+    # key -> (param, state key) for optimizer state
     state_slots: dict[str, tuple[Tensor, str]] = field(default_factory=dict)
-    group_slots: dict[str, tuple[int, str]] = field(default_factory=dict)
+    group_fqns: list[list[str]] = field(default_factory=list)  # each group's param FQNs
     stateful: dict[str, Any] = field(default_factory=dict)  # key -> extra / rank_extra object
     group_of: dict[str, int] = field(default_factory=dict)  # param FQN -> its group's index
     unsure_groups: set[int] = field(default_factory=set)  # relaxed: groups with a changed param
@@ -176,18 +185,21 @@ class FlatState:
         if optimizer is not None and "optim" in parts:
             fqns = param_fqns(model, optimizer)
             for gi, (group, names) in enumerate(zip(optimizer.param_groups, fqns, strict=True)):
+                fs.group_fqns.append(names)
                 for p, fqn in zip(group["params"], names, strict=True):
                     fs.group_of[fqn] = gi
                     for sk, v in optimizer.state.get(p, {}).items():
                         key = optim_state_key(fqn, sk)
                         fs.sd[key] = v
                         fs.state_slots[key] = (p, sk)
-                    for hk, hv in group.items():
-                        if hk in _GROUP_SKIP:
-                            continue
-                        key = optim_group_key(fqn, hk)
-                        fs.sd[key] = hv
-                        fs.group_slots[key] = (gi, hk)
+                if not names:
+                    continue
+                # Once per group, under its first param's name, with the names of all of them:
+                # a load maps each of its groups to the saved group that held its params.
+                fs.sd[optim_group_key(names[0], "params")] = list(names)
+                for hk, hv in group.items():
+                    if hk not in _GROUP_SKIP:
+                        fs.sd[optim_group_key(names[0], hk)] = hv
         objs = []
         if "extra" in parts:
             objs += [(extra_key(n), o) for n, o in extra.items()]
@@ -221,14 +233,12 @@ class FlatState:
     def _drop(self, key: str) -> None:
         del self.sd[key]
         self.state_slots.pop(key, None)
-        self.group_slots.pop(key, None)
 
     def _rename(self, key: str, saved: str) -> None:
         """Load ``key`` from the checkpoint's ``saved`` (a name from before canonical FQNs)."""
         self.sd[saved] = self.sd.pop(key)
-        for slots in (self.state_slots, self.group_slots):
-            if key in slots:
-                slots[saved] = slots.pop(key)
+        if key in self.state_slots:
+            self.state_slots[saved] = self.state_slots.pop(key)
 
     def check_against(
         self, metadata: Any, fresh: set[int], url: str, *, strict: bool = True
@@ -245,6 +255,17 @@ class FlatState:
 
         report = LoadReport()
         have = metadata.state_dict_metadata
+        if self.group_fqns:
+            # Hyperparameters: read every saved group entry (small Python values) and map them
+            # to this optimizer's groups after the read (apply_loaded), whatever the grouping.
+            for key in [k for k in self.sd if k.startswith(_GROUPS)]:
+                del self.sd[key]
+            for key, md in have.items():
+                if key.startswith(_GROUPS):  # a tensor hyperparameter is read into a new one
+                    tensor = isinstance(md, TensorStorageMetadata)
+                    self.sd[key] = (
+                        torch.empty(md.size, dtype=md.properties.dtype) if tensor else None
+                    )
         aliases = legacy_aliases(have)
         for key in [k for k in self.sd if k not in have and k in aliases]:
             self._rename(key, aliases[key])
@@ -268,8 +289,7 @@ class FlatState:
         for key in list(self.sd):
             if key in self.stateful:
                 continue
-            if key in self.group_slots and key not in have:
-                self._drop(key)  # a hyperparameter the saving optimizer did not have
+            if key.startswith(_GROUPS):
                 continue
             if key in self.state_slots and key not in have:
                 p, _ = self.state_slots[key]
@@ -326,31 +346,62 @@ class FlatState:
                 v = self.sd[key]
                 if not isinstance(v, Tensor):
                     optimizer.state[p][sk] = v
-            per_group: dict[tuple[int, str], tuple[str, Any]] = {}
-            disagree: set[tuple[int, str]] = set()
-            for key, (gi, hk) in self.group_slots.items():
-                v = self.sd[key]
-                prev = per_group.setdefault((gi, hk), (key, v))
-                if prev[1] is not v and not _same(prev[1], v):
-                    if strict:
-                        raise CheckpointMismatchError(
-                            f"{url}: {prev[0]!r} = {prev[1]!r} but {key!r} = {v!r}: these "
-                            "params share a param group here but had different "
-                            "hyperparameters when saved (was a param moved to another "
-                            "group?); load(strict=False) keeps this group's own values"
-                        )
-                    disagree.add((gi, hk))
-            for (gi, hk), (_, v) in per_group.items():
-                if (gi, hk) in disagree:
-                    report.kept_hparams.append((gi, hk, "its params had different values"))
-                elif gi in self.unsure_groups:
-                    if not _same(optimizer.param_groups[gi][hk], v):
-                        why = "a param of the group has state that does not match the checkpoint"
-                        report.kept_hparams.append((gi, hk, why))
-                else:
-                    optimizer.param_groups[gi][hk] = v
+            saved = self._saved_hparams()
+            for gi, fqns in enumerate(self.group_fqns):
+                self._apply_group(
+                    optimizer, gi, [f for f in fqns if f in saved], saved, url, report, strict
+                )
         for key, obj in self.stateful.items():
             obj.load_state_dict(self.sd[key])
+
+    def _saved_hparams(self) -> dict[str, dict[str, Any]]:
+        """Param FQN -> the hyperparameters of its group when saved, from the group entries
+        read (``<lead>.params`` lists), or from per-param entries (muon-ckpt <= 0.2)."""
+        groups: dict[str, dict[str, Any]] = {}
+        for key, v in self.sd.items():
+            if key.startswith(_GROUPS):
+                lead, hk = key[len(_GROUPS) :].rsplit(".", 1)
+                groups.setdefault(strip_wrappers(lead), {})[hk] = v
+        out: dict[str, dict[str, Any]] = {}
+        for lead, hp in groups.items():
+            params = hp.pop("params", None)
+            for fqn in params if isinstance(params, list) else [lead]:
+                out[strip_wrappers(fqn)] = hp
+        return out
+
+    def _apply_group(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gi: int,
+        fqns: list[str],
+        saved: dict[str, dict[str, Any]],
+        url: str,
+        report: LoadReport,
+        strict: bool,
+    ) -> None:
+        """Set group ``gi``'s hyperparameters from the saved group(s) of its params ``fqns``."""
+        group = optimizer.param_groups[gi]
+        for hk in sorted({h for f in fqns for h in saved[f]} - set(_GROUP_SKIP)):
+            have = [(f, saved[f][hk]) for f in fqns if hk in saved[f]]
+            (f0, v0), rest = have[0], have[1:]
+            odd = next(((f, v) for f, v in rest if v is not v0 and not _same(v0, v)), None)
+            if odd is not None:
+                if strict:
+                    raise CheckpointMismatchError(
+                        f"{url}: params {f0!r} and {odd[0]!r} share param group {gi} here but "
+                        f"were in groups with {hk}={v0!r} and {hk}={odd[1]!r} when saved (was a "
+                        "param moved to another group?); load(strict=False) keeps this group's "
+                        "own hyperparameters"
+                    )
+                report.kept_hparams.append((gi, hk, "its params had different values"))
+            elif gi in self.unsure_groups:
+                if not _same(group.get(hk), v0):
+                    why = "a param of the group has state that does not match the checkpoint"
+                    report.kept_hparams.append((gi, hk, why))
+            elif _same_layout(group.get(hk), v0):
+                group[hk].copy_(v0)  # in place: a scheduler or a captured graph holds it
+            else:
+                group[hk] = v0
 
 
 def _display(key: str) -> str:
@@ -381,6 +432,10 @@ def _mismatch(value: Any, md: Any, tensor_md: type) -> str | None:
             "model/optimizer to match first"
         )
     return None
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape
 
 
 def _same(a: Any, b: Any) -> bool:

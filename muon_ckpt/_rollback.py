@@ -6,7 +6,8 @@ rank whose read failed while the others succeeded, a hyperparameter that does no
 ``Rollback`` keeps what is needed to undo that:
 
 - the optimizer's structure (which params have state, the state dicts' entries, every param
-  group's hyperparameters), and each ``extra`` object's state dict (host copies): cheap;
+  group's hyperparameters), and each ``extra`` object's state dict (copies on their
+  devices; tensor hyperparameters are restored in place): cheap;
 - the values of every live tensor the load will write into (model parameters and buffers,
   optimizer states that existed before the load, offloaded states through their host views):
   one host copy of this rank's share of the state, taken into the manager's reusable host
@@ -14,7 +15,9 @@ rank whose read failed while the others succeeded, a hyperparameter that does no
   device memory is used. States created by the load itself are not copied: undoing the load
   removes them again.
 
-``restore()`` puts everything back; ``done()`` gives the host copies up.
+``restore()`` puts everything back; ``done()`` gives the host copies up. With
+``max_staging_bytes`` below what the copy needs, no values are kept (the manager warns): a
+failed load then restores the structure and ``extra`` only.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from muon_ckpt._tensors import host_copy, local_tensor
+from muon_ckpt._tensors import local_tensor
 from muon_ckpt.io import HostStaging
 
 __all__ = ["Rollback"]
@@ -42,25 +45,35 @@ class Rollback:
         self._extra = extra
         self._staging = staging
         self._state: dict[Any, dict[str, Any]] = {}
-        self._groups: list[dict[str, Any]] = []
+        # Each group's hyperparameters: (the object, a copy of its value). A tensor (an lr
+        # tensor a scheduler or a captured graph holds) is restored in place, keeping its
+        # identity; anything else is put back from the copy.
+        self._groups: list[dict[str, tuple[Any, Any]]] = []
         if optimizer is not None:
             self._state = {p: dict(st) for p, st in optimizer.state.items()}
             self._groups = [
-                {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                {k: (v, _copy(v)) for k, v in g.items() if k != "params"}
                 for g in optimizer.param_groups
             ]
-        self._extra_sd = {name: host_copy(obj.state_dict()) for name, obj in extra.items()}
+        self._extra_sd = {name: _copy(obj.state_dict()) for name, obj in extra.items()}
         self._pairs: list[tuple[Tensor, Tensor]] = []
         self._extra_touched = False
 
-    def keep_values(self, sd: dict[str, Any], skip: set[str]) -> None:
+    def keep_values(self, sd: dict[str, Any], skip: set[str], limit: int | None) -> bool:
         """Copy the values of ``sd``'s tensors (live tensors, or host views of offloaded
-        states), except the keys in ``skip`` (states this load created), before DCP writes."""
+        states), except the keys in ``skip`` (states this load created), before DCP writes.
+        Returns False, copying nothing, when that needs more than ``limit`` bytes."""
         live = {k: v for k, v in sd.items() if isinstance(v, Tensor) and k not in skip}
+        self._extra_touched = True  # DCP writes into the tensors of extra's state dicts too
+        if (
+            limit is not None
+            and self._staging.bytes_needed(live, copy_cpu=True, keep=set()) > limit
+        ):
+            return False
         staged = self._staging.stage(live, copy_cpu=True)
         self._staging.finish()  # Sync: every copy has landed before DCP writes into a source
         self._pairs = [(local_tensor(live[k]), local_tensor(staged[k])) for k in live]
-        self._extra_touched = True  # DCP writes into the tensors of extra's state dicts too
+        return True
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -79,11 +92,21 @@ class Rollback:
             for g, saved in zip(opt.param_groups, self._groups, strict=True):
                 for k in [k for k in g if k != "params" and k not in saved]:
                     del g[k]
-                g.update(saved)
+                for k, (obj, value) in saved.items():
+                    if isinstance(obj, Tensor):
+                        obj.copy_(value)
+                    g[k] = obj if isinstance(obj, Tensor) else value
         if self._extra_touched:
             for name, obj in self._extra.items():
-                obj.load_state_dict(host_copy(self._extra_sd[name]))
+                obj.load_state_dict(_copy(self._extra_sd[name]))
         self.done()
 
     def done(self) -> None:
         self._pairs = []
+
+
+def _copy(v: Any) -> Any:
+    """A deep copy whose tensors stay on their devices (hyperparameters, extra state: small)."""
+    if isinstance(v, Tensor):
+        return v.detach().clone()
+    return copy.deepcopy(v)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import operator
 import posixpath
@@ -54,6 +55,7 @@ from muon_ckpt.io import (
     dcp_failure,
 )
 from muon_ckpt.store import (
+    CORRUPT,
     UNCOMMITTED,
     Catalog,
     FileEntry,
@@ -116,7 +118,7 @@ class CheckpointManager:
     Save, load, wait and close are collectives: call them on every rank.
     """
 
-    _instances = 0  # numbers the managers of this process, for their handshake keys
+    _instances: dict[str, int] = {}  # managers of each url made in this process
 
     def __init__(
         self,
@@ -179,12 +181,16 @@ class CheckpointManager:
             self._resume = (Catalog(rf_storage), rf_step)
         self._pending: SaveJob | None = None
         self._group: Any = None  # gloo group of every save/load collective, made by the first
-        CheckpointManager._instances += 1
-        self._tag = f"muon_ckpt/{CheckpointManager._instances}"
+        # Handshake keys: per url and per manager of that url in this process (the same on
+        # every rank when every rank makes the same managers, whatever else a rank makes).
+        url_id = hashlib.blake2b(self.config.url.encode(), digest_size=8).hexdigest()
+        n = CheckpointManager._instances[url_id] = CheckpointManager._instances.get(url_id, 0) + 1
+        self._tag = f"muon_ckpt/{url_id}/{n}"
         self._calls = 0  # save/load calls so far: the handshake's sequence number
         self._abandoned: list[int] = []  # newer steps of a line this run rewound from
         self._staging = HostStaging()  # host buffers allocated by the first save, then reused
         self._warned_budget = False
+        self._warned_load = False
         self._closed = False
         # Tests only: a background write starts once this event is set, so a test can change
         # the state while a save is certainly still pending.
@@ -256,26 +262,41 @@ class CheckpointManager:
         coll.on_rank0(lambda: self._begin(step, overwrite), group)
         self._abandoned = []
         t1 = time.perf_counter()
+        # No collective between here and the outcome's all-gather but the budget's, which
+        # every rank reaches (the configuration is the same everywhere): a rank that fails
+        # goes straight to the next gather that all reach.
         error: Exception | None = None
         digests: dict[str, str] = {}
+        background = self.config.async_save
+        need = 0
         try:
             digests = extra_digests(self._extra)
-            spec, background, release = self._snapshot(step)
-        except Exception as e:  # every rank must learn of it before any starts to write
+            flat, views, keep = self._build()
+            need = self._async_need(flat, keep)
+        except Exception as e:
             error = e
+        limit = self.config.max_staging_bytes
+        if background and limit is not None:
+            gathered = coll.all_gather((error is None, need), group)
+            self._raise_failed(step, error, [r for r, (ok, _) in enumerate(gathered) if not ok])
+            background = self._within_budget(max(n for _, n in gathered), limit)
+        release = None
+        if error is None:
+            try:
+                spec, release = self._snapshot(step, flat, views, keep, background)
+            except Exception as e:  # every rank must learn of it before any starts to write
+                error = e
         outcome = coll.all_gather((error is None, digests), group)
         failed = [r for r, (ok, _) in enumerate(outcome) if not ok]
         differs = None if failed else _differing_extra(step, [d for _, d in outcome])
         if failed or differs:
-            if error is not None:
-                raise error
-            self._staging.finish()
-            if release is not None:
-                release()
-            raise differs or CheckpointError(
-                f"saving step {step}: taking the snapshot failed on rank(s) {failed} (their "
-                "own error says why); nothing was written and every committed step is intact"
-            )
+            if error is None:
+                self._staging.finish()
+                if release is not None:
+                    release()
+            if differs is not None:
+                raise differs
+            self._raise_failed(step, error, failed)
         t2 = time.perf_counter()
         spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
         job = SaveJob(spec, finish=lambda: self._finished(spec, release))
@@ -286,8 +307,21 @@ class CheckpointManager:
             job.run()
         return True
 
+    @staticmethod
+    def _raise_failed(step: int, error: Exception | None, failed: list[int]) -> None:
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError(
+                f"saving step {step}: taking the snapshot failed on rank(s) {failed} (their "
+                "own error says why); nothing was written and every committed step is intact"
+            )
+
     def _begin(self, step: int, overwrite: bool) -> None:
-        """Rank 0, before a save: drop the steps a rewind abandoned, ready ``step``."""
+        """Rank 0, before a save: ready ``step``, drop the steps a rewind abandoned (first if
+        ``step`` is one of them, else after ``step`` was found free to save)."""
+        if step not in self._abandoned:
+            self._catalog.begin(step, overwrite)
         if self._abandoned:
             gone = [
                 s.step
@@ -303,32 +337,51 @@ class CheckpointManager:
             )
             for s in gone:
                 self._catalog.delete(s)
-        self._catalog.begin(step, overwrite)
+        if step in self._abandoned:
+            self._catalog.begin(step, overwrite)
 
-    def _snapshot(self, step: int) -> tuple[WriteSpec, bool, Any]:
-        """The state of this moment, as DCP will write it: (spec, background?, release)."""
-        opt, background = self._optimizer, self.config.async_save
+    def _build(self) -> tuple[FlatState, dict[int, torch.Tensor], set[str]]:
+        """The flat state to save, the offloaded states' host views, and their keys."""
         flat = FlatState.build(
-            self._model, opt, self._extra, rank_extra=self._rank_extra, rank=coll.rank()
+            self._model,
+            self._optimizer,
+            self._extra,
+            rank_extra=self._rank_extra,
+            rank=coll.rank(),
         )
         views = self._offloaded_views()
-        keep = flat.host_state_keys(views)
-        limit = self.config.max_staging_bytes
-        if background and limit is not None:
-            need = self._staging.bytes_needed(flat.sd, copy_cpu=True, keep=keep)
-            need += sum(_nbytes(flat.sd[k]) for k in keep)  # the pool's second buffer
-            need = max(coll.all_gather(need, self._group))  # every rank takes the same path
-            if need > limit:
-                if not self._warned_budget:
-                    _log.warning(
-                        "an asynchronous save of this state needs %d bytes of host memory, "
-                        "more than max_staging_bytes=%d: saves run synchronously, without "
-                        "staging copies",
-                        need,
-                        limit,
-                    )
-                    self._warned_budget = True
-                background = False
+        return flat, views, flat.host_state_keys(views)
+
+    def _async_need(self, flat: FlatState, keep: set[str]) -> int:
+        """Host bytes an asynchronous save of ``flat`` holds (0 when there is no bound)."""
+        if not self.config.async_save or self.config.max_staging_bytes is None:
+            return 0
+        need = self._staging.bytes_needed(flat.sd, copy_cpu=True, keep=keep)
+        return need + sum(_nbytes(flat.sd[k]) for k in keep)  # the pool's second buffer
+
+    def _within_budget(self, need: int, limit: int) -> bool:
+        if need <= limit:
+            return True
+        if not self._warned_budget:
+            _log.warning(
+                "an asynchronous save of this state needs %d bytes of host memory, more than "
+                "max_staging_bytes=%d: saves run synchronously, without staging copies",
+                need,
+                limit,
+            )
+            self._warned_budget = True
+        return False
+
+    def _snapshot(
+        self,
+        step: int,
+        flat: FlatState,
+        views: dict[int, torch.Tensor],
+        keep: set[str],
+        background: bool,
+    ) -> tuple[WriteSpec, Any]:
+        """The state of this moment, as DCP will write it: (spec, release)."""
+        opt, limit = self._optimizer, self.config.max_staging_bytes
         release = None
         try:
             if background and keep:
@@ -359,7 +412,7 @@ class CheckpointManager:
             group=self._group,
             gate=self._write_gate if background else None,
         )
-        return spec, background, release
+        return spec, release
 
     def _within(self, sd: dict[str, Any], keep: set[str], limit: int) -> bool:
         return self._staging.bytes_needed(sd, copy_cpu=False, keep=keep) <= limit
@@ -436,11 +489,12 @@ class CheckpointManager:
             chosen, skipped = d.step, d.skipped
             catalog = self._resume[0] if d.from_resume and self._resume else self._catalog
             where = catalog.storage.url_of(step_dirname(chosen))
-            rollback = Rollback(self._optimizer, self._extra | self._rank_extra, self._staging)
             # Two agreement points: every rank is ready before any starts DCP's collectives,
             # and every rank has read and applied before any keeps what it read.
             error: Exception | None = None
+            rollback: Rollback | None = None
             try:
+                rollback = Rollback(self._optimizer, self._extra | self._rank_extra, self._staging)
                 flat, report = self._prepare(d, where, strict, chosen_parts, rollback)
             except Exception as e:
                 error = e
@@ -453,9 +507,9 @@ class CheckpointManager:
                 bad = self._agree(error)
             if not bad:
                 break
-            rollback.restore()
-            if not self.config.async_save:
-                self._staging.release()
+            if rollback is not None:
+                rollback.restore()
+            self._staging.release()
             corrupt = all(kind == "corrupt" for kind, _ in bad.values())
             if step is not None or not corrupt:
                 if error is not None:
@@ -471,8 +525,7 @@ class CheckpointManager:
                 )
             skipped = [*skipped, _Skip(d.from_resume, chosen, why)]
         rollback.done()
-        if not self.config.async_save:
-            self._staging.release()  # the backup's host memory is not kept between loads
+        self._staging.release()  # the backup's host memory is not kept after a load
         self._abandoned = newer = d.newer
         if newer and coll.rank() == 0:
             _log.warning(
@@ -532,7 +585,15 @@ class CheckpointManager:
         report.step = d.step
         t1 = time.perf_counter()
         created = {k for k, (p, _) in flat.state_slots.items() if id(p) in fresh}
-        rollback.keep_values(flat.sd, skip=created)
+        limit = self.config.max_staging_bytes
+        if not rollback.keep_values(flat.sd, skip=created, limit=limit) and not self._warned_load:
+            _log.warning(
+                "the backup that makes a load all-or-nothing needs more host memory than "
+                "max_staging_bytes=%s: loads run without it (a failed load may leave the "
+                "model and optimizer partly loaded)",
+                limit,
+            )
+            self._warned_load = True
         self.last_load_timings = {"prepare": t1 - t0, "backup": time.perf_counter() - t1}
         return flat, report
 
@@ -578,8 +639,9 @@ class CheckpointManager:
         fail the checks is skipped (WARNING) for the next older one, then ``resume_from``."""
         skipped = list(skipped)
         tried = {(s.from_resume, s.step) for s in skipped}
-        present = [s.step for s in self._catalog.scan() if s.status != UNCOMMITTED]
-        steps = self._catalog.committed_steps()
+        scan = self._catalog.scan()
+        present = [s.step for s in scan if s.status != UNCOMMITTED]
+        steps = [s.step for s in scan if s.committed]
         if step is not None:
             if step not in steps:
                 raise self._catalog.not_found(step, steps)
@@ -612,6 +674,10 @@ class CheckpointManager:
                 skipped.append(_Skip(from_resume, s, str(e)))
                 continue
             newer = present if from_resume else [n for n in present if n > s]
+            if step is None:
+                for info in scan:
+                    if info.status == CORRUPT and info.step in newer:
+                        _log.warning("skipping step %d: %s", info.step, info.problem)
             return _Decision(from_resume, s, m.world_size, m.files, md, newer, skipped)
         raise CheckpointCorruptError(
             f"{self.url}: no committed step loads cleanly; "
@@ -631,6 +697,8 @@ class CheckpointManager:
         finally:
             self._staging.release()
             self._closed = True
+            if self._calls > 1:  # every rank is past that handshake (not surely past the last)
+                coll.forget(f"{self._tag}/{self._calls - 1}")
 
     def __enter__(self) -> CheckpointManager:
         self._check_open()

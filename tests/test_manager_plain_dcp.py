@@ -28,6 +28,7 @@ READER = textwrap.dedent(
         "optim.state.first.bias.step": torch.empty(()),
         "optim.param_groups.first.weight.lr": 0.0,
         "optim.param_groups.first.bias.adamw_betas": None,
+        "optim.param_groups.first.weight.params": None,
         "extra.sched.last_epoch": 0,
     }
     dcp.load(sd, checkpoint_id=path, no_dist=True)
@@ -58,8 +59,10 @@ def test_plain_dcp_reads_the_documented_keys(tmp_path):
         assert f"model.{fqn}" in keys
         for k in opt.state[p]:
             assert f"optim.state.{fqn}.{k}" in keys
-        for h in ("lr", "weight_decay", "use_muon", "momentum"):
-            assert f"optim.param_groups.{fqn}.{h}" in keys
+    # Hyperparameters once per group, under its first param's FQN, with the group's FQNs.
+    for lead in ("first.weight", "first.bias"):
+        for h in ("lr", "weight_decay", "use_muon", "momentum", "params"):
+            assert f"optim.param_groups.{lead}.{h}" in keys
     assert "extra.sched.last_epoch" in keys
     assert not any(k.startswith("optim.state.0") for k in keys), "keys are FQNs, not positions"
 
@@ -75,4 +78,8 @@ def test_plain_dcp_reads_the_documented_keys(tmp_path):
         assert got["sums"][k] == float(v), k
     assert got["values"]["optim.param_groups.first.weight.lr"] == opt.param_groups[0]["lr"]
     assert got["values"]["optim.param_groups.first.bias.adamw_betas"] == [0.9, 0.95]
+    assert got["values"]["optim.param_groups.first.weight.params"] == [
+        "first.weight",
+        "second.weight",
+    ]
     assert got["values"]["extra.sched.last_epoch"] == 2

@@ -21,7 +21,7 @@ from muon_ckpt import (
     CheckpointMismatchError,
 )
 from muon_ckpt.store import Storage
-from tests._ckpt import make_muon, write_step
+from tests._ckpt import TinyNet, make_muon, muon_state_sd, train, write_step
 from tests._dist import run_on_ranks, run_script
 from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
 
@@ -427,9 +427,24 @@ def test_load_only_the_model(tmp_path):
 
 
 # ---------------------------------------------------------------------- bounded collectives
+class Broken(Counter):
+    def state_dict(self) -> dict:
+        raise RuntimeError("this extra cannot be saved")
+
+
 def _body_bounded(rank, world_size, url):
     model, opt = tiny_run()
     out = []
+    # A snapshot that fails on one rank, with the async budget's extra gather in the way.
+    extra = {"data": Broken() if rank == 1 else Counter()}
+    mgr = CheckpointManager(
+        url, model=model, optimizer=opt, rank_extra=extra, async_save=True, max_staging_bytes=2**30
+    )
+    try:
+        mgr.save(1)
+        out.append(None)
+    except (CheckpointError, RuntimeError) as e:
+        out.append(f"{type(e).__name__}: {e}")
     # Different calls: every rank finds out at once.
     mgr = CheckpointManager(url, model=model, optimizer=opt, collective_timeout=3)
     t0 = time.monotonic()
@@ -455,6 +470,9 @@ def _body_bounded(rank, world_size, url):
 def test_collectives_give_up_in_bounded_time_naming_the_ranks(tmp_path):
     url = str(tmp_path / "run")
     out0, out1 = run_on_ranks(_body_bounded, 2, url, timeout=60)
+    assert out0[0] and "taking the snapshot failed on rank(s) [1]" in out0[0]
+    assert out1[0] == "RuntimeError: this extra cannot be saved"
+    out0, out1 = out0[1:], out1[1:]
     for err, took in (out0[0], out1[0]):
         assert err and "rank 0: save(step=1), rank 1: save(step=2)" in err and took < 3
     err, took = out0[1]
@@ -513,3 +531,86 @@ mgr.load()
     assert "INFO muon_ckpt committed step 2" in err and "bytes, written in" in err
     assert "INFO muon_ckpt retention (keep_last=1) deleted steps [1]" in err
     assert "INFO muon_ckpt loaded step 2" in err
+
+
+# ---------------------------------------------------------------------- hyperparameters per group
+def test_hyperparameters_are_stored_once_per_group_and_follow_their_params(tmp_path):
+    from muon_ckpt.store import Catalog
+
+    url = str(tmp_path / "run")
+    model, opt = tiny_run()  # group 0: Muon (first.weight, second.weight); 1: AdamW (biases)
+    tiny_train(model, opt, 1)
+    opt.param_groups[0]["lr"], opt.param_groups[1]["lr"] = 0.03, 0.004
+    CheckpointManager(url, model=model, optimizer=opt).save(1)
+    keys = set(Catalog(Storage(url)).checked(1)[1].state_dict_metadata)
+    groups = sorted(k for k in keys if k.startswith("optim.param_groups."))
+    hparams = [k for k in opt.param_groups[0] if k not in ("params", "names")]
+    leads = ("first.weight", "first.bias")
+    assert groups == sorted(
+        f"optim.param_groups.{lead}.{h}" for lead in leads for h in [*hparams, "params"]
+    )
+    # Groups in another order here: each gets the values of the group that held its params.
+    from optim.muon import Muon
+
+    model2, _ = tiny_run(seed=3)
+    mats = [model2.first.weight, model2.second.weight]
+    vecs = [model2.first.bias, model2.second.bias]
+    opt2 = Muon([{"params": vecs, "use_muon": False, "lr": 9.0}, {"params": mats, "lr": 9.0}])
+    assert CheckpointManager(url, model=model2, optimizer=opt2).load() == 1
+    assert opt2.param_groups[0]["lr"] == 0.004 and opt2.param_groups[0]["use_muon"] is False
+    assert opt2.param_groups[1]["lr"] == 0.03 and opt2.param_groups[1]["use_muon"] is True
+
+
+def test_per_param_hyperparameters_of_older_checkpoints_still_load(tmp_path):
+    url = str(tmp_path / "old")
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = make_muon(model)
+    train(model, opt, 1)
+    sd = muon_state_sd(model, opt)  # muon-ckpt 0.2 keys: optim.param_groups.<fqn>.lr per param
+    for g, lr in zip(opt.param_groups, (0.05, 0.006), strict=True):
+        for n in g["names"]:
+            sd[f"optim.param_groups.{n}.lr"] = lr
+    write_step(url, 1, sd)
+    torch.manual_seed(1)
+    model2 = TinyNet()
+    opt2 = make_muon(model2)
+    assert CheckpointManager(url, model=model2, optimizer=opt2).load() == 1
+    assert [g["lr"] for g in opt2.param_groups] == [0.05, 0.006]
+
+
+def test_extra_digest_does_not_depend_on_the_process(tmp_path):
+    script = """
+from muon_ckpt._flatten import extra_digests
+class S:
+    def state_dict(self):
+        return {"b": {"shard-a", "shard-b", "shard-c", 7}, "a": {2: "x", "k": (1.5, None)}}
+    def load_state_dict(self, sd):
+        pass
+print(extra_digests({"s": S()})["s"])
+"""
+    seeds = [run_script(["-c", script], env={"PYTHONHASHSEED": str(n)}) for n in (1, 2)]
+    assert all(r.returncode == 0 for r in seeds), [r.stderr for r in seeds]
+    assert seeds[0].stdout == seeds[1].stdout
+
+
+def test_tensor_learning_rates_load_in_place_and_survive_a_failed_load(tmp_path):
+    url = str(tmp_path / "run")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    lr = torch.tensor(0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    mgr = CheckpointManager(url, model=model, optimizer=opt)
+    mgr.save(1)
+    held = opt.param_groups[0]["lr"]  # what a scheduler or a captured graph would hold
+    held.fill_(0.5)
+    assert mgr.load() == 1
+    assert opt.param_groups[0]["lr"] is held and held.item() == pytest.approx(0.01)
+    st = Storage(url)
+    _flip_byte(st, "step-00000001", _largest_shard(st, "step-00000001"))
+    held.fill_(0.25)
+    with pytest.raises(CheckpointCorruptError):
+        mgr.load(step=1)
+    assert opt.param_groups[0]["lr"] is held and held.item() == 0.25
