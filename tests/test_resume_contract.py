@@ -221,7 +221,7 @@ def _run_to(url: str, mgr_kw: dict, start: int, stop: int, *, resume_step=None, 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
     named = list(model.named_parameters())
-    opt = make_muon_seq(named)
+    opt = make_muon(model)
     mgr = CheckpointManager(url, model=model, optimizer=opt, **mgr_kw)
     loaded = mgr.load(resume_step)
     first = (loaded or start - 1) + 1
@@ -234,24 +234,6 @@ def _run_to(url: str, mgr_kw: dict, start: int, stop: int, *, resume_step=None, 
             return model, opt, loaded  # killed before saving this step
         mgr.save(step)
     return model, opt, loaded
-
-
-def make_muon_seq(named):
-    from optim import Muon
-
-    mats = [(n, p) for n, p in named if p.ndim == 2]
-    vecs = [(n, p) for n, p in named if p.ndim < 2]
-    return Muon(
-        [
-            {"params": [p for _, p in mats], "names": [n for n, _ in mats], "lr": 0.02},
-            {
-                "params": [p for _, p in vecs],
-                "names": [n for n, _ in vecs],
-                "use_muon": False,
-                "lr": 1e-3,
-            },
-        ]
-    )
 
 
 def _params(model):
