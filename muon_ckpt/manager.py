@@ -509,7 +509,7 @@ class CheckpointManager:
                 break
             if rollback is not None:
                 rollback.restore()
-            self._staging.release()
+            self._staging.release("cpu")
             corrupt = all(kind == "corrupt" for kind, _ in bad.values())
             if step is not None or not corrupt:
                 if error is not None:
@@ -525,7 +525,9 @@ class CheckpointManager:
                 )
             skipped = [*skipped, _Skip(d.from_resume, chosen, why)]
         rollback.done()
-        self._staging.release()  # the backup's host memory is not kept after a load
+        # The backup of host tensors is not kept (saves copy fewer of them, or none); the
+        # buffers of device tensors (page-locked) are what every later save stages into.
+        self._staging.release("cpu")
         self._abandoned = newer = d.newer
         if newer and coll.rank() == 0:
             _log.warning(

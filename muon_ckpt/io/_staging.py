@@ -79,10 +79,12 @@ class HostStaging:
         """Host bytes ``stage`` would hold for ``sd``."""
         return sum(self._plan(sd, copy_cpu, keep)[1].values())
 
-    def release(self) -> None:
-        """Drop the host buffers (the next save allocates them again)."""
+    def release(self, source: str | None = None) -> None:
+        """Drop the host buffers (of ``source`` devices only, e.g. ``"cpu"``; the next save
+        allocates them again)."""
         self.finish()
-        self._buffers.clear()
+        for dev in [d for d in self._buffers if source is None or d.type == source]:
+            del self._buffers[dev]
 
     def stage(
         self, sd: dict[str, Any], *, copy_cpu: bool = False, keep: set[str] = frozenset()
