@@ -12,8 +12,10 @@ from muon_ckpt._errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,
+    CheckpointLeaseError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointStorageError,
 )
 from muon_ckpt._version import __version__
 
@@ -38,9 +40,11 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointLeaseError",
     "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointStorageError",
     "ExportSummary",
     "ImportReport",
     "__version__",
