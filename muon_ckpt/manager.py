@@ -18,6 +18,7 @@ states are read straight into the pool's pinned buffers; offload stays on throug
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import posixpath
@@ -42,22 +43,23 @@ from muon_ckpt.io import (
     WriteSpec,
     dcp_failure,
 )
-from muon_ckpt.store import Catalog, FileEntry, Storage, parse_step_dirname, step_dirname
+from muon_ckpt.store import (
+    MAX_STEP,
+    Catalog,
+    FileEntry,
+    Storage,
+    open_storage,
+    parse_step_dirname,
+    step_dirname,
+)
 
 __all__ = ["CheckpointManager"]
 
 _log = logging.getLogger("muon_ckpt")
 
 
-def _open_storage(field: str, url: str, options: dict[str, Any]) -> Storage:
-    try:
-        storage = Storage(url, options)
-        storage.check_root()
-    except ValueError as e:
-        raise ValueError(f"{field}: {e}") from e
-    except CheckpointError as e:
-        raise ValueError(f"{field} must be a directory or bucket prefix, got {url!r}: {e}") from e
-    return storage
+def _open_storage(field: str, url: str, options: dict[str, Any], timeout: float | None) -> Storage:
+    return open_storage(url, options, field=field, timeout=timeout)  # probes it (issue 14)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -87,6 +89,12 @@ class CheckpointManager:
             run in the background (``wait()`` for them).
         max_staging_bytes: host memory a snapshot may hold; a save that needs more runs
             synchronously without staging copies (None: no bound).
+        storage_timeout: seconds one storage request may take (S3: connect and read
+            timeouts; None: the client's defaults). Default 60.
+        lease_seconds: the run's write lease (one writer per run) expires this long after
+            this job's last save. Default 600.
+        confirm: before a commit, how each rank confirms the storage holds the files it
+            wrote: ``"crc32"`` reads them back (default), ``"size"`` compares sizes, ``"off"``.
 
     Save, load, wait and close are collectives: call them on every rank.
     """
@@ -106,6 +114,9 @@ class CheckpointManager:
         verify: str = "crc32",
         async_save: bool = False,
         max_staging_bytes: int | None = None,
+        storage_timeout: float | None = 60.0,
+        lease_seconds: float = 600.0,
+        confirm: str = "crc32",
     ) -> None:
         self.config = ManagerConfig(
             url=url,
@@ -117,6 +128,9 @@ class CheckpointManager:
             verify=verify,
             async_save=async_save,
             max_staging_bytes=max_staging_bytes,
+            storage_timeout=storage_timeout,
+            lease_seconds=lease_seconds,
+            confirm=confirm,
         )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
@@ -130,7 +144,11 @@ class CheckpointManager:
         if optimizer is not None:
             param_fqns(model, optimizer)  # a param without a name is a configuration error
         opts = self.config.storage_kwargs
-        self._catalog = Catalog(_open_storage("url", self.config.url, opts))
+        timeout = self.config.storage_timeout
+        self._catalog = Catalog(
+            _open_storage("url", self.config.url, opts, timeout),
+            lease_seconds=self.config.lease_seconds,
+        )
         self._resume: tuple[Catalog, int | None] | None = None
         rf = self.config.resume_from
         if rf is not None:
@@ -139,7 +157,7 @@ class CheckpointManager:
             if rf_step is None and parse_step_dirname(base) is not None:
                 rf_step = parse_step_dirname(base)
                 rf_url = rf_url.rstrip("/")[: -len(base)].rstrip("/") or "/"
-            self._resume = (Catalog(_open_storage("resume_from", rf_url, opts)), rf_step)
+            self._resume = (Catalog(_open_storage("resume_from", rf_url, opts, timeout)), rf_step)
         self._pending: SaveJob | None = None
         self._group: Any = None  # gloo group of the background saves, made by the first one
         self._staging = HostStaging()  # host buffers allocated by the first save, then reused
@@ -182,8 +200,8 @@ class CheckpointManager:
         With ``async_save`` it returns once the state is snapshotted; the step is committed
         in the background (``wait()``). A pending save is waited for first, and its failure
         raised here. Raises CheckpointExistsError if ``step`` is committed already, unless
-        ``overwrite``: then the committed step is removed before the new one is written (if
-        this save then fails, that step is gone; every other step is untouched).
+        ``overwrite``: the new version is written beside the committed step and replaces it
+        once committed (if this save fails, the old version stays).
         """
         self._check_open()
         step = self._check_step(step)
@@ -212,6 +230,7 @@ class CheckpointManager:
                 "own error says why); nothing was written and every committed step is intact"
             )
         t2 = time.perf_counter()
+        spec.overwrite = overwrite
         spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
         job = SaveJob(spec, finish=lambda: self._finished(spec, release))
         if background:
@@ -270,6 +289,7 @@ class CheckpointManager:
             staging=self._staging,
             io_threads=self.config.io_threads,
             keep_last=self.config.keep_last,
+            confirm=self.config.confirm,
             group=self._group if background else None,
             gate=self._write_gate if background else None,
         )
@@ -408,6 +428,9 @@ class CheckpointManager:
         finally:
             self._staging.release()
             self._closed = True
+            if coll.rank() == 0:  # the next job may write at once
+                with contextlib.suppress(CheckpointError):
+                    self._catalog.lease.release()
 
     def __enter__(self) -> CheckpointManager:
         self._check_open()
@@ -427,8 +450,8 @@ class CheckpointManager:
             value = operator.index(step) if not isinstance(step, bool) else None
         except TypeError:
             value = None
-        if value is None or value < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        if value is None or not 0 <= value <= MAX_STEP:
+            raise ValueError(f"step must be an integer in [0, {MAX_STEP}], got {step!r}")
         return value
 
     def __repr__(self) -> str:
