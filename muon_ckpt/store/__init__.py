@@ -10,12 +10,7 @@ from muon_ckpt.store._catalog import (
     CORRUPT,
     UNCOMMITTED,
     Catalog,
-    Resolved,
     StepInfo,
-    VerifyResult,
-    prune,
-    resolve,
-    verify,
     write_dirname,
 )
 from muon_ckpt.store._checksum import crc_hex, file_checksum, update
@@ -38,6 +33,7 @@ from muon_ckpt.store._layout import (
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, LEASE, Lease
 from muon_ckpt.store._metadata import bytes_keys, parse_metadata, tensor_entries
 from muon_ckpt.store._probe import open_storage
+from muon_ckpt.store._resolve import Resolved, VerifyResult, prune, resolve, verify
 from muon_ckpt.store._storage import (
     DEFAULT_TIMEOUT,
     Storage,
