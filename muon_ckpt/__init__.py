@@ -9,6 +9,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from muon_ckpt._errors import (
+    CheckpointCollectiveError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,
@@ -22,9 +23,13 @@ from muon_ckpt._version import __version__
 if TYPE_CHECKING:
     from muon_ckpt.interop import (
         ExportSummary,
+        HFExportSummary,
+        HFLoadReport,
         ImportReport,
+        export_hf,
         export_safetensors,
         import_optimizer_state,
+        load_hf_model,
     )
     from muon_ckpt.manager import CheckpointManager
 
@@ -34,9 +39,14 @@ _LAZY = {
     "ImportReport": "muon_ckpt.interop",
     "export_safetensors": "muon_ckpt.interop",
     "ExportSummary": "muon_ckpt.interop",
+    "export_hf": "muon_ckpt.interop",
+    "HFExportSummary": "muon_ckpt.interop",
+    "load_hf_model": "muon_ckpt.interop",
+    "HFLoadReport": "muon_ckpt.interop",
 }
 
 __all__ = [
+    "CheckpointCollectiveError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointExistsError",
@@ -46,10 +56,14 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointStorageError",
     "ExportSummary",
+    "HFExportSummary",
+    "HFLoadReport",
     "ImportReport",
     "__version__",
+    "export_hf",
     "export_safetensors",
     "import_optimizer_state",
+    "load_hf_model",
 ]
 
 

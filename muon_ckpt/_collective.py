@@ -8,13 +8,16 @@ gloo group, so that they never share a communicator with the training loop's col
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import pickle
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from muon_ckpt._errors import CheckpointError
+from muon_ckpt._errors import CheckpointCollectiveError, CheckpointError
 
 T = TypeVar("T")
 
@@ -51,7 +54,8 @@ def on_rank0(fn: Callable[[], T], group: Any = None) -> T:
                 raise
             box[0] = (False, _portable(e))
     if is_dist():
-        dist.broadcast_object_list(box, src=0, group=group)
+        with _comm("a broadcast from rank 0"):
+            dist.broadcast_object_list(box, src=0, group=group)
     ok, value = box[0]
     if not ok:
         raise value
@@ -63,20 +67,90 @@ def gather_to_rank0(obj: Any, group: Any = None) -> list[Any] | None:
     if not is_dist():
         return [obj]
     out: list[Any] | None = [None] * world_size() if rank() == 0 else None
-    dist.gather_object(obj, out, dst=0, group=group)
+    with _comm("a gather to rank 0"):
+        dist.gather_object(obj, out, dst=0, group=group)
     return out
 
 
-def all_gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, on every rank (default group)."""
+def all_gather(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, on every rank."""
     if not is_dist():
         return [obj]
     out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    with _comm("an all-gather"):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def new_group() -> Any:
-    """A gloo group of every rank for background collectives (collective: every rank calls it
-    at the same point), or None without a process group."""
-    return dist.new_group(backend="gloo") if is_dist() else None
+def new_group(timeout: float) -> Any:
+    """A gloo group of every rank whose collectives give up after ``timeout`` seconds
+    (collective: every rank calls it at the same point), or None without a process group.
+
+    The manager runs all its collectives on it (DCP's included), foreground and background:
+    they never share a communicator with the training loop, and a rank that stops answering
+    costs the others ``timeout`` seconds, not the default group's (often 10-30 min) timeout.
+    """
+    if not is_dist():
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+
+
+def handshake(tag: str, call: str, timeout: float) -> None:
+    """Every rank announces ``call`` (e.g. ``"save(step=5)"``) under ``tag`` and waits until
+    every rank has announced the same call; raises CheckpointCollectiveError naming the ranks that
+    did not within ``timeout`` seconds, or that announced a different call.
+
+    Runs on the default group's key-value store (no communicator), so a rank that never calls
+    costs the others ``timeout`` seconds and an error that names it, instead of a hang inside
+    the first collective. ``tag`` must be unique per call and the same on every rank.
+    """
+    if not is_dist():
+        return
+    # torch has no public accessor for the default group's store; this one has existed since
+    # torch 1.x and is what torch's own store-based barriers use.
+    store = dist.distributed_c10d._get_default_store()
+    me, n = rank(), world_size()
+    store.set(f"{tag}/{me}", call)
+    keys = [f"{tag}/{r}" for r in range(n)]
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while not store.check(keys):  # polled: store.wait() logs a C++ warning on every timeout
+        if time.monotonic() > deadline:
+            missing = [r for r in range(n) if not store.check([keys[r]])]
+            raise CheckpointCollectiveError(
+                f"{call} on rank {me}: rank(s) {missing} of {n} did not call it within "
+                f"{timeout:g} s (collective_timeout); save() and load() are collectives: call "
+                "them on every rank, with the same step"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    calls = {r: store.get(keys[r]).decode() for r in range(n)}
+    if len(set(calls.values())) > 1:
+        raise CheckpointCollectiveError(
+            f"{call} on rank {me}: the ranks called different things: "
+            + ", ".join(f"rank {r}: {c}" for r, c in calls.items())
+            + "; save() and load() are collectives: call them on every rank, with the same step"
+        )
+
+
+def forget(tag: str) -> None:
+    """Remove this rank's key of an earlier ``handshake`` (once every rank is past it)."""
+    if is_dist():
+        dist.distributed_c10d._get_default_store().delete_key(f"{tag}/{rank()}")
+
+
+def comm_failure(e: RuntimeError, what: str) -> CheckpointCollectiveError:
+    """A collective that raised (gloo timeout, a peer gone) as an error naming ``what`` and this
+    rank."""
+    return CheckpointCollectiveError(
+        f"{what} on rank {rank()}: a collective failed (a rank died, or did not answer within "
+        f"collective_timeout): {type(e).__name__}: {e}"
+    )
+
+
+@contextlib.contextmanager
+def _comm(what: str) -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as e:  # torch's communication errors (DistError derives from it)
+        raise comm_failure(e, what) from e

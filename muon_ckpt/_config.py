@@ -36,6 +36,9 @@ class ManagerConfig:
         lease_seconds: the write lease expires this long after the last save.
         confirm: how a save confirms the storage holds its files before the commit:
             ``"crc32"`` (read back), ``"size"`` or ``"off"``.
+        collective_timeout: seconds a rank waits for the others in a save or load before it
+            raises (a rank that never calls, or died).
+        resume_storage_options: fsspec options for ``resume_from`` (None: ``storage_options``).
     """
 
     url: str
@@ -50,6 +53,8 @@ class ManagerConfig:
     storage_timeout: float | None = 60.0
     lease_seconds: float = 600.0
     confirm: str = "crc32"
+    collective_timeout: float = 600.0
+    resume_storage_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.url, os.PathLike):
@@ -68,11 +73,12 @@ class ManagerConfig:
                 f"interval must be an int >= 1 (or None to save on every call), got "
                 f"{self.interval!r}"
             )
-        if self.storage_options is not None and not isinstance(self.storage_options, dict):
-            raise ValueError(
-                f"storage_options must be a dict of fsspec options or None, got "
-                f"{type(self.storage_options).__name__} {self.storage_options!r}"
-            )
+        for name in ("storage_options", "resume_storage_options"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, dict):
+                raise ValueError(
+                    f"{name} must be a dict of fsspec options or None, got {type(v).__name__} {v!r}"
+                )
         rf = self.resume_from
         if isinstance(rf, os.PathLike):
             object.__setattr__(self, "resume_from", os.fspath(rf))
@@ -97,6 +103,9 @@ class ManagerConfig:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if not isinstance(self.async_save, bool):
             raise ValueError(f"async_save must be True or False, got {self.async_save!r}")
+        t = self.collective_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"collective_timeout must be a number of seconds > 0, got {t!r}")
         m = self.max_staging_bytes
         if m is not None and (not _is_int(m) or m < 0):
             raise ValueError(
@@ -110,6 +119,11 @@ class ManagerConfig:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
         if self.confirm not in CONFIRM_MODES:
             raise ValueError(f"confirm must be one of {CONFIRM_MODES}, got {self.confirm!r}")
+
+    @property
+    def resume_kwargs(self) -> dict[str, Any]:
+        opts = self.resume_storage_options
+        return dict((self.storage_options or {}) if opts is None else opts)
 
     @property
     def storage_kwargs(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointCollectiveError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointExistsError",
@@ -40,3 +41,7 @@ class CheckpointStorageError(CheckpointError):
 
 class CheckpointLeaseError(CheckpointError):
     """Another job holds the run's write lease: one writer per run."""
+
+
+class CheckpointCollectiveError(CheckpointError):
+    """A rank did not join a save/load in time, joined another call, or a collective failed."""

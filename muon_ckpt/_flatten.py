@@ -2,17 +2,19 @@
 
 Save and load build the same dict; its tensor values ARE the live tensors (parameters, buffers,
 optimizer states), so ``dcp.load`` writes into them in place and DTensors reshard on the way.
-Keys (see ``_layout``)::
+Keys (see ``store._layout``; FQNs without wrapper prefixes, see ``_fqn``)::
 
     model.<fqn>                        every entry of model.state_dict()
     optim.state.<fqn>.<key>            every entry of optimizer.state[param]
     optim.param_groups.<fqn>.<hparam>  every hyperparameter of the param's group (not params/names)
     extra.<name>                       obj.state_dict(), nested; DCP flattens it to extra.<name>.<k>
+    rank_extra.<rank>.<name>           the same, for each rank's own objects
 """
 
 from __future__ import annotations
 
-import copy
+import hashlib
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,68 +23,70 @@ from torch import Tensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from muon_ckpt._errors import CheckpointMismatchError
-from muon_ckpt.store import model_key, optim_group_key, optim_state_key
+from muon_ckpt._fqn import canonical_names, legacy_aliases, param_fqns
+from muon_ckpt._tensors import host_copy
+from muon_ckpt.store import extra_key, model_key, optim_group_key, optim_state_key, rank_extra_key
 
-__all__ = ["FlatState", "check_extra", "param_fqns", "prepare_optimizer_state"]
+__all__ = ["PARTS", "FlatState", "LoadReport", "check_stateful", "extra_digests"]
 
+PARTS = ("model", "optim", "extra", "rank_extra")
 _GROUP_SKIP = ("params", "names")
 
 
-def check_extra(extra: Any) -> dict[str, Any]:
-    """Validate ``extra`` (construction time): a dict of name -> Stateful object."""
-    if extra is None:
+def check_stateful(field_name: str, objs: Any) -> dict[str, Any]:
+    """Validate ``extra`` / ``rank_extra`` (construction time): a dict of name -> Stateful."""
+    if objs is None:
         return {}
-    if not isinstance(extra, dict):
+    if not isinstance(objs, dict):
         raise ValueError(
-            f"extra must be a dict of name -> object with state_dict()/load_state_dict(), got "
-            f"{type(extra).__name__}"
+            f"{field_name} must be a dict of name -> object with state_dict()/load_state_dict(), "
+            f"got {type(objs).__name__}"
         )
-    for name, obj in extra.items():
+    for name, obj in objs.items():
         if not isinstance(name, str) or not name or "/" in name:
-            raise ValueError(f"extra names must be non-empty strings without '/', got {name!r}")
+            raise ValueError(
+                f"{field_name} names must be non-empty strings without '/', got {name!r}"
+            )
         missing = [
             m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))
         ]
         if missing:
             raise ValueError(
-                f"extra[{name!r}] must have state_dict() and load_state_dict() (torch's "
+                f"{field_name}[{name!r}] must have state_dict() and load_state_dict() (torch's "
                 f"Stateful protocol), got a {type(obj).__name__} without {' and '.join(missing)}; "
                 "wrap it in an object that defines both"
             )
-    return dict(extra)
+    return dict(objs)
 
 
-def param_fqns(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """The FQN of every optimizer param, group by group (model names first, else ``names``)."""
-    by_id: dict[int, str] = {}
-    if model is not None:
-        for name, p in model.named_parameters():
-            by_id.setdefault(id(p), name)
-    out: list[list[str]] = []
-    seen: dict[str, tuple[int, int]] = {}
-    for gi, group in enumerate(optimizer.param_groups):
-        names = group.get("names")
-        fqns = []
-        for pi, p in enumerate(group["params"]):
-            fqn = by_id.get(id(p))
-            if fqn is None and names is not None and pi < len(names):
-                fqn = names[pi]
-            if fqn is None:
-                where = "is not a parameter of the model" if model is not None else "has no name"
-                raise ValueError(
-                    f"optimizer param group {gi}, param {pi} (shape {tuple(p.shape)}) {where}; "
-                    "checkpoint keys are parameter FQNs: pass the model that owns it, or give "
-                    "the group a 'names' list (one FQN per param)"
-                )
-            if fqn in seen:
-                raise ValueError(
-                    f"parameter name {fqn!r} is used twice (groups/params {seen[fqn]} and "
-                    f"{(gi, pi)}); FQNs must be unique"
-                )
-            seen[fqn] = (gi, pi)
-            fqns.append(fqn)
-        out.append(fqns)
+def extra_digests(extra: dict[str, Any]) -> dict[str, str]:
+    """A digest of each ``extra`` object's state (values, tensors by their bytes), so ranks can
+    check cheaply that they save the same thing."""
+    out = {}
+    for name, obj in extra.items():
+        h = hashlib.blake2b(digest_size=16)
+        _feed(h, obj.state_dict())
+        out[name] = h.hexdigest()
     return out
+
+
+def _feed(h: Any, v: Any) -> None:
+    if isinstance(v, Tensor):
+        t = v.detach()
+        t = getattr(t, "_local_tensor", t).cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(v, dict):
+        h.update(b"D%d" % len(v))
+        for k, x in v.items():
+            _feed(h, k)
+            _feed(h, x)
+    elif isinstance(v, (list, tuple)):
+        h.update(b"L%d" % len(v))
+        for x in v:
+            _feed(h, x)
+    else:
+        h.update(pickle.dumps(v, protocol=4))
 
 
 def prepare_optimizer_state(optimizer: torch.optim.Optimizer) -> set[int]:
@@ -104,6 +108,42 @@ def prepare_optimizer_state(optimizer: torch.optim.Optimizer) -> set[int]:
 
 
 @dataclass
+class LoadReport:
+    """What a load did not load as is (``load(strict=False)``; empty for a strict load).
+
+    ``missing``: keys of this model/optimizer that the checkpoint lacks (left as they were;
+    optimizer state created for the load starts fresh: zeros, step 0); ``unexpected``: keys of
+    the checkpoint that nothing here takes; ``mismatched``: ``(key, why)`` for keys whose
+    shape, dtype or kind differ (left as they were); ``kept_hparams``: ``(group, hparam, why)``
+    for hyperparameters left as they are because the group's params disagreed when saved.
+    """
+
+    step: int | None = None
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[tuple[str, str]] = field(default_factory=list)
+    kept_hparams: list[tuple[int, str, str]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched or self.kept_hparams)
+
+    def summary(self) -> str:
+        parts = []
+        for name, items in (
+            ("missing from the checkpoint", self.missing),
+            ("not taken from the checkpoint", self.unexpected),
+            ("different shape/dtype/kind", [k for k, _ in self.mismatched]),
+            ("hyperparameters kept", [f"group {g} {h}" for g, h, _ in self.kept_hparams]),
+        ):
+            if items:
+                shown = ", ".join(items[:6]) + (
+                    f", ... ({len(items)} in all)" if len(items) > 6 else ""
+                )
+                parts.append(f"{name}: {shown}")
+        return "; ".join(parts) or "everything matched"
+
+
+@dataclass
 class FlatState:
     """The flat dict handed to DCP, plus where each optimizer entry goes back."""
 
@@ -111,7 +151,9 @@ class FlatState:
     # key -> (param, state key) for optimizer state; key -> (group index, hparam) for groups
     state_slots: dict[str, tuple[Tensor, str]] = field(default_factory=dict)
     group_slots: dict[str, tuple[int, str]] = field(default_factory=dict)
-    extra_names: list[str] = field(default_factory=list)
+    stateful: dict[str, Any] = field(default_factory=dict)  # key -> extra / rank_extra object
+    group_of: dict[str, int] = field(default_factory=dict)  # param FQN -> its group's index
+    unsure_groups: set[int] = field(default_factory=set)  # relaxed: groups with a changed param
     stateless: list[Tensor] = field(default_factory=list)  # params without state when saved
 
     @classmethod
@@ -120,15 +162,22 @@ class FlatState:
         model: torch.nn.Module | None,
         optimizer: torch.optim.Optimizer | None,
         extra: dict[str, Any],
+        *,
+        rank_extra: dict[str, Any] | None = None,
+        rank: int = 0,
+        parts: tuple[str, ...] = PARTS,
     ) -> FlatState:
         fs = cls()
-        if model is not None:
-            for k, v in model.state_dict().items():
-                fs.sd[model_key(k)] = v
-        if optimizer is not None:
+        if model is not None and "model" in parts:
+            msd = model.state_dict()
+            clean = canonical_names(model, list(msd))
+            for k, v in msd.items():
+                fs.sd[model_key(clean[k])] = v
+        if optimizer is not None and "optim" in parts:
             fqns = param_fqns(model, optimizer)
             for gi, (group, names) in enumerate(zip(optimizer.param_groups, fqns, strict=True)):
                 for p, fqn in zip(group["params"], names, strict=True):
+                    fs.group_of[fqn] = gi
                     for sk, v in optimizer.state.get(p, {}).items():
                         key = optim_state_key(fqn, sk)
                         fs.sd[key] = v
@@ -139,9 +188,14 @@ class FlatState:
                         key = optim_group_key(fqn, hk)
                         fs.sd[key] = hv
                         fs.group_slots[key] = (gi, hk)
-        for name, obj in extra.items():
-            fs.sd[f"extra.{name}"] = obj.state_dict()
-            fs.extra_names.append(name)
+        objs = []
+        if "extra" in parts:
+            objs += [(extra_key(n), o) for n, o in extra.items()]
+        if "rank_extra" in parts:
+            objs += [(rank_extra_key(rank, n), o) for n, o in (rank_extra or {}).items()]
+        for key, obj in objs:
+            fs.sd[key] = obj.state_dict()
+            fs.stateful[key] = obj
         return fs
 
     def host_state_keys(self, views: dict[int, Tensor]) -> set[str]:
@@ -161,74 +215,108 @@ class FlatState:
         tensors as CPU copies), so that a background write sees the values of this moment."""
         for key, v in self.sd.items():
             if not isinstance(v, Tensor):
-                self.sd[key] = _host_copy(v)
+                self.sd[key] = host_copy(v)
 
     # ------------------------------------------------------------------ load side
-    def check_against(self, metadata: Any, fresh: set[int], url: str) -> None:
-        """Fit the dict to the checkpoint: raise CheckpointMismatchError for a missing key or a
-        wrong shape/dtype; drop optimizer state of params that had none when saved (only
-        state created by this load) and hyperparameters the checkpoint does not have."""
+    def _drop(self, key: str) -> None:
+        del self.sd[key]
+        self.state_slots.pop(key, None)
+        self.group_slots.pop(key, None)
+
+    def _rename(self, key: str, saved: str) -> None:
+        """Load ``key`` from the checkpoint's ``saved`` (a name from before canonical FQNs)."""
+        self.sd[saved] = self.sd.pop(key)
+        for slots in (self.state_slots, self.group_slots):
+            if key in slots:
+                slots[saved] = slots.pop(key)
+
+    def check_against(
+        self, metadata: Any, fresh: set[int], url: str, *, strict: bool = True
+    ) -> LoadReport:
+        """Fit the dict to the checkpoint before anything is read.
+
+        Strict: raise CheckpointMismatchError for a missing key, a wrong shape/dtype, or a
+        model/optimizer key of the checkpoint that nothing here takes. Relaxed: leave those
+        out of the load and report them. Either way, optimizer state that this load created
+        for a param that had none when saved is dropped again, and hyperparameters the
+        checkpoint does not have are left as they are.
+        """
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        report = LoadReport()
         have = metadata.state_dict_metadata
-        for name in self.extra_names:
-            flat, _ = flatten_state_dict({f"extra.{name}": self.sd[f"extra.{name}"]})
+        aliases = legacy_aliases(have)
+        for key in [k for k in self.sd if k not in have and k in aliases]:
+            self._rename(key, aliases[key])
+        for key in list(self.stateful):
+            flat, _ = flatten_state_dict({key: self.sd[key]})
             missing = sorted(k for k in flat if k not in have)
-            if missing:
-                raise CheckpointMismatchError(
-                    f"{url}: extra[{name!r}] has key(s) {missing[:8]} that the checkpoint does "
-                    f"not: its state_dict() differs from the one saved; the checkpoint has "
-                    f"{sorted(k for k in have if k.startswith(f'extra.{name}.'))[:8]}"
-                )
+            if not missing:
+                continue
+            if not strict:
+                report.missing.append(key)
+                self._drop(key)
+                del self.stateful[key]
+                continue
+            raise CheckpointMismatchError(
+                f"{url}: {_display(key)} has key(s) {missing[:8]} that the checkpoint does not: its "
+                "state_dict() differs from the one saved; the checkpoint has "
+                f"{sorted(k for k in have if k.startswith(f'{key}.'))[:8]}; load(strict=False) "
+                "leaves it as it is"
+            )
         saved_state_fqns = {k.rsplit(".", 1)[0] for k in have if k.startswith("optim.state.")}
         for key in list(self.sd):
-            if key.startswith("extra."):
+            if key in self.stateful:
                 continue
             if key in self.group_slots and key not in have:
-                del self.sd[key]  # a hyperparameter the saving optimizer did not have
-                del self.group_slots[key]
+                self._drop(key)  # a hyperparameter the saving optimizer did not have
                 continue
             if key in self.state_slots and key not in have:
                 p, _ = self.state_slots[key]
                 fqn = key.rsplit(".", 1)[0]
                 if id(p) in fresh and fqn not in saved_state_fqns:
-                    del self.sd[key]  # no state when saved: removed again after the load
-                    del self.state_slots[key]
+                    self._drop(key)  # no state when saved: removed again after the load
                     self.stateless.append(p)
                     continue
-            if key not in have:
-                raise CheckpointMismatchError(_missing_msg(key, have, set(self.sd), url))
-            value, md = self.sd[key], have[key]
-            is_tensor = isinstance(value, Tensor)
-            if is_tensor != isinstance(md, TensorStorageMetadata):
-                kind = "a tensor" if isinstance(md, TensorStorageMetadata) else "a Python object"
-                raise CheckpointMismatchError(
-                    f"{url}: key {key!r} is {kind} in the checkpoint but "
-                    f"{'a tensor' if is_tensor else type(value).__name__} here"
-                )
-            if is_tensor:
-                if tuple(value.shape) != tuple(md.size):
-                    raise CheckpointMismatchError(
-                        f"{url}: key {key!r} has shape {tuple(md.size)} in the checkpoint but "
-                        f"{tuple(value.shape)} in this model/optimizer; build the model with "
-                        "the shapes it was saved with"
-                    )
-                if value.dtype != md.properties.dtype:
-                    raise CheckpointMismatchError(
-                        f"{url}: key {key!r} has dtype {md.properties.dtype} in the checkpoint "
-                        f"but {value.dtype} here; cast the model/optimizer to match first"
-                    )
+            why = None if key in have else "missing"
+            if why is None:
+                why = _mismatch(self.sd[key], have[key], TensorStorageMetadata)
+            if why is None:
+                continue
+            if strict:
+                if why == "missing":
+                    raise CheckpointMismatchError(_missing_msg(key, have, set(self.sd), url))
+                raise CheckpointMismatchError(f"{url}: key {key!r} {why}")
+            if why == "missing":
+                report.missing.append(key)
+            else:
+                report.mismatched.append((key, why))
+            if key in self.state_slots:  # its group's saved hyperparameters may be another's
+                gi = self.group_of.get(key[len("optim.state.") :].rsplit(".", 1)[0])
+                if gi is not None:
+                    self.unsure_groups.add(gi)
+            self._drop(key)
         ours = set(self.sd)
         sections = [s for s in ("model.", "optim.state.") if any(k.startswith(s) for k in ours)]
-        extra_ckpt = sorted(k for k in have if k.startswith(tuple(sections)) and k not in ours)
-        if sections and extra_ckpt:
+        unexpected = sorted(k for k in have if k.startswith(tuple(sections)) and k not in ours)
+        dropped = {k for k in report.missing} | {k for k, _ in report.mismatched}
+        unexpected = [k for k in unexpected if k not in dropped]
+        if unexpected and strict:
             raise CheckpointMismatchError(
-                f"{url}: the checkpoint has {len(extra_ckpt)} key(s) this model/optimizer does "
-                f"not: {extra_ckpt[:8]}; was a parameter renamed or removed?"
+                f"{url}: the checkpoint has {len(unexpected)} key(s) this model/optimizer does "
+                f"not: {unexpected[:8]}; was a parameter renamed or removed? load(strict=False) "
+                "loads what matches and reports the rest"
             )
+        report.unexpected = unexpected
+        return report
 
     def apply_loaded(
-        self, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any], url: str
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        url: str,
+        report: LoadReport,
+        *,
+        strict: bool = True,
     ) -> None:
         """Write back what DCP could not load in place (Python values, hyperparameters, extra)."""
         if optimizer is not None:
@@ -239,28 +327,60 @@ class FlatState:
                 if not isinstance(v, Tensor):
                     optimizer.state[p][sk] = v
             per_group: dict[tuple[int, str], tuple[str, Any]] = {}
+            disagree: set[tuple[int, str]] = set()
             for key, (gi, hk) in self.group_slots.items():
                 v = self.sd[key]
                 prev = per_group.setdefault((gi, hk), (key, v))
                 if prev[1] is not v and not _same(prev[1], v):
-                    raise CheckpointMismatchError(
-                        f"{url}: {prev[0]!r} = {prev[1]!r} but {key!r} = {v!r}: these params "
-                        "share a param group here but had different hyperparameters when saved"
-                    )
+                    if strict:
+                        raise CheckpointMismatchError(
+                            f"{url}: {prev[0]!r} = {prev[1]!r} but {key!r} = {v!r}: these "
+                            "params share a param group here but had different "
+                            "hyperparameters when saved (was a param moved to another "
+                            "group?); load(strict=False) keeps this group's own values"
+                        )
+                    disagree.add((gi, hk))
             for (gi, hk), (_, v) in per_group.items():
-                optimizer.param_groups[gi][hk] = v
-        for name in self.extra_names:
-            extra[name].load_state_dict(self.sd[f"extra.{name}"])
+                if (gi, hk) in disagree:
+                    report.kept_hparams.append((gi, hk, "its params had different values"))
+                elif gi in self.unsure_groups:
+                    if not _same(optimizer.param_groups[gi][hk], v):
+                        why = "a param of the group has state that does not match the checkpoint"
+                        report.kept_hparams.append((gi, hk, why))
+                else:
+                    optimizer.param_groups[gi][hk] = v
+        for key, obj in self.stateful.items():
+            obj.load_state_dict(self.sd[key])
 
 
-def _host_copy(v: Any) -> Any:
-    if isinstance(v, Tensor):
-        return v.detach().to("cpu", copy=True)
-    if isinstance(v, dict):
-        return {k: _host_copy(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)) and type(v) in (list, tuple):
-        return type(v)(_host_copy(x) for x in v)
-    return copy.deepcopy(v)
+def _display(key: str) -> str:
+    """``extra.sched`` -> ``extra['sched']``; ``rank_extra.1.data`` -> ``rank_extra['data']``."""
+    head, rest = key.split(".", 1)
+    if head == "rank_extra":
+        rank, name = rest.split(".", 1)
+        return f"rank_extra[{name!r}] of rank {rank}"
+    return f"{head}[{rest!r}]"
+
+
+def _mismatch(value: Any, md: Any, tensor_md: type) -> str | None:
+    is_tensor = isinstance(value, Tensor)
+    if is_tensor != isinstance(md, tensor_md):
+        kind = "a tensor" if isinstance(md, tensor_md) else "a Python object"
+        here = "a tensor" if is_tensor else type(value).__name__
+        return f"is {kind} in the checkpoint but {here} here"
+    if not is_tensor:
+        return None
+    if tuple(value.shape) != tuple(md.size):
+        return (
+            f"has shape {tuple(md.size)} in the checkpoint but {tuple(value.shape)} in this "
+            "model/optimizer; build the model with the shapes it was saved with"
+        )
+    if value.dtype != md.properties.dtype:
+        return (
+            f"has dtype {md.properties.dtype} in the checkpoint but {value.dtype} here; cast the "
+            "model/optimizer to match first"
+        )
+    return None
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -278,6 +398,6 @@ def _missing_msg(key: str, have: dict[str, Any], ours: set[str], url: str) -> st
     hint = f" The checkpoint has keys this model does not: {unknown[:8]}." if unknown else ""
     return (
         f"{url}: key {key!r} is not in the checkpoint.{hint} Was a parameter renamed? Keys are "
-        "parameter FQNs; load with the model the checkpoint was saved from, or rename the "
-        "checkpoint keys (muon-ckpt import)"
+        "parameter FQNs; load with the model the checkpoint was saved from, load(strict=False) "
+        "to load what matches, or rename the checkpoint keys (muon-ckpt import)"
     )

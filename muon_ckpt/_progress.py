@@ -1,13 +1,13 @@
-"""A minimal progress bar on stderr, drawn only when stderr is a terminal."""
+"""Progress bars (tqdm, on stderr, drawn only when stderr is a terminal) and byte sizes."""
 
 from __future__ import annotations
 
 import sys
-import time
-from types import TracebackType
 from typing import TextIO
 
-__all__ = ["Progress", "human_bytes"]
+from tqdm import tqdm
+
+__all__ = ["human_bytes", "progress_bar"]
 
 
 def human_bytes(n: float) -> str:
@@ -18,49 +18,21 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"  # unreachable
 
 
-class Progress:
-    """``with Progress(total_bytes, "verify") as p: p.update(n)``; silent unless on a TTY."""
+def progress_bar(
+    total: int, desc: str, *, enabled: bool | None = None, stream: TextIO | None = None
+) -> tqdm:
+    """``with progress_bar(total_bytes, "verify") as bar: bar.update(n)``.
 
-    def __init__(
-        self, total: int, desc: str, *, stream: TextIO | None = None, enabled: bool | None = None
-    ) -> None:
-        self.total = max(int(total), 0)
-        self.desc = desc
-        self.stream = stream if stream is not None else sys.stderr
-        if enabled is None:
-            enabled = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.enabled = enabled
-        self.done = 0
-        self._t0 = time.monotonic()
-        self._last = 0.0
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def update(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
-            self._last = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        frac = self.done / self.total if self.total else 1.0
-        width = 30
-        fill = int(width * min(frac, 1.0))
-        rate = self.done / max(now - self._t0, 1e-9)
-        self.stream.write(
-            f"\r{self.desc} [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% "
-            f"{human_bytes(self.done)}/{human_bytes(self.total)} {human_bytes(rate)}/s"
-        )
-        self.stream.flush()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+    ``enabled``: None draws only when ``stream`` (default stderr) is a terminal, so scripts and
+    logs get no control characters.
+    """
+    return tqdm(
+        total=max(int(total), 0),
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=stream if stream is not None else sys.stderr,
+        disable=None if enabled is None else not enabled,
+        dynamic_ncols=True,
+    )

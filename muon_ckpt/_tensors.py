@@ -1,12 +1,14 @@
-"""Two small tensor helpers shared by the save, load and interop paths."""
+"""Small tensor helpers shared by the save, load and interop paths."""
 
 from __future__ import annotations
 
+import copy
 import ctypes
+from typing import Any
 
 from torch import Tensor
 
-__all__ = ["local_tensor", "tensor_bytes"]
+__all__ = ["host_copy", "local_tensor", "tensor_bytes"]
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -21,3 +23,15 @@ def tensor_bytes(t: Tensor) -> memoryview:
     if n == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def host_copy(v: Any) -> Any:
+    """A deep copy of a (nested) value whose tensors are CPU copies: what a state dict holds
+    now, unaffected by later changes to the live objects."""
+    if isinstance(v, Tensor):
+        return v.detach().to("cpu", copy=True)
+    if isinstance(v, dict):
+        return {k: host_copy(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)) and type(v) in (list, tuple):
+        return type(v)(host_copy(x) for x in v)
+    return copy.deepcopy(v)

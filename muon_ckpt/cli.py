@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Any
 
+from muon_ckpt._version import __version__
+
 __all__ = ["main"]
 
 
@@ -81,12 +83,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import fnmatch
 
+    from muon_ckpt._values import read_values, value_text
+    from muon_ckpt.io import CheckpointReader
     from muon_ckpt.store import resolve
 
     r = resolve(_open(args), args.step)
-    md = r.metadata()  # every file present at its size, the metadata's checksum checked
+    # Sizes and the metadata's checksum are checked; values are read through the verifying
+    # reader (verify="size": inspect reads a few items, not every byte of every file).
+    reader = CheckpointReader(r, verify="size")
     rows = []
-    for key, m in sorted(md.state_dict_metadata.items()):
+    for key, m in sorted(reader.metadata.state_dict_metadata.items()):
         if args.keys and not fnmatch.fnmatchcase(key, args.keys):
             continue
         size = getattr(m, "size", None)
@@ -103,6 +109,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "bytes": nbytes,
             }
         )
+    # Values: every non-tensor value (hyperparameters, extra state) and the tensors of extra.
+    shown = [x["key"] for x in rows if x["shape"] is None or x["key"].startswith("extra.")]
+    values = read_values(reader, shown)
+    for x in rows:
+        x.update(values.get(x["key"], {}))
     total = sum(r_["bytes"] or 0 for r_ in rows)
     head = {"url": r.url, "kind": r.kind, "step": r.step}
     if r.manifest is not None:
@@ -120,69 +131,160 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         extra = f", saved {r.manifest.time} by {r.manifest.world_size} rank(s)"
     print(f"{desc} ({r.kind}{extra})")
     width = max([len(x["key"]) for x in rows] + [3])
-    print(f"{'KEY':<{width}}  {'SHAPE':<16}  {'DTYPE':<10}  {'BYTES':>10}")
+    print(f"{'KEY':<{width}}  {'SHAPE':<16}  {'DTYPE':<10}  {'BYTES':>10}  VALUE")
     for x in rows:
         shape = "-" if x["shape"] is None else "(" + ", ".join(map(str, x["shape"])) + ")"
-        print(f"{x['key']:<{width}}  {shape:<16}  {x['dtype']:<10}  {_human(x['bytes']):>10}")
+        value = value_text(x) if ("value" in x or "summary" in x) else ""
+        line = f"{x['key']:<{width}}  {shape:<16}  {x['dtype']:<10}  {_human(x['bytes']):>10}"
+        print(f"{line}  {value}".rstrip())
     print(f"{len(rows)} keys, {_human(total)} of tensors")
     return 0
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def _verify_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One result per step: step, status (ok, failed, skipped), files, bytes, problems and
+    files not in the manifest."""
     from muon_ckpt._errors import CheckpointCorruptError
     from muon_ckpt.store import MANIFEST, METADATA, Catalog, resolve, verify
 
     st = _open(args)
-    bad = 0
+    out: list[dict[str, Any]] = []
     if args.step is None and not st.exists(MANIFEST) and not st.exists(METADATA):
         todo = []
         for s in Catalog(st).scan():  # a run root: every committed step
             if s.committed:
                 todo.append(s.step)
             elif s.status == "corrupt":
-                print(f"step {s.step}: FAILED: {s.problem}")
-                bad += 1
+                out.append({"step": s.step, "status": "failed", "problems": [s.problem]})
             else:
-                print(f"step {s.step}: skipped (not committed)")
-        if not todo and not bad:
+                out.append({"step": s.step, "status": "skipped", "problems": []})
+        if not todo and not out:
             resolve(st)  # raises the not-found error, with the steps that exist
     else:
         todo = [args.step]
     for step in todo:
         try:
             r = resolve(st, step)
-            res = verify(r, progress=None)
+            res = verify(r, progress=None if not args.json else False)
         except CheckpointCorruptError as e:
-            print(f"step {step}: FAILED: {e}")
-            bad += 1
+            out.append({"step": step, "status": "failed", "problems": [str(e)]})
             continue
-        for p in res.problems:
-            print(f"step {r.step}: {p}")
-        for u in res.unexpected:
-            print(f"step {r.step}: note: {u} is not in the manifest")
-        verdict = "OK" if res.ok else f"FAILED ({len(res.problems)} problem(s))"
-        print(f"step {r.step}: {verdict}: {res.checked} files, {_human(res.bytes)} checked")
-        bad += not res.ok
-    return 1 if bad else 0
+        out.append(
+            {
+                "step": r.step,
+                "status": "ok" if res.ok else "failed",
+                "files": res.checked,
+                "bytes": res.bytes,
+                "problems": res.problems,
+                "unexpected": res.unexpected,
+            }
+        )
+    return sorted(out, key=lambda x: x["step"] if x["step"] is not None else -1)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    results = _verify_steps(args)
+    failed = [x for x in results if x["status"] == "failed"]
+    if args.json:
+        doc = {"url": args.url, "ok": not failed, "steps": results}
+        print(json.dumps(doc, indent=1))
+        return 1 if failed else 0
+    for x in results:
+        step = x["step"]
+        if x["status"] == "skipped":
+            print(f"step {step}: skipped (not committed)")
+            continue
+        if "files" not in x:  # the step could not be opened
+            print(f"step {step}: FAILED: {x['problems'][0]}")
+            continue
+        for p in x["problems"]:
+            print(f"step {step}: {p}")
+        for u in x["unexpected"]:
+            print(f"step {step}: note: {u} is not in the manifest")
+        verdict = "OK" if x["status"] == "ok" else f"FAILED ({len(x['problems'])} problem(s))"
+        print(f"step {step}: {verdict}: {x['files']} files, {_human(x['bytes'])} checked")
+    return 1 if failed else 0
+
+
+def _pairs(pairs: list[str] | None, flag: str) -> dict[str, str]:
+    out = {}
+    for pair in pairs or []:
+        a, sep, b = pair.partition("=")
+        if not sep or not a or not b:
+            raise ValueError(f"{flag} must be DROPPED=KEPT (two tensor names), got {pair!r}")
+        out[a] = b
+    return out
+
+
+def _rename_map(path: str | None) -> dict[str, str] | None:
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        try:
+            m = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"--rename-map {path}: not JSON ({e})") from e
+    if not isinstance(m, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in m.items()
+    ):
+        raise ValueError(
+            f"--rename-map {path} must hold a JSON object of regex -> replacement, e.g. "
+            '{"layers\\.(\\d+)\\.(.*)": "model.layers.\\1.\\2"}; '
+            f"found a {type(m).__name__}"
+        )
+    return m
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from muon_ckpt.interop import export_safetensors
+    from muon_ckpt.interop import export_hf, export_safetensors
 
-    s = export_safetensors(
-        args.url,
-        args.out,
-        step=args.step,
-        include=tuple(args.include),
-        dtype=args.dtype,
-        storage_options=_storage_options(args.storage_option),
-        progress=None,
-        verify=args.verify,
-    )
-    where = f"step {s.step}" if s.step is not None else args.url
-    print(f"exported {where}: {s.tensors} tensors, {_human(s.bytes)} -> {s.out}")
-    if s.skipped:
-        print(f"not exported (non-tensor values): {len(s.skipped)} keys, e.g. {s.skipped[0]}")
+    if (args.out is None) == (args.hf is None):
+        raise ValueError(
+            "export needs one output: OUT (one safetensors file, keys as stored) or --hf DIR "
+            f"(the Hugging Face layout); got {'both' if args.out else 'neither'}"
+        )
+    hf_only = {"--max-shard-size": args.max_shard_size, "--rename-map": args.rename_map}
+    hf_only["--tied"] = args.tied
+    used = [flag for flag, v in hf_only.items() if v is not None]
+    if args.hf is None and used:
+        raise ValueError(f"{', '.join(used)} apply to --hf exports only")
+    common: dict[str, Any] = {
+        "step": args.step,
+        "include": tuple(args.include),
+        "dtype": args.dtype,
+        "storage_options": _storage_options(args.storage_option),
+        "progress": False if args.json else None,
+        "verify": args.verify,
+    }
+    doc: dict[str, Any]
+    if args.hf is not None:
+        h = export_hf(
+            args.url,
+            args.hf,
+            max_shard_size=args.max_shard_size or "5GB",
+            rename=_rename_map(args.rename_map),
+            tied=_pairs(args.tied, "--tied"),
+            **common,
+        )
+        doc = {"out": h.out_dir, "step": h.step, "tensors": h.tensors, "bytes": h.bytes}
+        doc.update(files=h.files, tied=h.tied, skipped=h.skipped)
+    else:
+        s = export_safetensors(args.url, args.out, **common)
+        doc = {"out": s.out, "step": s.step, "tensors": s.tensors, "bytes": s.bytes}
+        doc["skipped"] = s.skipped
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    where = f"step {doc['step']}" if doc["step"] is not None else args.url
+    print(f"exported {where}: {doc['tensors']} tensors, {_human(doc['bytes'])} -> {doc['out']}")
+    for section, files in doc.get("files", {}).items():
+        shards = f"{len(files) - 1} shards + {files[-1]}" if len(files) > 1 else files[0]
+        print(f"  {section}: {shards}")
+    if doc["skipped"]:
+        print(
+            f"not exported (non-tensor values): {len(doc['skipped'])} keys, "
+            f"e.g. {doc['skipped'][0]}"
+        )
     return 0
 
 
@@ -190,6 +292,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
     from muon_ckpt.store import prune
 
     res = prune(_open(args), args.keep, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps({"url": args.url, "dry_run": args.dry_run, **vars(res)}, indent=1))
+        return 0
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{verb} {len(res.deleted)} step(s): {', '.join(map(str, res.deleted)) or '-'}")
     print(f"kept {len(res.kept)} committed step(s): {', '.join(map(str, res.kept)) or '-'}")
@@ -253,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="muon-ckpt", description="Inspect, verify, export and prune muon-ckpt checkpoints."
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    p.add_argument("--version", action="version", version=f"muon-ckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("ls", parents=[remote], help="list steps, committed or not")
@@ -267,30 +373,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("verify", parents=[remote], help="check files against the manifest")
     s.add_argument("--step", type=int, help="step to verify (default: every committed step)")
+    s.add_argument("--json", action="store_true", help="machine-readable output (exit 1 still)")
     s.set_defaults(func=cmd_verify)
 
-    s = sub.add_parser("export", parents=[remote], help="export full tensors to safetensors")
-    s.add_argument("out", help="output .safetensors file (path or URL)")
+    s = sub.add_parser(
+        "export", parents=[remote], help="export to safetensors, or to the Hugging Face layout"
+    )
+    s.add_argument("out", nargs="?", help="output .safetensors file, keys as stored (or --hf)")
+    s.add_argument(
+        "--hf",
+        metavar="DIR",
+        help="write DIR in the Hugging Face layout: model*.safetensors (+ index), plain FQNs",
+    )
     s.add_argument("--step", type=int, help="step to export (default: newest committed)")
     s.add_argument(
         "--include",
         nargs="+",
-        default=["model", "optim"],
+        default=["model"],
         choices=["model", "optim", "extra"],
-        help="sections to export (default: model optim)",
+        help="sections to export (default: model; with --hf: model and/or optim)",
     )
     s.add_argument("--dtype", help="cast floating tensors, e.g. bf16, float16, float32")
+    s.add_argument("--max-shard-size", help="--hf: bytes per shard: 5GB (default), 500MB, 100KB")
+    s.add_argument(
+        "--rename-map", metavar="FILE", help="--hf: JSON object of regex -> replacement names"
+    )
+    s.add_argument(
+        "--tied",
+        action="append",
+        metavar="DROPPED=KEPT",
+        help="--hf: a tied weight, written once as KEPT (repeatable)",
+    )
     s.add_argument(
         "--verify",
         choices=["crc32", "size"],
         default="crc32",
         help="check sizes and checksums of the files read (default), or sizes only",
     )
+    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("prune", parents=[remote], help="delete old committed steps")
     s.add_argument("--keep", type=int, required=True, help="committed steps to keep (>= 1)")
     s.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_prune)
 
     s = sub.add_parser(

@@ -19,6 +19,8 @@ states are read straight into the pool's pinned buffers; offload stays on throug
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import operator
 import posixpath
@@ -31,8 +33,17 @@ import torch.distributed.checkpoint as dcp
 
 import muon_ckpt._collective as coll
 from muon_ckpt._config import ManagerConfig
-from muon_ckpt._errors import CheckpointError
-from muon_ckpt._flatten import FlatState, check_extra, param_fqns, prepare_optimizer_state
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from muon_ckpt._flatten import (
+    PARTS,
+    FlatState,
+    LoadReport,
+    check_stateful,
+    extra_digests,
+    prepare_optimizer_state,
+)
+from muon_ckpt._fqn import param_fqns
+from muon_ckpt._rollback import Rollback
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.io import (
     DCP_ERRORS,
@@ -45,6 +56,7 @@ from muon_ckpt.io import (
 )
 from muon_ckpt.store import (
     MAX_STEP,
+    UNCOMMITTED,
     Catalog,
     FileEntry,
     Storage,
@@ -73,15 +85,20 @@ class CheckpointManager:
     Args:
         url: checkpoint root: a local path or any fsspec URL (``file://``, ``memory://``,
             ``s3://``, ``gs://``, ...). Each step is a directory ``step-<8 digits>``.
-        model: its ``state_dict()`` is saved as ``model.<fqn>`` and loaded in place.
+        model: its ``state_dict()`` is saved as ``model.<fqn>`` and loaded in place (FQNs
+            without ``_orig_mod.``/``module.``: compiled, DDP and plain models interchange).
         optimizer: any ``torch.optim.Optimizer``; its state is keyed by parameter FQN.
         extra: ``{name: obj}`` with ``state_dict()``/``load_state_dict()`` (LR scheduler, data
-            position...); treated as the same on every rank.
+            position...): the same on every rank (checked at each save), saved once.
+        rank_extra: ``{name: obj}`` like ``extra``, but each rank's own (a per-rank data
+            position, RNG state): saved per rank, loaded back by the same rank at the same
+            world size (``load(parts=...)`` without ``"rank_extra"`` skips it).
         keep_last: keep this many newest committed steps; older ones are deleted after a commit.
         interval: ``save(step)`` saves only when ``step % interval == 0`` (``force=True`` always).
         storage_options: fsspec options (credentials, ``endpoint_url``...).
         resume_from: a URL (run root or ``.../step-XXXXXXXX``) or ``(url, step)`` to load from
             while ``url`` has no committed step yet.
+        resume_storage_options: fsspec options for ``resume_from`` (default: ``storage_options``).
         io_threads: files written and read in parallel per rank.
         verify: ``"crc32"`` checks size and checksum of every file a load reads; ``"size"`` only
             sizes.
@@ -89,6 +106,8 @@ class CheckpointManager:
             run in the background (``wait()`` for them).
         max_staging_bytes: host memory a snapshot may hold; a save that needs more runs
             synchronously without staging copies (None: no bound).
+        collective_timeout: seconds a rank waits for the others in ``save()``/``load()`` before
+            it raises a CheckpointError naming the ranks that did not join.
         storage_timeout: seconds one storage request may take (S3: connect and read
             timeouts; None: the client's defaults). Default 60.
         lease_seconds: the run's write lease (one writer per run) expires this long after
@@ -99,6 +118,8 @@ class CheckpointManager:
     Save, load, wait and close are collectives: call them on every rank.
     """
 
+    _instances = 0  # numbers the managers of this process, for their handshake keys
+
     def __init__(
         self,
         url: str,
@@ -106,14 +127,17 @@ class CheckpointManager:
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         extra: dict[str, Any] | None = None,
+        rank_extra: dict[str, Any] | None = None,
         keep_last: int | None = None,
         interval: int | None = None,
         storage_options: dict[str, Any] | None = None,
         resume_from: str | tuple[str, int] | None = None,
+        resume_storage_options: dict[str, Any] | None = None,
         io_threads: int = 4,
         verify: str = "crc32",
         async_save: bool = False,
         max_staging_bytes: int | None = None,
+        collective_timeout: float = 600.0,
         storage_timeout: float | None = 60.0,
         lease_seconds: float = 600.0,
         confirm: str = "crc32",
@@ -124,10 +148,12 @@ class CheckpointManager:
             interval=interval,
             storage_options=storage_options,
             resume_from=resume_from,
+            resume_storage_options=resume_storage_options,
             io_threads=io_threads,
             verify=verify,
             async_save=async_save,
             max_staging_bytes=max_staging_bytes,
+            collective_timeout=collective_timeout,
             storage_timeout=storage_timeout,
             lease_seconds=lease_seconds,
             confirm=confirm,
@@ -140,7 +166,11 @@ class CheckpointManager:
             )
         self._model = model
         self._optimizer = optimizer
-        self._extra = check_extra(extra)
+        self._extra = check_stateful("extra", extra)
+        self._rank_extra = check_stateful("rank_extra", rank_extra)
+        both = sorted(set(self._extra) & set(self._rank_extra))
+        if both:
+            raise ValueError(f"{both} are names in both extra and rank_extra; use each name once")
         if optimizer is not None:
             param_fqns(model, optimizer)  # a param without a name is a configuration error
         opts = self.config.storage_kwargs
@@ -157,9 +187,15 @@ class CheckpointManager:
             if rf_step is None and parse_step_dirname(base) is not None:
                 rf_step = parse_step_dirname(base)
                 rf_url = rf_url.rstrip("/")[: -len(base)].rstrip("/") or "/"
-            self._resume = (Catalog(_open_storage("resume_from", rf_url, opts, timeout)), rf_step)
+            rf_opts = self.config.resume_kwargs
+            rf_storage = _open_storage("resume_from", rf_url, rf_opts, timeout)
+            self._resume = (Catalog(rf_storage), rf_step)
         self._pending: SaveJob | None = None
-        self._group: Any = None  # gloo group of the background saves, made by the first one
+        self._group: Any = None  # gloo group of every save/load collective, made by the first
+        CheckpointManager._instances += 1
+        self._tag = f"muon_ckpt/{CheckpointManager._instances}"
+        self._calls = 0  # save/load calls so far: the handshake's sequence number
+        self._abandoned: list[int] = []  # newer steps of a line this run rewound from
         self._staging = HostStaging()  # host buffers allocated by the first save, then reused
         self._warned_budget = False
         self._closed = False
@@ -168,14 +204,18 @@ class CheckpointManager:
         self._write_gate: threading.Event | None = None
         # Seconds per phase of the last finished save on this rank (also logged at DEBUG):
         # prepare (rank 0 readies the step directory), snapshot, blocked (all save() took),
-        # dcp_save, commit (the manifest), retention, total; within dcp_save: write_data (the writer threads' wall
-        # time) and, summed over those threads, stage_wait (waiting for host copies), write
-        # (in the storage's write calls), writeback (queueing local pages for write-out),
-        # crc_wait (checksum still running after its write returned), sync (fsync and close).
+        # dcp_save, commit (the manifest), retention, total; within dcp_save: write_data (the
+        # writer threads' wall time) and, summed over those threads, stage_wait (waiting for
+        # host copies), write (in the storage's write calls), writeback (queueing local pages
+        # for write-out), crc_wait (checksum still running after its write returned), sync
+        # (fsync and close).
         self.last_save_timings: dict[str, float] = {}
-        # The same for the last load: decide, prepare, dcp_load, apply, total; and read (the
-        # reader's wall time: reads, checksums, copies into place).
+        # The same for the last load: decide, prepare, backup (the copy that lets a failed
+        # load be undone), dcp_load, apply (also the ranks' agreement on the outcome), total;
+        # and read (the reader's wall time: reads, checksums, copies into place).
         self.last_load_timings: dict[str, float] = {}
+        # What the last load left out (load(strict=False)); empty after a strict load.
+        self.last_load_report = LoadReport()
 
     # ------------------------------------------------------------------ queries
     @property
@@ -193,6 +233,20 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    # ------------------------------------------------------------------ collectives
+    def _join(self, call: str) -> None:
+        """Every rank is in the same ``call``, or every rank that is raises (bounded by
+        ``collective_timeout``); the first call also makes the manager's process group."""
+        if not coll.is_dist():
+            return
+        self._calls += 1
+        if self._calls > 2:
+            coll.forget(f"{self._tag}/{self._calls - 2}")  # every rank is past that one
+        timeout = self.config.collective_timeout
+        coll.handshake(f"{self._tag}/{self._calls}", call, timeout)
+        if self._group is None:
+            self._group = coll.new_group(timeout)
+
     # ------------------------------------------------------------------ save
     def save(self, step: int, *, force: bool = False, overwrite: bool = False) -> bool:
         """Save ``step`` if it is due (``interval``) or ``force``; return whether it saved.
@@ -201,31 +255,37 @@ class CheckpointManager:
         in the background (``wait()``). A pending save is waited for first, and its failure
         raised here. Raises CheckpointExistsError if ``step`` is committed already, unless
         ``overwrite``: the new version is written beside the committed step and replaces it
-        once committed (if this save fails, the old version stays).
+        once committed (if this save fails, the old version stays). The first
+        save after ``load(step=k)`` rewound the run deletes the committed steps after ``k``.
         """
         self._check_open()
         step = self._check_step(step)
         if not force and self.config.interval is not None and step % self.config.interval:
             return False
+        self._join(f"save(step={step})")
         self.wait()
         t0 = time.perf_counter()
-        if self.config.async_save and self._group is None:
-            self._group = coll.new_group()  # collective: every rank's first save makes it
-        coll.on_rank0(lambda: self._catalog.begin(step, overwrite))
+        group = self._group
+        coll.on_rank0(lambda: self._begin(step, overwrite), group)
+        self._abandoned = []
         t1 = time.perf_counter()
         error: Exception | None = None
+        digests: dict[str, str] = {}
         try:
+            digests = extra_digests(self._extra)
             spec, background, release = self._snapshot(step)
         except Exception as e:  # every rank must learn of it before any starts to write
             error = e
-        failed = [r for r, ok in enumerate(coll.all_gather(error is None)) if not ok]
-        if failed:
+        outcome = coll.all_gather((error is None, digests), group)
+        failed = [r for r, (ok, _) in enumerate(outcome) if not ok]
+        differs = None if failed else _differing_extra(step, [d for _, d in outcome])
+        if failed or differs:
             if error is not None:
                 raise error
             self._staging.finish()
             if release is not None:
                 release()
-            raise CheckpointError(
+            raise differs or CheckpointError(
                 f"saving step {step}: taking the snapshot failed on rank(s) {failed} (their "
                 "own error says why); nothing was written and every committed step is intact"
             )
@@ -240,17 +300,39 @@ class CheckpointManager:
             job.run()
         return True
 
+    def _begin(self, step: int, overwrite: bool) -> None:
+        """Rank 0, before a save: drop the steps a rewind abandoned, ready ``step``."""
+        if self._abandoned:
+            self._catalog.lease.acquire()  # one writer: before deleting anything
+            gone = [
+                s.step
+                for s in self._catalog.scan()
+                if s.step in self._abandoned and s.status != UNCOMMITTED
+            ]
+            _log.warning(
+                "%s: this run was rewound to an earlier step; deleting the steps of the "
+                "abandoned line before saving step %d: %s",
+                self.url,
+                step,
+                gone,
+            )
+            for s in gone:
+                self._catalog.delete(s)
+        self._catalog.begin(step, overwrite)
+
     def _snapshot(self, step: int) -> tuple[WriteSpec, bool, Any]:
         """The state of this moment, as DCP will write it: (spec, background?, release)."""
         opt, background = self._optimizer, self.config.async_save
-        flat = FlatState.build(self._model, opt, self._extra)
+        flat = FlatState.build(
+            self._model, opt, self._extra, rank_extra=self._rank_extra, rank=coll.rank()
+        )
         views = self._offloaded_views()
         keep = flat.host_state_keys(views)
         limit = self.config.max_staging_bytes
         if background and limit is not None:
             need = self._staging.bytes_needed(flat.sd, copy_cpu=True, keep=keep)
             need += sum(_nbytes(flat.sd[k]) for k in keep)  # the pool's second buffer
-            need = max(coll.all_gather(need))  # every rank takes the same path
+            need = max(coll.all_gather(need, self._group))  # every rank takes the same path
             if need > limit:
                 if not self._warned_budget:
                     _log.warning(
@@ -290,7 +372,7 @@ class CheckpointManager:
             io_threads=self.config.io_threads,
             keep_last=self.config.keep_last,
             confirm=self.config.confirm,
-            group=self._group if background else None,
+            group=self._group,
             gate=self._write_gate if background else None,
         )
         return spec, background, release
@@ -336,35 +418,156 @@ class CheckpointManager:
                 self._pending = None
 
     # ------------------------------------------------------------------ load
-    def load(self, step: int | None = None) -> int | None:
-        """Load ``step`` (default: the newest committed one) in place; return the step loaded.
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        parts: tuple[str, ...] | list[str] | None = None,
+    ) -> int | None:
+        """Load ``step`` in place; return the step loaded.
 
-        On a fresh run (nothing committed, no ``resume_from``) returns None and changes nothing.
-        A pending asynchronous save is committed first.
+        Without ``step``: the newest committed step that loads cleanly (a step that fails its
+        checks is skipped with a WARNING naming it and why; then ``resume_from``'s steps). With
+        ``step``: exactly that step, never another. All or nothing: a load that raises leaves
+        the model, the optimizer and ``extra`` as they were, on every rank. ``strict=False``
+        loads what matches and leaves the rest as it is (``last_load_report`` says what, also
+        logged). ``parts``: a subset of ``("model", "optim", "extra", "rank_extra")`` to load
+        (default: all). On a fresh run (nothing committed, no ``resume_from``) returns None and
+        changes nothing. A pending asynchronous save is committed first.
         """
         self._check_open()
         if step is not None:
             step = self._check_step(step)
+        chosen_parts = self._check_parts(parts)
+        self._join(f"load(step={step})")
         self.wait()
+        skipped: list[_Skip] = []
+        while True:
+            t0 = time.perf_counter()
+            d = coll.on_rank0(functools.partial(self._decide, step, skipped), self._group)
+            if d is None:
+                return None
+            decided = time.perf_counter() - t0
+            chosen, skipped = d.step, d.skipped
+            catalog = self._resume[0] if d.from_resume and self._resume else self._catalog
+            where = catalog.storage.url_of(step_dirname(chosen))
+            rollback = Rollback(self._optimizer, self._extra | self._rank_extra, self._staging)
+            # Two agreement points: every rank is ready before any starts DCP's collectives,
+            # and every rank has read and applied before any keeps what it read.
+            error: Exception | None = None
+            try:
+                flat, report = self._prepare(d, where, strict, chosen_parts, rollback)
+            except Exception as e:
+                error = e
+            bad = self._agree(error)
+            if not bad:
+                try:
+                    self._read(catalog, d, where, flat, report, strict, chosen_parts)
+                except Exception as e:
+                    error = e
+                bad = self._agree(error)
+            if not bad:
+                break
+            rollback.restore()
+            if not self.config.async_save:
+                self._staging.release()
+            corrupt = all(kind == "corrupt" for kind, _ in bad.values())
+            if step is not None or not corrupt:
+                if error is not None:
+                    raise error
+                raise CheckpointError(
+                    f"loading {where} failed on rank(s) {sorted(bad)} ({bad[min(bad)][1]}); "
+                    "this rank's model, optimizer and extra state are as they were"
+                )
+            why = bad[min(bad)][1]
+            if coll.rank() == 0:
+                _log.warning(
+                    "skipping step %d (%s): %s; trying the next older step", chosen, where, why
+                )
+            skipped = [*skipped, _Skip(d.from_resume, chosen, why)]
+        rollback.done()
+        if not self.config.async_save:
+            self._staging.release()  # the backup's host memory is not kept between loads
+        self._abandoned = newer = d.newer
+        if newer and coll.rank() == 0:
+            _log.warning(
+                "%s: loaded step %d while newer steps %s exist; the first save of this run "
+                "deletes them (to keep them, resume into another url with resume_from)",
+                self.url,
+                chosen,
+                newer,
+            )
+        self.last_load_report = report
+        if report:
+            _log.warning("loaded step %d from %s partially: %s", chosen, where, report.summary())
+        t = self.last_load_timings = {"decide": decided, **self.last_load_timings}
+        t["total"] = time.perf_counter() - t0
+        # apply: also the ranks' agreements and the bookkeeping, so the phases add up to total
+        t["apply"] = t["total"] - sum(t[k] for k in ("decide", "prepare", "backup", "dcp_load"))
+        _log.info("loaded step %d from %s in %.3f s", chosen, where, t["total"])
+        _log.debug("loaded step %d: %s", chosen, _fmt(t))
+        return chosen
+
+    def _check_parts(self, parts: Any) -> tuple[str, ...]:
+        if parts is None:
+            return PARTS
+        if isinstance(parts, str) or not all(p in PARTS for p in parts) or not parts:
+            raise ValueError(f"parts must be a non-empty subset of {PARTS}, got {parts!r}")
+        return tuple(parts)
+
+    def _agree(self, error: Exception | None) -> dict[int, tuple[str, str]]:
+        """Every rank's failure so far (rank -> (kind, message)), on every rank."""
+        outcome = coll.all_gather(_outcome(error), self._group)
+        return {r: o for r, o in enumerate(outcome) if o is not None}
+
+    def _prepare(
+        self, d: _Decision, where: str, strict: bool, parts: tuple[str, ...], rollback: Rollback
+    ) -> tuple[FlatState, LoadReport]:
+        """The flat state to read ``d.step`` into, fitted to its metadata, and its backup."""
         t0 = time.perf_counter()
-        decision = coll.on_rank0(lambda: self._decide(step))
+        if "rank_extra" in parts and self._rank_extra and d.world_size != coll.world_size():
+            raise CheckpointMismatchError(
+                f"{where} was saved on {d.world_size} rank(s), this run has "
+                f"{coll.world_size()}: rank_extra holds each rank's own state and loads back "
+                "only at the same world size; load(parts=('model', 'optim', 'extra')) loads "
+                "the rest"
+            )
+        opt = self._optimizer if "optim" in parts else None
+        fresh = prepare_optimizer_state(opt) if opt is not None else set()
+        flat = FlatState.build(
+            self._model,
+            opt,
+            self._extra,
+            rank_extra=self._rank_extra,
+            rank=coll.rank(),
+            parts=parts,
+        )
+        flat.use_host_states(self._offloaded_views() if opt is not None else {})
+        report = flat.check_against(d.metadata, fresh, where, strict=strict)
+        report.step = d.step
         t1 = time.perf_counter()
-        if decision is None:
-            return None
-        from_resume, chosen, files, metadata = decision
-        catalog = self._resume[0] if from_resume and self._resume else self._catalog
-        where = catalog.storage.url_of(step_dirname(chosen))
-        fresh: set[int] = set()
-        if self._optimizer is not None:
-            fresh = prepare_optimizer_state(self._optimizer)
-        flat = FlatState.build(self._model, self._optimizer, self._extra)
-        flat.use_host_states(self._offloaded_views())
-        flat.check_against(metadata, fresh, where)
-        t2 = time.perf_counter()
+        created = {k for k, (p, _) in flat.state_slots.items() if id(p) in fresh}
+        rollback.keep_values(flat.sd, skip=created)
+        self.last_load_timings = {"prepare": t1 - t0, "backup": time.perf_counter() - t1}
+        return flat, report
+
+    def _read(
+        self,
+        catalog: Catalog,
+        d: _Decision,
+        where: str,
+        flat: FlatState,
+        report: LoadReport,
+        strict: bool,
+        parts: tuple[str, ...],
+    ) -> None:
+        """Read ``d.step`` into the live state and apply what DCP does not write in place."""
+        t0 = time.perf_counter()
         reader = VerifyingReader(
-            catalog.storage.child(step_dirname(chosen)),
-            files,
-            metadata=metadata,
+            catalog.storage.child(step_dirname(d.step)),
+            d.files,
+            metadata=d.metadata,
             rank=coll.rank(),
             world_size=coll.world_size(),
             io_threads=self.config.io_threads,
@@ -375,47 +578,63 @@ class CheckpointManager:
                 flat.sd,
                 storage_reader=reader,
                 planner=SafeLoadPlanner(),
+                process_group=self._group,
                 no_dist=not coll.is_dist(),
             )
         except DCP_ERRORS as e:
             raise dcp_failure(e, f"loading {where}") from e
-        t3 = time.perf_counter()
-        flat.apply_loaded(self._optimizer, self._extra, where)
-        t4 = time.perf_counter()
-        self.last_load_timings = {
-            "decide": t1 - t0,
-            "prepare": t2 - t1,
-            "dcp_load": t3 - t2,
-            "apply": t4 - t3,
-            **reader.timings,
-            "total": t4 - t0,
-        }
-        _log.info("loaded step %d from %s in %.3f s", chosen, where, t4 - t0)
-        _log.debug("loaded step %d: %s", chosen, _fmt(self.last_load_timings))
-        return chosen
+        except RuntimeError as e:  # DCP's own collectives: a rank died or stopped answering
+            raise coll.comm_failure(e, f"loading {where}") from e
+        self.last_load_timings.update(dcp_load=time.perf_counter() - t0, **reader.timings)
+        opt = self._optimizer if "optim" in parts else None
+        flat.apply_loaded(opt, where, report, strict=strict)
 
-    def _decide(self, step: int | None) -> tuple[bool, int, dict[str, FileEntry], Any] | None:
-        catalog, from_resume = self._catalog, False
-        steps = catalog.committed_steps()
+    def _decide(self, step: int | None, skipped: list[_Skip]) -> _Decision | None:
+        """Rank 0: what to load, or None on a fresh run. Without ``step``, a step whose files
+        fail the checks is skipped (WARNING) for the next older one, then ``resume_from``."""
+        skipped = list(skipped)
+        tried = {(s.from_resume, s.step) for s in skipped}
+        present = [s.step for s in self._catalog.scan() if s.status != UNCOMMITTED]
+        steps = self._catalog.committed_steps()
         if step is not None:
             if step not in steps:
-                raise catalog.not_found(step, steps)
-        elif steps:
-            step = steps[-1]
-        elif self._resume is not None:
-            catalog, step = self._resume
-            from_resume = True
-            rsteps = catalog.committed_steps()
-            if step is None and not rsteps:
-                raise catalog.not_found(None, rsteps)
-            if step is None:
-                step = rsteps[-1]
-            elif step not in rsteps:
-                raise catalog.not_found(step, rsteps)
+                raise self._catalog.not_found(step, steps)
+            candidates = [(self._catalog, step, False)]
         else:
-            return None
-        manifest, metadata = catalog.checked(step)
-        return from_resume, step, manifest.files, metadata
+            candidates = [(self._catalog, s, False) for s in reversed(steps)]
+            if self._resume is not None:
+                rcat, rstep = self._resume
+                rsteps = rcat.committed_steps()
+                if rstep is not None and rstep not in rsteps:
+                    if not steps:
+                        raise rcat.not_found(rstep, rsteps)
+                elif rstep is not None:
+                    candidates.append((rcat, rstep, True))
+                elif rsteps:
+                    candidates += [(rcat, s, True) for s in reversed(rsteps)]
+                elif not steps:
+                    raise rcat.not_found(None, rsteps)
+            elif not steps:
+                return None
+        for catalog, s, from_resume in candidates:
+            if (from_resume, s) in tried:
+                continue
+            try:
+                m, md = catalog.checked(s)
+            except CheckpointCorruptError as e:
+                if step is not None:
+                    raise
+                _log.warning("skipping step %d of %s: %s", s, catalog.storage.url, e)
+                skipped.append(_Skip(from_resume, s, str(e)))
+                continue
+            newer = present if from_resume else [n for n in present if n > s]
+            return _Decision(from_resume, s, m.world_size, m.files, md, newer, skipped)
+        raise CheckpointCorruptError(
+            f"{self.url}: no committed step loads cleanly; "
+            + "; ".join(
+                f"step {k.step}{' of resume_from' * k.from_resume}: {k.why}" for k in skipped
+            )
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -450,8 +669,10 @@ class CheckpointManager:
             value = operator.index(step) if not isinstance(step, bool) else None
         except TypeError:
             value = None
-        if value is None or not 0 <= value <= MAX_STEP:
-            raise ValueError(f"step must be an integer in [0, {MAX_STEP}], got {step!r}")
+        if value is None or value < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        if value > MAX_STEP:  # step directories have exactly 8 digits
+            raise ValueError(f"step must be <= {MAX_STEP} (8 digits), got {step!r}")
         return value
 
     def __repr__(self) -> str:
@@ -460,6 +681,53 @@ class CheckpointManager:
             f"CheckpointManager({c.url!r}, keep_last={c.keep_last}, interval={c.interval}, "
             f"async_save={c.async_save}, resume_from={c.resume_from!r})"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Skip:
+    """A step that failed its checks (``why``) and was skipped by a load without a step."""
+
+    from_resume: bool
+    step: int
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decision:
+    """Rank 0's choice for a load, sent to every rank."""
+
+    from_resume: bool  # a step of resume_from, not of url
+    step: int
+    world_size: int  # ranks that saved it
+    files: dict[str, FileEntry]
+    metadata: Any
+    newer: list[int]  # steps of url that a save after this load abandons
+    skipped: list[_Skip]
+
+
+def _outcome(error: Exception | None) -> tuple[str, str] | None:
+    """A rank's load outcome as all ranks see it: None, or (kind, message)."""
+    if error is None:
+        return None
+    kind = "corrupt" if isinstance(error, CheckpointCorruptError) else "error"
+    return kind, f"{type(error).__name__}: {error}"
+
+
+def _differing_extra(step: int, digests: list[dict[str, str]]) -> CheckpointError | None:
+    """The error for ``extra`` state that is not the same on every rank, or None."""
+    names = sorted({n for d in digests for n in d})
+    for name in names:
+        groups: dict[str | None, list[int]] = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d.get(name), []).append(r)
+        if len(groups) > 1:
+            ranks = " vs ".join(str(g) for g in groups.values())
+            return CheckpointError(
+                f"saving step {step}: extra[{name!r}] differs between ranks {ranks}; extra is "
+                "saved once for all ranks, so it must be the same everywhere: put per-rank "
+                "state (a data position per rank, RNG state) in rank_extra. Nothing was written."
+            )
+    return None
 
 
 def _fmt(t: dict[str, float]) -> str:

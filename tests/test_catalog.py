@@ -14,6 +14,7 @@ import torch
 from muon_ckpt import (
     CheckpointCorruptError,
     CheckpointManager,
+    export_hf,
     export_safetensors,
     import_optimizer_state,
 )
@@ -114,6 +115,10 @@ def test_export_import_and_inspect_name_the_damaged_file(run, capsys, tmp_path, 
     with pytest.raises(CheckpointCorruptError, match=rf"step-00000003/{name}"):
         export_safetensors(url, out, storage_options=opts)
     assert not os.path.exists(out)  # nothing half-written is left behind
+    hf = str(tmp_path / "hf")
+    with pytest.raises(CheckpointCorruptError, match=rf"step-00000003/{name}"):
+        export_hf(url, hf, storage_options=opts)  # the Hugging Face layout: the same reader
+    assert not os.path.exists(hf) or os.listdir(hf) == []  # no file left behind
     rc, stdout, err = _cli(capsys, "export", url, out, *run["flags"])
     assert rc == 1 and stdout == ""
     assert err.startswith("muon-ckpt: error: CheckpointCorruptError: ") and name in err

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from muon_ckpt import CheckpointManager, CheckpointNotFoundError
-from muon_ckpt._progress import Progress
+from muon_ckpt._progress import progress_bar
 from muon_ckpt.cli import main
 from muon_ckpt.store import Storage
 from tests._ckpt import three_step_run
@@ -193,6 +193,19 @@ def test_console_script_help_is_fast_and_imports_no_torch():
     assert len(errs) == 1 and "Traceback" not in r.stderr
 
 
+def test_version_prints_the_package_version(capsys):
+    import muon_ckpt
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"muon-ckpt {muon_ckpt.__version__}\n"
+    r = subprocess.run(
+        [sys.executable, "-m", "muon_ckpt.cli", "--version"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and r.stdout.split() == ["muon-ckpt", muon_ckpt.__version__]
+
+
 class _Tty(io.StringIO):
     def isatty(self) -> bool:
         return True
@@ -200,10 +213,120 @@ class _Tty(io.StringIO):
 
 def test_progress_bar_is_drawn_only_on_a_tty():
     quiet = io.StringIO()
-    with Progress(100, "verify", stream=quiet) as bar:
+    with progress_bar(100, "verify", stream=quiet) as bar:
         bar.update(100)
     assert quiet.getvalue() == ""
     tty = _Tty()
-    with Progress(100, "verify", stream=tty) as bar:
+    with progress_bar(100, "verify", stream=tty) as bar:
         bar.update(100)
-    assert tty.getvalue().startswith("\rverify [") and "100.0%" in tty.getvalue()
+    assert tty.getvalue().startswith("\rverify:") and "100%" in tty.getvalue()  # tqdm's bar
+    forced = io.StringIO()
+    with progress_bar(100, "export", stream=forced, enabled=True) as bar:
+        bar.update(50)
+    assert "export:  50%" in forced.getvalue()
+
+
+def test_verify_json_reports_every_step_good_corrupt_and_missing_file(tmp_path, capsys):
+    run = three_step_run(str(tmp_path / "run"), {}, leftover=True)
+    rc, out, _ = cli(capsys, "verify", run["url"], "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["ok"] is True and doc["url"] == run["url"]
+    assert [(s["step"], s["status"]) for s in doc["steps"]] == [
+        (1, "ok"),
+        (2, "ok"),
+        (3, "ok"),
+        (4, "skipped"),
+    ]
+    assert all(s["files"] > 1 and s["bytes"] > 0 for s in doc["steps"][:3])
+    st = run["storage"]
+    files = sorted(f for f in st.walk_files("step-00000002") if f.endswith(".distcp"))
+    flipped = bytearray(st.read_bytes("step-00000002", files[0]))
+    flipped[len(flipped) // 2] ^= 0x01
+    _put(st, ("step-00000002", files[0]), bytes(flipped))
+    st.rm("step-00000003", files[0])
+    _put(st, ("step-00000001", "manifest.json"), b"{not json")
+    rc, out, _ = cli(capsys, "verify", run["url"], "--json")
+    doc = json.loads(out)
+    assert rc == 1 and doc["ok"] is False
+    steps = {s["step"]: s for s in doc["steps"]}
+    assert [steps[n]["status"] for n in (1, 2, 3, 4)] == ["failed", "failed", "failed", "skipped"]
+    assert "manifest is unreadable" in steps[1]["problems"][0]
+    assert len(steps[2]["problems"]) == 1 and "(content changed)" in steps[2]["problems"][0]
+    assert steps[2]["problems"][0].startswith(f"{files[0]}: crc32 ")
+    assert steps[3]["problems"] == [f"{files[0]}: missing (manifest: {_size(run, files[0])} bytes)"]
+    rc, out, _ = cli(capsys, "verify", run["url"], "--step", "3", "--json")
+    assert rc == 1 and [s["step"] for s in json.loads(out)["steps"]] == [3]
+
+
+def _size(run: dict[str, Any], name: str) -> int:
+    from muon_ckpt.store import Catalog
+
+    return Catalog(run["storage"]).manifest(3).files[name].size
+
+
+class _Loader:
+    """Data-loader state: a position, a flag, a small and a large tensor."""
+
+    def state_dict(self) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(0)
+        return {
+            "position": 12345,
+            "shuffle": True,
+            "seed": torch.tensor([7, 8]),
+            "order": torch.randperm(1000, generator=g).float(),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def test_inspect_shows_extra_values_small_in_full_large_summarised(tmp_path, capsys):
+    url = str(tmp_path / "run")
+    torch.manual_seed(0)
+    with CheckpointManager(url, model=torch.nn.Linear(2, 2), extra={"data": _Loader()}) as mgr:
+        mgr.save(5)
+    rc, out, _ = cli(capsys, "inspect", url, "--keys", "extra.*")
+    assert rc == 0
+    rows = {ln.split()[0]: ln for ln in out.splitlines()[2:-1]}
+    assert rows["extra.data.position"].endswith("  12345")
+    assert rows["extra.data.shuffle"].endswith("  true")
+    assert rows["extra.data.seed"].endswith("  [7, 8]")
+    assert rows["extra.data.order"].endswith("  min 0, max 999, mean 499.5")
+    rc, out, _ = cli(capsys, "inspect", url, "--json")
+    keys = {k["key"]: k for k in json.loads(out)["keys"]}
+    assert keys["extra.data.position"]["value"] == 12345
+    assert keys["extra.data.seed"] == {
+        "key": "extra.data.seed",
+        "shape": [2],
+        "dtype": "int64",
+        "bytes": 16,
+        "value": [7, 8],
+    }
+    assert keys["extra.data.order"]["summary"] == {"min": 0.0, "max": 999.0, "mean": 499.5}
+    assert "value" not in keys["model.weight"]  # model tensors: shapes only
+
+
+def test_export_refuses_nothing_to_export_and_ambiguous_outputs(tmp_path, capsys):
+    run = three_step_run(str(tmp_path / "run"), {})
+    out_file = str(tmp_path / "e.safetensors")
+    rc, _, err = cli(capsys, "export", run["url"], out_file, "--include", "extra")
+    assert rc == 1 and "include=('extra',) selects no tensor" in err
+    assert "extra: 0 tensors" in err and not (tmp_path / "e.safetensors").exists()
+    rc, _, err = cli(capsys, "export", run["url"])
+    assert rc == 1 and "export needs one output" in err and "got neither" in err
+    rc, _, err = cli(capsys, "export", run["url"], out_file, "--hf", str(tmp_path / "hf"))
+    assert rc == 1 and "got both" in err
+    rc, _, err = cli(capsys, "export", run["url"], out_file, "--max-shard-size", "1GB")
+    assert rc == 1 and "--max-shard-size apply to --hf exports only" in err
+    rc, out, _ = cli(capsys, "export", run["url"], out_file, "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["step"] == 3 and doc["tensors"] == 6  # the model only, by default
+    rc, out, _ = cli(capsys, "prune", run["url"], "--keep", "2", "--json")
+    assert rc == 0 and json.loads(out) == {
+        "url": run["url"],
+        "dry_run": False,
+        "deleted": [1],
+        "kept": [2, 3],
+        "leftovers": [],
+        "corrupt": [],
+    }

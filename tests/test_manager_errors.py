@@ -3,6 +3,8 @@ and the checkpoints committed before are still loadable afterwards."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -118,11 +120,34 @@ def test_truncated_shard_is_corrupt_and_names_the_file(committed):
     name, data = _a_shard(st, "step-00000002")
     st.write_bytes(data[: len(data) // 2], "step-00000002", name)
     model, opt = tiny_run(seed=3)
+    before = tiny_snapshot(model, opt)
     mgr = CheckpointManager(url, model=model, optimizer=opt, storage_options=opts)
     with pytest.raises(CheckpointCorruptError, match=rf"{name}.*truncated"):
-        mgr.load()  # the newest is corrupt: an error, never a silent fall-back
+        mgr.load(step=2)  # an explicit step never falls back
+    assert_same(tiny_snapshot(model, opt), before)  # all or nothing
     assert mgr.steps() == [1, 2]  # a failing load deletes nothing
+    _falls_back_to_step_1(mgr, model, opt, snaps, rf"step 2 .*{name}.*truncated")
     _still_loads(url, opts, {1: snaps[1], 2: snaps[2]}, step=1)
+
+
+def _falls_back_to_step_1(mgr, model, opt, snaps, why: str) -> None:
+    """load() without a step skips the damaged step 2 with a WARNING naming it and why."""
+    import logging
+
+    class Grab(logging.Handler):
+        records: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record.getMessage())
+
+    h = Grab(logging.WARNING)
+    logging.getLogger("muon_ckpt").addHandler(h)
+    try:
+        assert mgr.load() == 1
+    finally:
+        logging.getLogger("muon_ckpt").removeHandler(h)
+    assert any(re.search(f"skipping {why}", m, re.S) for m in h.records), h.records
+    assert_same(tiny_snapshot(model, opt), snaps[1])
 
 
 @pytest.mark.parametrize("where", ["head", "middle"])
@@ -137,9 +162,12 @@ def test_flipped_bytes_fail_the_crc32_and_name_the_file(committed, where):
     bad[at] = bytes(b ^ 0xFF for b in bad[at])
     st.write_bytes(bytes(bad), "step-00000002", name)
     model, opt = tiny_run(seed=3)
+    before = tiny_snapshot(model, opt)
     mgr = CheckpointManager(url, model=model, optimizer=opt, storage_options=opts)
     with pytest.raises(CheckpointCorruptError, match=rf"{name}.*crc32"):
-        mgr.load()
+        mgr.load(step=2)
+    assert_same(tiny_snapshot(model, opt), before)  # all or nothing
+    _falls_back_to_step_1(mgr, model, opt, snaps, rf"step 2 .*{name}.*crc32")
     _still_loads(url, opts, snaps, step=1)
 
 

@@ -220,11 +220,11 @@ def test_save_and_load_report_their_phase_timings(storage_url, caplog):
     assert set(top) | {"write_data", "stage_wait", "write", "writeback", "crc_wait", "sync"} <= set(
         save
     )
-    assert {"decide", "prepare", "dcp_load", "apply"} <= set(load)
+    assert {"decide", "prepare", "backup", "dcp_load", "apply"} <= set(load)
     assert all(v >= 0 for v in (*save.values(), *load.values()))
     # The top-level phases tile the call: they add up to its total.
     assert sum(save[k] for k in top) == pytest.approx(save["total"], rel=1e-6)
-    load_top = ("decide", "prepare", "dcp_load", "apply")
+    load_top = ("decide", "prepare", "backup", "dcp_load", "apply")
     assert sum(load[k] for k in load_top) == pytest.approx(load["total"], rel=1e-6)
     assert save["write_data"] <= save["dcp_save"] and save["write"] > 0
     logged = [r.getMessage() for r in caplog.records if r.name == "muon_ckpt"]
@@ -262,8 +262,8 @@ def test_verify_size_loads_exactly_and_still_catches_a_truncated_file(storage_ur
     data = st.read_bytes("step-00000002", name)
     st.write_bytes(data[:-1], "step-00000002", name)
     with pytest.raises(CheckpointCorruptError, match=rf"{name}.*manifest says"):
-        _load(url, opts, verify="size")
-    got, snap = _load(url, opts, step=1, verify="size")
+        _load(url, opts, step=2, verify="size")
+    got, snap = _load(url, opts, verify="size")  # without a step: falls back past step 2
     assert got == 1
     assert_same(snap, snaps[1])
 

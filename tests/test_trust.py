@@ -20,6 +20,7 @@ import torch
 
 from muon_ckpt import (
     CheckpointCorruptError,
+    CheckpointExistsError,
     CheckpointManager,
     export_safetensors,
     import_optimizer_state,
@@ -278,18 +279,28 @@ def test_non_canonical_step_names_are_ignored_and_reported(local_run, capsys):
     rc, out, _ = cli(capsys, run, "ls")
     assert rc == 0
     assert "ignored: step-000000000" in out and "ignored: step-000000009" in out
-    with pytest.raises(ValueError, match="step must be an integer in"):
+    with pytest.raises(ValueError, match=r"step must be <= 99999999 \(8 digits\)"):
         mgr.save(10**8)
 
 
-def test_junk_nine_digit_step_zero_does_not_hide_step_zero(tmp_path):
-    url, opts = str(tmp_path / "run"), {}
+def test_junk_nine_digit_step_zero_does_not_hide_step_zero(tmp_path, capsys):
+    url = str(tmp_path / "run")
     model, opt = _fresh()
-    mgr = CheckpointManager(url, model=model, optimizer=opt, storage_options=opts)
+    mgr = CheckpointManager(url, model=model, optimizer=opt)
     mgr.save(0)
-    Storage(url, opts).write_bytes(b"{not json", "step-000000000", MANIFEST)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    Storage(url).write_bytes(b"junk", "step-000000000", "__0_0.distcp")  # no manifest
     assert mgr.steps() == [0]
-    assert mgr.load() == 0
+    # Step 0 is still committed: saving it again needs overwrite, and nothing is touched.
+    train(model, opt, 1)
+    with pytest.raises(CheckpointExistsError):
+        mgr.save(0)
+    got, opt2 = _fresh()
+    assert CheckpointManager(url, model=got, optimizer=opt2).load() == 0
+    assert all(torch.equal(v, want[k]) for k, v in got.state_dict().items())
+    assert main(["ls", url]) == 0
+    out = capsys.readouterr().out
+    assert "ignored: step-000000000" in out and "1 committed" in out
 
 
 # ------------------------------------------------------------------ symlinked steps

@@ -12,18 +12,27 @@ the metadata as JSON (safetensors holds tensors only).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from muon_ckpt._progress import Progress
+from muon_ckpt._progress import progress_bar
 from muon_ckpt.interop._safetensors import write_safetensors
 from muon_ckpt.io import CheckpointReader
 from muon_ckpt.store import KEY_FORMAT_VERSION, Storage, bytes_keys, resolve, tensor_entries
 
-__all__ = ["ExportSummary", "export_safetensors", "parse_dtype"]
+__all__ = [
+    "ExportSummary",
+    "Item",
+    "export_items",
+    "export_safetensors",
+    "nothing_to_export",
+    "parse_dtype",
+    "read_items",
+]
 
 SECTIONS = ("model", "optim", "extra")
 _BATCH = 256 * 1024 * 1024
@@ -73,20 +82,70 @@ class ExportSummary:
     skipped: list[str] = field(default_factory=list)  # non-tensor keys (not in the file)
 
 
-def _batches(
-    layout: list[tuple[str, torch.dtype, tuple[int, ...]]], src_dtype: dict[str, torch.dtype]
-) -> Iterable[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
-    batch: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+@dataclass(frozen=True)
+class Item:
+    """One tensor to export: its stored key, dtype as stored and as written, and shape."""
+
+    key: str
+    src_dtype: torch.dtype
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def src_nbytes(self) -> int:
+        return math.prod(self.shape) * self.src_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def export_items(md: Any, keys: Iterable[str], cast: torch.dtype | None) -> list[Item]:
+    """An Item per key of ``md`` in ``keys`` (in that order); floating tensors of one or more
+    dimensions are cast to ``cast`` (scalars such as AdamW's ``step`` keep their dtype)."""
+    entries = tensor_entries(md)
+    out = []
+    for key in keys:
+        tm = entries[key]
+        d = tm.properties.dtype
+        to = cast if cast is not None and d.is_floating_point and len(tm.size) >= 1 else d
+        out.append(Item(key, d, to, tuple(tm.size)))
+    return out
+
+
+def read_items(reader: CheckpointReader, items: list[Item], bar: Any) -> Iterator[torch.Tensor]:
+    """The full tensors of ``items``, in order, cast: read a batch of at most ``_BATCH`` bytes
+    at a time (one larger tensor alone), so memory holds one batch whatever the model size."""
+    batch: list[Item] = []
     size = 0
-    for item in layout:
-        n = torch.Size(item[2]).numel() * src_dtype[item[0]].itemsize
-        if batch and size + n > _BATCH:
-            yield batch
+    for item in [*items, None]:
+        if batch and (item is None or size + item.src_nbytes > _BATCH):
+            sd = {i.key: torch.empty(i.shape, dtype=i.src_dtype) for i in batch}
+            reader.load(sd)
+            for i in batch:
+                t = sd.pop(i.key).to(i.dtype)
+                bar.update(i.nbytes)
+                yield t
             batch, size = [], 0
-        batch.append(item)
-        size += n
-    if batch:
-        yield batch
+        if item is not None:
+            batch.append(item)
+            size += item.src_nbytes
+
+
+def nothing_to_export(md: Any, inc: tuple[str, ...], where: str) -> ValueError:
+    """The error for an ``include`` that selects no tensor, with what the checkpoint has."""
+    counts = {s: 0 for s in SECTIONS}
+    for key in tensor_entries(md):
+        counts[section_of(key)] += 1
+    objects = {s: 0 for s in SECTIONS}
+    for key in bytes_keys(md):
+        objects[section_of(key)] += 1
+    have = ", ".join(f"{s}: {counts[s]} tensors, {objects[s]} other values" for s in SECTIONS)
+    return ValueError(
+        f"include={inc!r} selects no tensor of {where} ({have}); nothing to export. Include "
+        "a section that has tensors; non-tensor values cannot go into safetensors "
+        "(muon-ckpt inspect shows them)"
+    )
 
 
 def export_safetensors(
@@ -94,7 +153,7 @@ def export_safetensors(
     out: str,
     *,
     step: int | None = None,
-    include: Iterable[str] = ("model", "optim"),
+    include: Iterable[str] = ("model",),
     dtype: str | torch.dtype | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: bool | None = False,
@@ -106,7 +165,8 @@ def export_safetensors(
         url: a muon-ckpt run root (newest committed step, or ``step``), a step directory, or a
             plain DCP directory; local or any fsspec URL.
         out: the output file (local path or fsspec URL; remote ``out`` uses ``storage_options``).
-        include: sections to export: ``model``, ``optim``, ``extra``.
+        include: sections to export: ``model`` (default), ``optim``, ``extra``; one that
+            selects no tensor is a ValueError.
         dtype: cast floating tensors of one or more dimensions to this dtype (scalars such as
             AdamW's ``step`` keep theirs); default: as stored.
         progress: draw a progress bar on stderr (``None``: only on a TTY).
@@ -120,15 +180,9 @@ def export_safetensors(
     cast = parse_dtype(dtype)
     reader = CheckpointReader(resolve(Storage(url, storage_options), step), verify=verify)
     r, md = reader.resolved, reader.metadata
-    src_dtype, layout = {}, []
-    for key, tm in sorted(tensor_entries(md).items()):
-        if section_of(key) not in inc:
-            continue
-        d = tm.properties.dtype
-        src_dtype[key] = d
-        if cast is not None and d.is_floating_point and len(tm.size) >= 1:
-            d = cast
-        layout.append((key, d, tuple(tm.size)))
+    items = export_items(md, sorted(k for k in tensor_entries(md) if section_of(k) in inc), cast)
+    if not items:
+        raise nothing_to_export(md, inc, r.url)
     nontensor = [k for k in bytes_keys(md) if section_of(k) in inc]
     groups = [k for k in nontensor if k.startswith(("optim.param_groups.", "param_groups."))]
     meta = {
@@ -145,22 +199,17 @@ def export_safetensors(
         hp: dict[str, Any] = {k: None for k in groups}
         reader.load(hp)
         meta["optim.param_groups"] = json.dumps(hp, sort_keys=True, default=repr)
-    total = sum(torch.Size(s).numel() * d.itemsize for _, d, s in layout)
+    total = sum(i.nbytes for i in items)
+    layout = [(i.key, i.dtype, i.shape) for i in items]
 
-    def tensors(bar: Progress) -> Iterator[tuple[str, torch.Tensor]]:
-        for batch in _batches(layout, src_dtype):
-            sd = {k: torch.empty(s, dtype=src_dtype[k]) for k, _, s in batch}
-            reader.load(sd)
-            for k, d, _ in batch:
-                t = sd.pop(k).to(d)
-                bar.update(t.numel() * t.element_size())
-                yield k, t
+    def tensors(bar: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from zip((i.key for i in items), read_items(reader, items, bar), strict=True)
 
     opts = storage_options if "://" in out and not out.startswith("file://") else {}
     with (
-        Progress(total, f"export step {r.step}", enabled=progress) as bar,
+        progress_bar(total, f"export step {r.step}", enabled=progress) as bar,
         Storage(out, opts).open_atomic() as f,
     ):
         written = write_safetensors(f, layout, tensors(bar), meta)
     skipped = [k for k in nontensor if k not in groups]
-    return ExportSummary(out, r.step, len(layout), written, skipped)
+    return ExportSummary(out, r.step, len(items), written, skipped)

@@ -111,19 +111,25 @@ class SafetensorsFile:
                 )
             self.tensors[name] = TensorInfo(dtype, shape, base + b, base + e)
 
-    def read(self, name: str) -> torch.Tensor:
-        """The full tensor ``name`` (a new CPU tensor)."""
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor ``name`` (a new CPU tensor); ``rows=(start, stop)``: only those rows of
+        dimension 0, reading only their bytes (an FSDP shard of a large weight)."""
         _check_little_endian()
         info = self.tensors[name]
-        if info.end == info.begin:
-            return torch.empty(info.shape, dtype=info.dtype)
-        data = self.file.read_range(info.begin, info.end)
-        if len(data) != info.end - info.begin:
+        shape, begin, end = info.shape, info.begin, info.end
+        if rows is not None:
+            row = (end - begin) // shape[0] if shape and shape[0] else 0
+            begin, end = begin + rows[0] * row, begin + rows[1] * row
+            shape = (rows[1] - rows[0], *shape[1:])
+        if end == begin:
+            return torch.empty(shape, dtype=info.dtype)
+        data = self.file.read_range(begin, end)
+        if len(data) != end - begin:
             raise CheckpointCorruptError(
-                f"{self.path!r}: short read for {name!r} ({len(data)} of "
-                f"{info.end - info.begin} bytes); the file is truncated"
+                f"{self.path!r}: short read for {name!r} ({len(data)} of {end - begin} "
+                "bytes); the file is truncated"
             )
-        return torch.frombuffer(bytearray(data), dtype=info.dtype).reshape(info.shape)
+        return torch.frombuffer(bytearray(data), dtype=info.dtype).reshape(shape)
 
 
 def write_safetensors(

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from muon_ckpt.interop._hflayout import OPTIMIZER_STEM, index_name, read_set, single_name
 from muon_ckpt.interop._safetensors import SafetensorsFile
 from muon_ckpt.io import CheckpointReader
 from muon_ckpt.store import Storage, resolve, tensor_entries
@@ -91,20 +92,30 @@ class _TensorsSource(Source):
 
 
 class _SafetensorsSource(Source):
-    def __init__(self, f: SafetensorsFile, url: str) -> None:
-        self._f = f
-        self.description = f"safetensors file {url}"
-        step = f.metadata.get("step")
+    """One safetensors file, or the files of a set (``export_hf``'s ``optimizer*``)."""
+
+    def __init__(self, files: list[SafetensorsFile], description: str, step: str | None) -> None:
+        self.description = description
         self.step = int(step) if step and step.isdigit() else None
         self.entries = []
-        for key, info in f.tensors.items():
-            parts = split_state_key(key)
-            if parts:
-                self.entries.append(SrcEntry(key, *parts, info.shape, info.dtype))
+        self._file: dict[str, SafetensorsFile] = {}
+        for f in files:
+            for key, info in f.tensors.items():
+                parts = split_state_key(key)
+                if parts:
+                    self.entries.append(SrcEntry(key, *parts, info.shape, info.dtype))
+                    self._file[key] = f
 
     def read(self, wanted: list[tuple[SrcEntry, torch.Tensor]]) -> None:
         for e, buf in wanted:
-            fill_from_full(buf, self._f.read(e.key))
+            fill_from_full(buf, self._file[e.key].read(e.key))
+
+
+def _hf_optimizer_set(storage: Storage, where: str) -> Source:
+    files, meta = read_set(storage, OPTIMIZER_STEM)
+    opened = [SafetensorsFile(storage.child(f)) for f in files]
+    step = meta.get("step") if meta else opened[0].metadata.get("step")
+    return _SafetensorsSource(opened, f"optimizer safetensors set {where}", step)
 
 
 class _DCPSource(Source):
@@ -233,7 +244,8 @@ def open_source(
         with storage.open() as f:
             head = f.read(9)
         if len(head) == 9 and head[8:9] == b"{":
-            return _SafetensorsSource(SafetensorsFile(storage), source)
+            f = SafetensorsFile(storage)
+            return _SafetensorsSource([f], f"safetensors file {source}", f.metadata.get("step"))
         if head[:2] == b"PK" or head[:1] == b"\x80":
             with storage.open() as f:
                 try:
@@ -258,4 +270,6 @@ def open_source(
         )
     if not storage.exists():
         raise CheckpointNotFoundError(f"{source!r} does not exist")
+    if any(storage.exists(n) for n in (index_name(OPTIMIZER_STEM), single_name(OPTIMIZER_STEM))):
+        return _hf_optimizer_set(storage, source)
     return _DCPSource(storage, step, verify)

@@ -77,6 +77,8 @@ def write_and_commit(w: WriteSpec) -> None:
         )
     except DCP_ERRORS as e:
         raise dcp_failure(e, f"saving step {step} to {storage.url!r}") from e
+    except RuntimeError as e:  # DCP's own collectives: a rank died or stopped answering
+        raise coll.comm_failure(e, f"saving step {step}") from e
     finally:
         w.staging.finish()
     t1 = time.perf_counter()
@@ -97,11 +99,12 @@ def write_and_commit(w: WriteSpec) -> None:
         extra = {"io_threads": w.io_threads, "keys": len(w.sd)}
         m = w.catalog.commit(step, coll.world_size(), files, extra, overwrite=w.overwrite)
         _log.info(
-            "committed step %d to %s: %d files, %d bytes",
+            "committed step %d to %s: %d files, %d bytes, written in %.2f s",
             step,
             storage.url_of(step_dirname(step)),
             len(m.files),
             m.total_bytes,
+            t1 - t0,
         )
 
     def retain() -> None:

@@ -232,16 +232,24 @@ class Catalog:
                 st.rm(s.dirname)
 
     def _finish_or_drop(self, name: str) -> None:
+        """An ``overwrite-`` directory left by a crash: finish the move when it is committed
+        and its step is not (an object store's swap was cut short); else remove it (an
+        overwrite that never committed, or the old version an exchange left behind)."""
         step = parse_step_dirname(name[len(_OVERWRITE) :])
-        try:
-            ok = step is not None and read_manifest(self.storage, name, step) is not None
-        except (FileNotFoundError, CheckpointCorruptError):
-            ok = False
-        if ok and step is not None:
+        finish = False
+        if step is not None:
+            try:
+                read_manifest(self.storage, name, step)
+                read_manifest(self.storage, step_dirname(step), step)
+            except FileNotFoundError:  # the staged one is committed, the step's is gone
+                finish = self.storage.exists(name, MANIFEST)
+            except CheckpointCorruptError:
+                finish = False
+        if finish and step is not None:
             _log.warning("finishing the interrupted overwrite of step %d", step)
             self._swap_in(name, step)
         else:
-            self.storage.rm(name)
+            self._remove(name)
 
     def commit(
         self,
@@ -301,7 +309,7 @@ class Catalog:
                 st.rename(staged, final)
                 return
             st.exchange(staged, final)
-            st.rm(staged)  # now the old version (or the symlink that was the step)
+            self._remove(staged)  # now the old version (or the symlink that was the step)
             return
         self.delete(step)
         files = st.walk_files(staged)
@@ -314,7 +322,9 @@ class Catalog:
     def delete(self, step: int) -> None:
         """Uncommit (manifest first), then remove the files. A step directory that is a
         symlink (to another run's step) is unlinked: its target is never touched."""
-        name = step_dirname(step)
+        self._remove(step_dirname(step))
+
+    def _remove(self, name: str) -> None:
         if self.storage.is_link(name):
             self.storage.rm(name)
             return

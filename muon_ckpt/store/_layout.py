@@ -15,6 +15,7 @@ Keys (DCP state-dict keys, by parameter FQN, never by position)::
     optim.state.<fqn>.<state key>      e.g. optim.state.layers.0.w.momentum_buffer
     optim.param_groups.<fqn>.<hparam>  e.g. optim.param_groups.layers.0.w.lr
     extra.<name>.<key path>            state_dict() of each ``extra`` object, flattened
+    rank_extra.<rank>.<name>.<key path>  state_dict() of each ``rank_extra`` object, per rank
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ def optim_state_key(fqn: str, key: str) -> str:
 
 def optim_group_key(fqn: str, hparam: str) -> str:
     return f"optim.param_groups.{fqn}.{hparam}"
+
+
+def extra_key(name: str) -> str:
+    return f"extra.{name}"
+
+
+def rank_extra_key(rank: int, name: str) -> str:
+    return f"rank_extra.{rank}.{name}"
 
 
 @dataclass

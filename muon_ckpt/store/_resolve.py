@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from torch.distributed.checkpoint.metadata import Metadata
 
 from muon_ckpt._errors import CheckpointNotFoundError
-from muon_ckpt._progress import Progress
+from muon_ckpt._progress import progress_bar
 from muon_ckpt.store._catalog import (
     CORRUPT,
     UNCOMMITTED,
@@ -125,7 +125,7 @@ def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
     present = {n: int(i.get("size") or 0) for n, i in infos.items()}
     res.unexpected = sorted(set(present) - set(r.manifest.files) - {MANIFEST})
     total = sum(e.size for e in r.manifest.files.values())
-    with Progress(total, f"verify step {r.step}", enabled=progress) as bar:
+    with progress_bar(total, f"verify step {r.step}", enabled=progress) as bar:
         for name, entry in sorted(r.manifest.files.items()):
             res.checked += 1
             if name not in present:

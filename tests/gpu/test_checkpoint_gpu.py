@@ -108,3 +108,60 @@ def test_save_load_round_trip_with_offload_on_gpu(tmp_path):
     bad, leftover = run_on_ranks(body_round_trip, 1, str(tmp_path / "run"))[0]
     assert bad == []
     assert leftover <= 4 * 2**20, f"load left {leftover} bytes allocated on the GPU"
+
+
+def _values(model, opt):
+    """Every parameter and optimizer state as full CPU tensors (offload stays on)."""
+    out = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
+    views = opt.cpu_state_views()
+    for n, p in model.named_parameters():
+        for k, t in opt.state[p].items():
+            v = views.get(id(t), t)
+            out[f"{n}:{k}"] = (v.full_tensor() if isinstance(v, DTensor) else v).cpu().clone()
+    return out
+
+
+def body_failed_load(rank, world_size, url):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from muon_ckpt import CheckpointCorruptError, CheckpointManager
+    from muon_ckpt.store import Storage
+
+    mesh = init_device_mesh("cuda", (world_size,))
+    model, opt = _build(mesh, 0)
+    mgr = CheckpointManager(url, model=model, optimizer=opt)
+    for step in range(1, 4):
+        _grads(model, mesh, step)
+        opt.step()
+    mgr.save(3, force=True)
+    st = Storage(url)
+    name = max(
+        (n for n in st.listdir("step-00000003") if n.endswith(".distcp")),
+        key=lambda n: st.size("step-00000003", n),
+    )
+    data = bytearray(st.read_bytes("step-00000003", name))
+    data[len(data) // 2] ^= 0xFF
+    st.write_bytes(bytes(data), "step-00000003", name)
+    _grads(model, mesh, 4)
+    opt.step()
+    before = _values(model, opt)
+    torch.cuda.synchronize()
+    mem = torch.cuda.memory_allocated()
+    try:
+        mgr.load(step=3)
+        return ["the load did not fail"], 0
+    except CheckpointCorruptError:
+        pass
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - mem
+    after = _values(model, opt)
+    bad = [k for k in before if not torch.equal(before[k], after[k])]
+    if _state_bytes_on_gpu(opt) != 0:
+        bad.append("states not offloaded")
+    return bad, grown
+
+
+def test_failed_load_with_offload_on_changes_nothing_on_gpu(tmp_path):
+    bad, grown = run_on_ranks(body_failed_load, 1, str(tmp_path / "run"))[0]
+    assert bad == []
+    assert grown <= 4 * 2**20, f"a failed load left {grown} bytes allocated on the GPU"

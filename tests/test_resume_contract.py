@@ -1,0 +1,515 @@
+"""The resume contract: all-or-nothing loads, rewinds, fallback to the newest loadable step,
+per-rank state, wrapper-free keys, relaxed and partial loads, bounded collectives, logs.
+
+Every failing call is followed by a check that the committed checkpoints still load bitwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from muon_ckpt import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointManager,
+    CheckpointMismatchError,
+)
+from muon_ckpt.store import Storage
+from tests._ckpt import make_muon, write_step
+from tests._dist import run_on_ranks, run_script
+from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
+
+
+class Counter:
+    """A Stateful ``extra``: a data position (a plain value and a tensor)."""
+
+    def __init__(self, pos: int = 0) -> None:
+        self.pos = pos
+        self.seen = torch.zeros(3)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "seen": self.seen}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+        self.seen.copy_(sd["seen"])
+
+
+class Records(logging.Handler):
+    def __init__(self, level: int = logging.INFO) -> None:
+        super().__init__(level)
+        self.messages: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append((record.levelno, record.getMessage()))
+
+    def __enter__(self) -> Records:
+        lg = logging.getLogger("muon_ckpt")
+        self._old = lg.level
+        lg.setLevel(logging.INFO)
+        lg.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        lg = logging.getLogger("muon_ckpt")
+        lg.removeHandler(self)
+        lg.setLevel(self._old)
+
+    def at(self, level: int) -> list[str]:
+        return [m for lv, m in self.messages if lv == level]
+
+
+def _flip_byte(st: Storage, step_dir: str, name: str) -> None:
+    data = bytearray(st.read_bytes(step_dir, name))
+    data[len(data) // 2] ^= 0xFF
+    st.write_bytes(bytes(data), step_dir, name)
+
+
+def _largest_shard(st: Storage, step_dir: str) -> str:
+    return max(
+        (n for n in st.listdir(step_dir) if n.endswith(".distcp")),
+        key=lambda n: st.size(step_dir, n),
+    )
+
+
+# ---------------------------------------------------------------------- all or nothing
+def test_failed_load_leaves_model_optimizer_and_extra_as_they_were(tmp_path):
+    url = str(tmp_path / "run")
+    model, opt = tiny_run()
+    pos = Counter()
+    mgr = CheckpointManager(url, model=model, optimizer=opt, extra={"data": pos})
+    tiny_train(model, opt, 2)
+    pos.pos, pos.seen[:] = 7, 1.0
+    mgr.save(2)
+    st = Storage(url)
+    _flip_byte(st, "step-00000002", _largest_shard(st, "step-00000002"))
+
+    # Mid-run: state exists; a failed load restores values, step counters and extra.
+    tiny_train(model, opt, 1, seed=5)
+    pos.pos, pos.seen[:] = 9, 2.0
+    opt.param_groups[0]["lr"] = 0.5
+    before = tiny_snapshot(model, opt)
+    with pytest.raises(CheckpointCorruptError, match="crc32"):
+        mgr.load(step=2)
+    assert_same(tiny_snapshot(model, opt), before)
+    assert opt.param_groups[0]["lr"] == 0.5
+    assert pos.pos == 9 and torch.equal(pos.seen, torch.full((3,), 2.0))
+
+    # Fresh: the state created for the load is removed again.
+    model2, opt2 = tiny_run(seed=1)
+    pos2 = Counter()
+    before2 = tiny_snapshot(model2, opt2)
+    mgr2 = CheckpointManager(url, model=model2, optimizer=opt2, extra={"data": pos2})
+    with pytest.raises(CheckpointCorruptError):
+        mgr2.load(step=2)
+    assert not opt2.state
+    assert_same(tiny_snapshot(model2, opt2), before2)
+    assert pos2.pos == 0 and not pos2.seen.any()
+
+
+def test_failed_load_into_plain_adamw_leaves_no_state(tmp_path):
+    url = str(tmp_path / "run")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    CheckpointManager(url, model=model, optimizer=opt).save(1)
+
+    other = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3))  # another shape
+    opt2 = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    with pytest.raises(CheckpointMismatchError, match=r"shape"):
+        CheckpointManager(url, model=other, optimizer=opt2).load()
+    assert not opt2.state  # no state with step == 1 left behind
+
+
+class Picky(Counter):
+    """rank_extra whose load_state_dict() fails on one rank (after DCP read everything)."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.fail:
+            raise ValueError("this rank cannot take the state")
+        super().load_state_dict(sd)
+
+
+def _body_one_rank_fails(rank, world_size, url):
+    model, opt = tiny_run()
+    picky = Picky(fail=False)
+    mgr = CheckpointManager(url, model=model, optimizer=opt, rank_extra={"p": picky})
+    tiny_train(model, opt, 1)
+    mgr.save(1)
+    at1 = tiny_snapshot(model, opt)
+    tiny_train(model, opt, 1, seed=2)
+    mgr.save(2)
+    if rank == 0:  # damage a file only rank 1 wrote; DCP fails the read on every rank
+        _flip_byte(Storage(url), "step-00000002", "__1_0.distcp")
+    mgr.load(step=1)  # also a collective barrier: the damage is done before anyone reads
+    out = {}
+    for case in ("corrupt", "apply"):
+        tiny_train(model, opt, 1, seed=9)
+        before = tiny_snapshot(model, opt)
+        picky.fail = case == "apply" and rank == 1
+        try:
+            mgr.load(step=2 if case == "corrupt" else 1)
+            err = None
+        except (CheckpointError, ValueError) as e:
+            err = f"{type(e).__name__}: {e}"
+        same = all(torch.equal(before[k], v) for k, v in tiny_snapshot(model, opt).items())
+        out[case] = (err, same)
+    picky.fail = False
+    fell_back = mgr.load()
+    back = all(torch.equal(at1[k], v) for k, v in tiny_snapshot(model, opt).items())
+    return out, fell_back, back
+
+
+def test_a_failure_on_one_rank_rolls_back_every_rank(tmp_path):
+    url = str(tmp_path / "run")
+    (out0, fb0, back0), (out1, fb1, back1) = run_on_ranks(_body_one_rank_fails, 2, url)
+    for err, same in (out0["corrupt"], out1["corrupt"]):
+        assert err and "CheckpointCorruptError" in err and "__1_0.distcp" in err and same
+    err0, same0 = out0["apply"]  # rank 0 read and applied cleanly, and still rolled back
+    err1, same1 = out1["apply"]
+    assert err0 and "failed on rank(s) [1]" in err0 and "cannot take the state" in err0
+    assert err1 and err1.startswith("ValueError: this rank cannot take the state")
+    assert same0 and same1
+    assert fb0 == fb1 == 1 and back0 and back1
+
+
+# ---------------------------------------------------------------------- fallback
+def test_load_without_step_falls_back_past_every_damaged_step(tmp_path):
+    url = str(tmp_path / "run")
+    model, opt = tiny_run()
+    mgr = CheckpointManager(url, model=model, optimizer=opt)
+    snaps = {}
+    for s in (1, 2, 3):
+        tiny_train(model, opt, 1, seed=s)
+        mgr.save(s)
+        snaps[s] = tiny_snapshot(model, opt)
+    st = Storage(url)
+    st.rm("step-00000003", ".metadata")  # found by the manifest check, before any read
+    _flip_byte(st, "step-00000002", _largest_shard(st, "step-00000002"))  # found by the read
+    model2, opt2 = tiny_run(seed=4)
+    with Records() as rec:
+        got = CheckpointManager(url, model=model2, optimizer=opt2).load()
+    assert got == 1
+    assert_same(tiny_snapshot(model2, opt2), snaps[1])
+    warned = "\n".join(rec.at(logging.WARNING))
+    assert "skipping step 3" in warned and ".metadata" in warned
+    assert "skipping step 2" in warned and "crc32" in warned
+    with pytest.raises(CheckpointCorruptError, match=r"\.metadata"):
+        CheckpointManager(url, model=model2, optimizer=opt2).load(step=3)  # never falls back
+    st.rm("step-00000001", ".metadata")
+    with pytest.raises(CheckpointCorruptError, match=r"no committed step loads cleanly.*step 3"):
+        CheckpointManager(url, model=model2, optimizer=opt2).load()
+    assert_same(tiny_snapshot(model2, opt2), snaps[1])
+
+
+# ---------------------------------------------------------------------- rewind
+def _run_to(url: str, mgr_kw: dict, start: int, stop: int, *, resume_step=None, crash_at=None):
+    """A training process: build, load (``resume_step`` or auto), train start..stop with a save
+    per step (the manager's interval decides); returns (model, opt, loaded step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    named = list(model.named_parameters())
+    opt = make_muon_seq(named)
+    mgr = CheckpointManager(url, model=model, optimizer=opt, **mgr_kw)
+    loaded = mgr.load(resume_step)
+    first = (loaded or start - 1) + 1
+    for step in range(first, stop + 1):
+        g = torch.Generator().manual_seed(step)
+        for _, p in named:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        if crash_at == step:
+            return model, opt, loaded  # killed before saving this step
+        mgr.save(step)
+    return model, opt, loaded
+
+
+def make_muon_seq(named):
+    from optim import Muon
+
+    mats = [(n, p) for n, p in named if p.ndim == 2]
+    vecs = [(n, p) for n, p in named if p.ndim < 2]
+    return Muon(
+        [
+            {"params": [p for _, p in mats], "names": [n for n, _ in mats], "lr": 0.02},
+            {
+                "params": [p for _, p in vecs],
+                "names": [n for n, _ in vecs],
+                "use_muon": False,
+                "lr": 1e-3,
+            },
+        ]
+    )
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_rewind_abandons_the_newer_line(tmp_path):
+    url, ref_url = str(tmp_path / "run"), str(tmp_path / "ref")
+    kw = {"interval": 5, "keep_last": 2}
+    _run_to(url, kw, 1, 20)
+    assert CheckpointManager(url).steps() == [15, 20]
+    # Rewind to 15 and train on; killed at 22 (after the new line saved 20).
+    with Records() as rec:
+        _, _, loaded = _run_to(url, kw, 1, 25, resume_step=15, crash_at=22)
+    assert loaded == 15
+    assert any("abandoned line" in m and "[20]" in m for m in rec.at(logging.WARNING))
+    assert CheckpointManager(url).steps() == [15, 20]  # 15 kept: retention counts this line
+    # Auto-resume: the new line's 20, and at 25 the same as an uninterrupted rewound run.
+    model, _, loaded = _run_to(url, kw, 1, 25)
+    assert loaded == 20
+    _run_to(ref_url, {"interval": 5}, 1, 15)
+    ref, _, _ = _run_to(ref_url, {"interval": 5}, 1, 25, resume_step=15)
+    assert_same(_params(model), _params(ref))
+    assert CheckpointManager(url).steps() == [20, 25]
+
+
+# ---------------------------------------------------------------------- per-rank state
+def _body_rank_extra(rank, world_size, url, phase):
+    model, opt = tiny_run()
+    mine = Counter(pos=100 + rank)
+    mine.seen[:] = rank
+    mgr = CheckpointManager(url, model=model, optimizer=opt, rank_extra={"data": mine})
+    if phase == "save":
+        # Per-rank values under extra (shared) are refused, before anything is written.
+        wrong = CheckpointManager(url, model=model, optimizer=opt, extra={"data": Counter(rank)})
+        with pytest.raises(CheckpointError) as ei:
+            wrong.save(1)
+        assert wrong.steps() == []
+        tiny_train(model, opt, 1)
+        mgr.save(1)
+        return str(ei.value)
+    mine.pos, mine.seen[:] = -1, -1.0
+    try:
+        mgr.load()
+    except CheckpointMismatchError as e:
+        msg = str(e)
+        assert mine.pos == -1  # nothing loaded
+        mgr.load(parts=("model", "optim", "extra"))
+        return msg, mine.pos, tiny_snapshot(model, opt)
+    return None, (mine.pos, mine.seen.tolist()), tiny_snapshot(model, opt)
+
+
+def test_extra_must_match_across_ranks_and_rank_extra_is_per_rank(tmp_path):
+    url = str(tmp_path / "run")
+    for msg in run_on_ranks(_body_rank_extra, 2, url, "save"):
+        assert "extra['data'] differs between ranks [0] vs [1]" in msg and "rank_extra" in msg
+    (e0, p0, s0), (e1, p1, s1) = run_on_ranks(_body_rank_extra, 2, url, "load")
+    assert e1 is None and all(torch.equal(s0[k], s1[k]) for k in s0)
+    assert e0 is None and p0 == (100, [0.0] * 3) and p1 == (101, [1.0] * 3)
+    (msg, pos, snap1) = _body_rank_extra(0, 1, url, "load")
+    assert "saved on 2 rank(s), this run has 1" in msg and "parts=" in msg
+    assert pos == -1  # skipped, as asked
+    assert_same(snap1, s0)
+
+
+# ---------------------------------------------------------------------- wrapper prefixes
+def test_compiled_and_plain_models_load_each_other(tmp_path):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    compiled = torch.compile(plain)  # state_dict() keys carry "_orig_mod."; nothing compiles
+    assert next(iter(compiled.state_dict())).startswith("_orig_mod.")
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    plain(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    CheckpointManager(str(tmp_path / "a"), model=compiled, optimizer=opt).save(1)
+    torch.manual_seed(1)
+    fresh = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert CheckpointManager(str(tmp_path / "a"), model=fresh, optimizer=opt2).load() == 1
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), fresh.parameters()))
+    assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+    # And back: plain save, compiled load.
+    CheckpointManager(str(tmp_path / "b"), model=fresh, optimizer=opt2).save(2)
+    torch.manual_seed(2)
+    again = torch.compile(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3)))
+    assert CheckpointManager(str(tmp_path / "b"), model=again).load() == 2
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), fresh.parameters()))
+    # A checkpoint written with the prefixed keys (muon-ckpt 0.2) still loads.
+    old = {f"model._orig_mod.{k}": v.clone() for k, v in plain.state_dict().items()}
+    write_step(str(tmp_path / "old"), 3, old)
+    torch.manual_seed(3)
+    third = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    assert CheckpointManager(str(tmp_path / "old"), model=third).load() == 3
+    assert all(torch.equal(a, b) for a, b in zip(third.parameters(), plain.parameters()))
+
+
+def _body_ddp(rank, world_size, url):
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    ddp = nn.parallel.DistributedDataParallel(inner)
+    opt = make_muon(inner)  # names from the inner model; keys from the DDP wrapper
+    ddp(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    CheckpointManager(url, model=ddp, optimizer=opt).save(1)
+    return sorted(Storage(url).listdir("step-00000001"))
+
+
+def test_ddp_checkpoint_loads_into_the_plain_model(tmp_path):
+    url = str(tmp_path / "run")
+    run_on_ranks(_body_ddp, 1, url)
+    from muon_ckpt.store import Catalog
+
+    keys = set(Catalog(Storage(url)).checked(1)[1].state_dict_metadata)
+    assert "model.0.weight" in keys and not any("module." in k for k in keys)
+    torch.manual_seed(5)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+    opt = make_muon(plain)
+    assert CheckpointManager(url, model=plain, optimizer=opt).load() == 1
+
+
+# ---------------------------------------------------------------------- relaxed and partial loads
+def test_param_moved_to_another_group_loads_with_strict_false(tmp_path):
+    url = str(tmp_path / "run")
+    model, opt = tiny_run()
+    tiny_train(model, opt, 2)
+    CheckpointManager(url, model=model, optimizer=opt).save(2)
+    # Now second.weight is an AdamW param: its Muon momentum has no AdamW meaning.
+    torch.manual_seed(7)
+    model2, _ = tiny_run(seed=7)
+    from optim.muon import Muon
+
+    mats = [model2.first.weight]
+    rest = [model2.first.bias, model2.second.weight, model2.second.bias]
+    opt2 = Muon([{"params": mats, "lr": 0.02}, {"params": rest, "use_muon": False, "lr": 1e-3}])
+    before = tiny_snapshot(model2, opt2)
+    with pytest.raises(CheckpointMismatchError, match=r"second\.weight.*strict=False"):
+        CheckpointManager(url, model=model2, optimizer=opt2).load()
+    assert_same(tiny_snapshot(model2, opt2), before)
+    mgr = CheckpointManager(url, model=model2, optimizer=opt2)
+    with Records() as rec:
+        assert mgr.load(strict=False) == 2
+    report = mgr.last_load_report
+    assert "optim.state.second.weight.moment1" in report.missing
+    assert "optim.state.second.weight.momentum_buffer" in report.unexpected
+    assert any("partially" in m for m in rec.at(logging.WARNING))
+    assert torch.equal(model2.second.weight, model.second.weight)  # the model loaded fully
+    assert torch.equal(
+        opt2.state[model2.first.weight]["momentum_buffer"],
+        opt.state[model.first.weight]["momentum_buffer"],
+    )
+    assert torch.equal(
+        opt2.state[model2.first.bias]["moment1"], opt.state[model.first.bias]["moment1"]
+    )
+    assert not opt2.state[model2.second.weight]["moment1"].any()  # starts fresh
+    assert opt2.param_groups[1]["use_muon"] is False  # the group keeps its own kind
+    tiny_train(model2, opt2, 1)  # and trains on
+
+
+def test_load_only_the_model(tmp_path):
+    url = str(tmp_path / "run")
+    model, opt = tiny_run()
+    pos = Counter(3)
+    tiny_train(model, opt, 1)
+    CheckpointManager(url, model=model, optimizer=opt, extra={"data": pos}).save(1)
+    model2, opt2 = tiny_run(seed=3)
+    pos2 = Counter(0)
+    mgr = CheckpointManager(url, model=model2, optimizer=opt2, extra={"data": pos2})
+    assert mgr.load(parts=["model"]) == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    assert not opt2.state and pos2.pos == 0
+    with pytest.raises(ValueError, match=r"parts must be a non-empty subset"):
+        mgr.load(parts=("model", "optimizer"))
+
+
+# ---------------------------------------------------------------------- bounded collectives
+def _body_bounded(rank, world_size, url):
+    model, opt = tiny_run()
+    out = []
+    # Different calls: every rank finds out at once.
+    mgr = CheckpointManager(url, model=model, optimizer=opt, collective_timeout=3)
+    t0 = time.monotonic()
+    try:
+        mgr.save(1 if rank == 0 else 2)
+        out.append((None, 0.0))
+    except CheckpointError as e:
+        out.append((str(e), time.monotonic() - t0))
+    # A rank that never calls: the others give up after collective_timeout, naming it.
+    mgr = CheckpointManager(url, model=model, optimizer=opt, collective_timeout=3)
+    t0 = time.monotonic()
+    if rank == 1:
+        time.sleep(5)
+        return out
+    try:
+        mgr.save(1)
+        out.append((None, 0.0))
+    except CheckpointError as e:
+        out.append((str(e), time.monotonic() - t0))
+    return out
+
+
+def test_collectives_give_up_in_bounded_time_naming_the_ranks(tmp_path):
+    url = str(tmp_path / "run")
+    out0, out1 = run_on_ranks(_body_bounded, 2, url, timeout=60)
+    for err, took in (out0[0], out1[0]):
+        assert err and "rank 0: save(step=1), rank 1: save(step=2)" in err and took < 3
+    err, took = out0[1]
+    assert err and "save(step=1) on rank 0: rank(s) [1] of 2 did not call it within 3 s" in err
+    assert 3 <= took < 5
+    assert CheckpointManager(url).steps() == []  # nothing half-written was committed
+
+
+# ---------------------------------------------------------------------- small contracts
+def test_steps_accept_any_integral(tmp_path):
+    model, opt = tiny_run()
+    mgr = CheckpointManager(str(tmp_path / "run"), model=model, optimizer=opt)
+    assert mgr.save(np.int64(3)) and mgr.save(torch.tensor(4))
+    assert mgr.load(np.int32(3)) == 3 and mgr.load(torch.tensor(4)) == 4
+    with pytest.raises(ValueError, match=r"step must be an integer >= 0, got 2\.5"):
+        mgr.save(2.5)
+
+
+def test_resume_from_has_its_own_storage_options(tmp_path, s3_bucket):
+    bucket, opts = s3_bucket
+    model, opt = tiny_run()
+    tiny_train(model, opt, 1)
+    CheckpointManager(f"s3://{bucket}/base", model=model, optimizer=opt, storage_options=opts).save(
+        1
+    )
+    model2, opt2 = tiny_run(seed=1)
+    mgr = CheckpointManager(
+        str(tmp_path / "finetune"),
+        model=model2,
+        optimizer=opt2,
+        resume_from=f"s3://{bucket}/base",
+        resume_storage_options=opts,
+    )
+    assert mgr.load() == 1
+    assert_same(tiny_snapshot(model2, opt2), tiny_snapshot(model, opt))
+
+
+def test_info_logs_and_no_torch_warning_in_one_process(tmp_path):
+    url = str(tmp_path / "run")
+    script = f"""
+import logging, torch
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+from muon_ckpt import CheckpointManager
+from tests.conftest import tiny_run, tiny_train
+model, opt = tiny_run()
+mgr = CheckpointManager({url!r}, model=model, optimizer=opt, keep_last=1)
+for s in (1, 2):
+    tiny_train(model, opt, 1)
+    mgr.save(s)
+mgr.load()
+"""
+    r = run_script(["-c", script])
+    assert r.returncode == 0, r.stderr
+    err = r.stderr
+    assert "torch.distributed is disabled" not in err and "Warning" not in err, err
+    assert "INFO muon_ckpt committed step 2" in err and "bytes, written in" in err
+    assert "INFO muon_ckpt retention (keep_last=1) deleted steps [1]" in err
+    assert "INFO muon_ckpt loaded step 2" in err
