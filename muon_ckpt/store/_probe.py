@@ -38,7 +38,7 @@ def _probe_options(options: dict[str, Any], timeout: float | None) -> dict[str, 
     bound = min(_PROBE_TIMEOUT, timeout or _PROBE_TIMEOUT)
     cfg["connect_timeout"] = min(float(cfg.get("connect_timeout", bound)), bound)
     cfg["read_timeout"] = min(float(cfg.get("read_timeout", bound)), bound)
-    cfg["retries"] = {"max_attempts": 1}
+    cfg["retries"] = {"total_max_attempts": 1}  # one attempt, no retry
     return {**options, "config_kwargs": cfg, "skip_instance_cache": True}
 
 
