@@ -16,7 +16,9 @@ Creating the first lease is atomic where the store can do it: ``O_EXCL`` locally
 conditional upload (``If-None-Match: *``) on S3. A takeover, and stores without conditional
 writes, use write-then-read-back: two jobs racing within one round trip can both read back
 their own record, and the loser then fails its commit check instead (the check reads the
-lease again). Clocks of different hosts are compared: keep them in sync (NTP).
+lease again). Clocks of different hosts are compared: keep them in sync (NTP). The lease is advisory and
+written without fsync (a save pays no extra disk flush for it): after a power loss it may be
+gone, and the next save creates it again.
 """
 
 from __future__ import annotations
@@ -128,11 +130,13 @@ class Lease:
                 return
             rec = self.read() or {}
         if self._mine(rec):  # renew: the check before the commit reads it again
-            st.write_bytes(self._record(), LEASE)
+            st.write_bytes(self._record(), LEASE, durable=False)
             return
         if not self._stale(rec):
             raise self._refuse(rec, "saving")
-        st.write_bytes(self._record(), LEASE)  # take over, then make sure no one else did
+        st.write_bytes(
+            self._record(), LEASE, durable=False
+        )  # take over, then make sure no one else did
         rec = self.read()
         if not self._mine(rec):
             raise self._refuse(rec or {}, "taking over a stale lease")

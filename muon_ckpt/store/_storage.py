@@ -20,6 +20,7 @@ import posixpath
 import re
 import shutil
 import stat
+import uuid
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -294,10 +295,11 @@ class Storage:
             self.fs.makedirs(self.path(*parts), exist_ok=True)
 
     @contextlib.contextmanager
-    def open_atomic(self, *parts: str) -> Iterator[IO[bytes]]:
-        """A file to write that readers see whole or not at all. Local: a ``.tmp`` file,
-        fsynced, renamed over the target (and the directory fsynced); removed on error. Object
-        stores: one upload, committed when the file closes and discarded on error."""
+    def open_atomic(self, *parts: str, durable: bool = True) -> Iterator[IO[bytes]]:
+        """A file to write that readers see whole or not at all. Local: a ``.tmp`` file of
+        this writer's own, fsynced (``durable``), renamed over the target (and the directory
+        fsynced); removed on error. Object stores: one upload, committed when the file closes
+        and discarded on error."""
         p = self.path(*parts)
         if not self.is_local:
             with self._calling("opening", *parts):
@@ -313,32 +315,36 @@ class Storage:
             return
         parent = posixpath.dirname(p)
         os.makedirs(parent, exist_ok=True)
-        tmp = p + ".tmp"
+        tmp = f"{p}.{uuid.uuid4().hex[:12]}.tmp"  # two writers never share one
         try:
             with open(tmp, "wb") as f:
                 yield f
                 f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    os.fsync(f.fileno())
             os.replace(tmp, p)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
             raise
+        if not durable:
+            return
         dfd = os.open(parent, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
 
-    def write_bytes(self, data: bytes, *parts: str) -> None:
+    def write_bytes(self, data: bytes, *parts: str, durable: bool = True) -> None:
         """Write a small file atomically (``open_atomic``)."""
-        with self._calling("writing", *parts), self.open_atomic(*parts) as f:
+        with self._calling("writing", *parts), self.open_atomic(*parts, durable=durable) as f:
             f.write(data)
 
     def create_exclusive(self, data: bytes, *parts: str) -> bool:
         """Write a small file only if none is there; False when one is. Atomic locally
-        (``O_EXCL``) and on S3 (a conditional ``If-None-Match: *`` upload); elsewhere a
-        check then a write (not atomic)."""
+        (``O_EXCL``; not fsynced: for advisory files such as the lease) and on S3 (a
+        conditional ``If-None-Match: *`` upload); elsewhere a check then a write (not
+        atomic)."""
         p = self.path(*parts)
         with self._calling("creating", *parts):
             try:
@@ -346,8 +352,6 @@ class Storage:
                     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                     with os.fdopen(fd, "wb") as f:
                         f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
                     return True
                 with self.fs.open(p, "xb") as f:
                     f.write(data)
