@@ -13,8 +13,10 @@ from muon_ckpt._errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,
+    CheckpointLeaseError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointStorageError,
 )
 from muon_ckpt._version import __version__
 
@@ -48,9 +50,11 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointLeaseError",
     "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointStorageError",
     "ExportSummary",
     "HFExportSummary",
     "HFLoadReport",

@@ -9,6 +9,7 @@ from typing import Any
 __all__ = ["ManagerConfig"]
 
 VERIFY_MODES = ("crc32", "size")
+CONFIRM_MODES = ("crc32", "size", "off")  # as muon_ckpt.store.CONFIRM_MODES
 
 
 def _is_int(v: Any) -> bool:
@@ -30,6 +31,11 @@ class ManagerConfig:
         async_save: ``save()`` returns after the snapshot; write and commit run in the
             background.
         max_staging_bytes: bound on the host memory a save's snapshot may hold (None: none).
+        storage_timeout: seconds one storage request may take (S3: connect and read
+            timeouts; None: the client's defaults).
+        lease_seconds: the write lease expires this long after the last save.
+        confirm: how a save confirms the storage holds its files before the commit:
+            ``"crc32"`` (read back), ``"size"`` or ``"off"``.
         collective_timeout: seconds a rank waits for the others in a save or load before it
             raises (a rank that never calls, or died).
         resume_storage_options: fsspec options for ``resume_from`` (None: ``storage_options``).
@@ -44,6 +50,9 @@ class ManagerConfig:
     verify: str = "crc32"
     async_save: bool = False
     max_staging_bytes: int | None = None
+    storage_timeout: float | None = 60.0
+    lease_seconds: float = 600.0
+    confirm: str = "crc32"
     collective_timeout: float = 600.0
     resume_storage_options: dict[str, Any] | None = None
 
@@ -102,6 +111,14 @@ class ManagerConfig:
             raise ValueError(
                 f"max_staging_bytes must be an int >= 0 (bytes) or None for no bound, got {m!r}"
             )
+        for name in ("storage_timeout", "lease_seconds"):
+            v = getattr(self, name)
+            if not (v is None and name == "storage_timeout") and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+            ):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        if self.confirm not in CONFIRM_MODES:
+            raise ValueError(f"confirm must be one of {CONFIRM_MODES}, got {self.confirm!r}")
 
     @property
     def resume_kwargs(self) -> dict[str, Any]:

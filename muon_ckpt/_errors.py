@@ -7,8 +7,10 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointLeaseError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointStorageError",
 ]
 
 
@@ -30,6 +32,15 @@ class CheckpointMismatchError(CheckpointError):
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """The step is already committed and the caller did not ask to overwrite it."""
+
+
+class CheckpointStorageError(CheckpointError):
+    """The storage failed (unreachable, refused, timed out, credentials...); the message
+    names the URL and the cause."""
+
+
+class CheckpointLeaseError(CheckpointError):
+    """Another job holds the run's write lease: one writer per run."""
 
 
 class CheckpointCollectiveError(CheckpointError):

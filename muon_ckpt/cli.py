@@ -31,9 +31,9 @@ def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
 
 
 def _open(args: argparse.Namespace) -> Any:
-    from muon_ckpt.store import Storage
+    from muon_ckpt.store import open_storage
 
-    return Storage(args.url, _storage_options(args.storage_option))
+    return open_storage(args.url, _storage_options(args.storage_option))
 
 
 def _human(n: int | None) -> str:
@@ -51,10 +51,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     st.check_root()
     if not st.exists():
         raise CheckpointNotFoundError(f"{args.url!r} does not exist")
-    steps = Catalog(st).scan(detail=True)
+    cat = Catalog(st)
+    steps, ignored = cat.scan(detail=True), cat.ignored()
     if args.json:
-        print(json.dumps({"url": args.url, "steps": [s.as_dict() for s in steps]}, indent=1))
+        doc = {"url": args.url, "steps": [s.as_dict() for s in steps], "ignored": ignored}
+        print(json.dumps(doc, indent=1))
         return 0
+    for name in ignored:
+        print(f"ignored: {name} (not a step directory name: step- and exactly 8 digits)")
     if not steps:
         print(f"no step directories at {args.url}")
         return 0

@@ -18,6 +18,7 @@ states are read straight into the pool's pinned buffers; offload stays on throug
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -56,10 +57,12 @@ from muon_ckpt.io import (
 )
 from muon_ckpt.store import (
     CORRUPT,
+    MAX_STEP,
     UNCOMMITTED,
     Catalog,
     FileEntry,
     Storage,
+    open_storage,
     parse_step_dirname,
     step_dirname,
 )
@@ -69,15 +72,8 @@ __all__ = ["CheckpointManager"]
 _log = logging.getLogger("muon_ckpt")
 
 
-def _open_storage(field: str, url: str, options: dict[str, Any]) -> Storage:
-    try:
-        storage = Storage(url, options)
-        storage.check_root()
-    except ValueError as e:
-        raise ValueError(f"{field}: {e}") from e
-    except CheckpointError as e:
-        raise ValueError(f"{field} must be a directory or bucket prefix, got {url!r}: {e}") from e
-    return storage
+def _open_storage(field: str, url: str, options: dict[str, Any], timeout: float | None) -> Storage:
+    return open_storage(url, options, field=field, timeout=timeout)  # probes it (issue 14)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -114,6 +110,12 @@ class CheckpointManager:
             synchronously without staging copies (None: no bound).
         collective_timeout: seconds a rank waits for the others in ``save()``/``load()`` before
             it raises a CheckpointError naming the ranks that did not join.
+        storage_timeout: seconds one storage request may take (S3: connect and read
+            timeouts; None: the client's defaults). Default 60.
+        lease_seconds: the run's write lease (one writer per run) expires this long after
+            this job's last save. Default 600.
+        confirm: before a commit, how each rank confirms the storage holds the files it
+            wrote: ``"crc32"`` reads them back (default), ``"size"`` compares sizes, ``"off"``.
 
     Save, load, wait and close are collectives: call them on every rank.
     """
@@ -138,6 +140,9 @@ class CheckpointManager:
         async_save: bool = False,
         max_staging_bytes: int | None = None,
         collective_timeout: float = 600.0,
+        storage_timeout: float | None = 60.0,
+        lease_seconds: float = 600.0,
+        confirm: str = "crc32",
     ) -> None:
         self.config = ManagerConfig(
             url=url,
@@ -151,6 +156,9 @@ class CheckpointManager:
             async_save=async_save,
             max_staging_bytes=max_staging_bytes,
             collective_timeout=collective_timeout,
+            storage_timeout=storage_timeout,
+            lease_seconds=lease_seconds,
+            confirm=confirm,
         )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
@@ -168,7 +176,11 @@ class CheckpointManager:
         if optimizer is not None:
             param_fqns(model, optimizer)  # a param without a name is a configuration error
         opts = self.config.storage_kwargs
-        self._catalog = Catalog(_open_storage("url", self.config.url, opts))
+        timeout = self.config.storage_timeout
+        self._catalog = Catalog(
+            _open_storage("url", self.config.url, opts, timeout),
+            lease_seconds=self.config.lease_seconds,
+        )
         self._resume: tuple[Catalog, int | None] | None = None
         rf = self.config.resume_from
         if rf is not None:
@@ -177,7 +189,8 @@ class CheckpointManager:
             if rf_step is None and parse_step_dirname(base) is not None:
                 rf_step = parse_step_dirname(base)
                 rf_url = rf_url.rstrip("/")[: -len(base)].rstrip("/") or "/"
-            rf_storage = _open_storage("resume_from", rf_url, self.config.resume_kwargs)
+            rf_opts = self.config.resume_kwargs
+            rf_storage = _open_storage("resume_from", rf_url, rf_opts, timeout)
             self._resume = (Catalog(rf_storage), rf_step)
         self._pending: SaveJob | None = None
         self._group: Any = None  # gloo group of every save/load collective, made by the first
@@ -247,8 +260,8 @@ class CheckpointManager:
         With ``async_save`` it returns once the state is snapshotted; the step is committed
         in the background (``wait()``). A pending save is waited for first, and its failure
         raised here. Raises CheckpointExistsError if ``step`` is committed already, unless
-        ``overwrite``: then the committed step is removed before the new one is written (if
-        this save then fails, that step is gone; every other step is untouched). The first
+        ``overwrite``: the new version is written beside the committed step and replaces it
+        once committed (if this save fails, the old version stays). The first
         save after ``load(step=k)`` rewound the run deletes the committed steps after ``k``.
         """
         self._check_open()
@@ -298,6 +311,7 @@ class CheckpointManager:
                 raise differs
             self._raise_failed(step, error, failed)
         t2 = time.perf_counter()
+        spec.overwrite = overwrite
         spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
         job = SaveJob(spec, finish=lambda: self._finished(spec, release))
         if background:
@@ -323,6 +337,7 @@ class CheckpointManager:
         if step not in self._abandoned:
             self._catalog.begin(step, overwrite)
         if self._abandoned:
+            self._catalog.lease.acquire()  # one writer: before deleting anything
             gone = [
                 s.step
                 for s in self._catalog.scan()
@@ -409,6 +424,7 @@ class CheckpointManager:
             staging=self._staging,
             io_threads=self.config.io_threads,
             keep_last=self.config.keep_last,
+            confirm=self.config.confirm,
             group=self._group,
             gate=self._write_gate if background else None,
         )
@@ -701,6 +717,9 @@ class CheckpointManager:
             self._closed = True
             if self._calls > 1:  # every rank is past that handshake (not surely past the last)
                 coll.forget(f"{self._tag}/{self._calls - 1}")
+            if coll.rank() == 0:  # the next job may write at once
+                with contextlib.suppress(CheckpointError):
+                    self._catalog.lease.release()
 
     def __enter__(self) -> CheckpointManager:
         self._check_open()
@@ -722,6 +741,8 @@ class CheckpointManager:
             value = None
         if value is None or value < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        if value > MAX_STEP:  # step directories have exactly 8 digits
+            raise ValueError(f"step must be <= {MAX_STEP} (8 digits), got {step!r}")
         return value
 
     def __repr__(self) -> str:

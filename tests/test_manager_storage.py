@@ -16,7 +16,7 @@ from muon_ckpt import (
     CheckpointExistsError,
     CheckpointManager,
 )
-from muon_ckpt.store import MANIFEST, Storage
+from muon_ckpt.store import LEASE, MANIFEST, Storage
 from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
 
 
@@ -111,7 +111,7 @@ def test_keep_last_deletes_only_old_committed_steps_after_the_commit(storage_url
     st = Storage(url, opts)
     snaps = _save_states(url, opts, [1, 2, 3, 4], keep_last=2)
     assert _mgr(url, opts).steps() == [3, 4]
-    assert st.listdir() == ["step-00000003", "step-00000004"]
+    assert st.listdir() == [LEASE, "step-00000003", "step-00000004"]  # lease: one writer
     assert_same(_load(url, opts, step=3)[1], snaps[3])
     # keep_last=1 never deletes the newest (the one just committed).
     _save_states(url, opts, [5], keep_last=1)
@@ -123,14 +123,14 @@ def test_uncommitted_step_is_invisible_and_removed_by_the_next_save(storage_url)
     st = Storage(url, opts)
     snaps = _save_states(url, opts, [1, 2])
     st.rm("step-00000002", MANIFEST)  # what a save killed before its commit leaves behind
-    assert st.listdir() == ["step-00000001", "step-00000002"]
+    assert st.listdir() == [LEASE, "step-00000001", "step-00000002"]
     assert _mgr(url, opts).steps() == [1]
     got, snap = _load(url, opts)
     assert got == 1
     assert_same(snap, snaps[1])
     model, opt = tiny_run()
     _mgr(url, opts, model, opt, keep_last=5).save(3)
-    assert st.listdir() == ["step-00000001", "step-00000003"]
+    assert st.listdir() == [LEASE, "step-00000001", "step-00000003"]
 
 
 def test_resume_from_another_run_until_this_run_has_a_step(storage_url):

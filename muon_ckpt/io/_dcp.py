@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from muon_ckpt._errors import CheckpointError
+from muon_ckpt._errors import CheckpointError, CheckpointStorageError
+from muon_ckpt.store import is_storage_failure
 
 __all__ = ["DCP_ERRORS", "SafeLoadPlanner", "dcp_failure"]
 
@@ -41,7 +42,8 @@ def dcp_failure(e: BaseException, what: str) -> CheckpointError:
     """The CheckpointError to raise for a failed ``dcp.save``/``dcp.load``: DCP wraps the
     failures of every rank (``CheckpointException.failures``); a CheckpointError raised by one
     of ours inside DCP comes back as itself (same class and message), anything else as a
-    CheckpointError naming ``what`` and the first cause."""
+    CheckpointError (a CheckpointStorageError when the storage failed) naming ``what`` and
+    the first cause."""
     if isinstance(e, CheckpointError):
         return e
     failures: dict[int, Any] = getattr(e, "failures", None) or {}
@@ -51,7 +53,8 @@ def dcp_failure(e: BaseException, what: str) -> CheckpointError:
             return type(c)(str(c))
     first = causes[0] if causes else e
     ranks = f" on rank(s) {sorted(failures)}" if failures else ""
-    return CheckpointError(f"{what} failed{ranks}: {type(first).__name__}: {first}")
+    cls = CheckpointStorageError if is_storage_failure(first) else CheckpointError
+    return cls(f"{what} failed{ranks}: {type(first).__name__}: {first}")
 
 
 # DCP warns on every save or load without a process group ("torch.distributed is disabled,

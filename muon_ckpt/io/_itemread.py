@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._tensors import tensor_bytes
-from muon_ckpt.store import update
+from muon_ckpt.store import open_regular, update
 from offload import pinned_empty
 
 # Bytes per pread (and per crc32 call): big enough that syscalls cost nothing, small enough
@@ -422,7 +422,7 @@ class FileLoad:
 
     def run(self, items: dict[int, tuple[int, list[ReadItem]]]) -> tuple[int, int] | None:
         """``items``: stored item offset -> (its length, the read items it serves)."""
-        fd = os.open(self._path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = open_regular(self._path, self._where)  # no FIFO, device or symlink
         try:
             size = os.fstat(fd).st_size
             for off in sorted(items):

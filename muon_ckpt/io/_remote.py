@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt.io._tasks import prefer_corruption, run_all
-from muon_ckpt.store import DelegatingFileSystem, Storage, crc_hex, dcp_filesystem, update
+from muon_ckpt.store import (
+    DelegatingFileSystem,
+    Storage,
+    crc_hex,
+    dcp_filesystem,
+    is_file_name,
+    update,
+)
 
 if TYPE_CHECKING:
     from muon_ckpt.io._reader import VerifyingReader
@@ -78,19 +85,34 @@ class _SliceStream(io.RawIOBase):
 
 
 class ServingFileSystem(DelegatingFileSystem):
-    """Read streams come from ``cache`` (the slice being loaded, already read) when there."""
+    """Read streams come from ``cache`` (the slice being loaded, already read) when there,
+    else from ``step.open`` (locally: regular files only). Only files directly inside the
+    step directory are read (the metadata's paths were checked when it was read; this is
+    the second line)."""
 
     def __init__(self, step: Storage) -> None:
         super().__init__(dcp_filesystem(step))
+        self.step = step
         self.cache: dict[str, _SliceStream] = {}
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
-        cached = self.cache.get(posixpath.basename(os.fspath(path)))
-        if cached is not None and "r" in mode:
+        if "r" not in mode:
+            with self.inner.create_stream(path, mode) as s:
+                yield s
+            return
+        p = os.fspath(path)
+        name = posixpath.basename(p)
+        if posixpath.dirname(p).rstrip("/") != self.step.root.rstrip("/") or not is_file_name(name):
+            raise CheckpointCorruptError(
+                f"{self.step.url}: refusing to read {p!r}, which is not a file of this "
+                "checkpoint's directory"
+            )
+        cached = self.cache.get(name)
+        if cached is not None:
             yield cached
             return
-        with self.inner.create_stream(path, mode) as s:
+        with self.step.open(name) as s:
             yield s
 
 

@@ -6,10 +6,13 @@ step once it is committed, or raises a CheckpointError naming the step and the c
 
 Ordering, on every rank: ``dcp.save`` (DCP's planning collectives, then this rank's writer
 threads, each file checksummed as it is written; a failure on any rank fails it on all) ->
-gather every rank's file records on rank 0 -> rank 0 checks the files and writes the manifest
-(the commit), then applies retention -> the outcome is broadcast. A failure anywhere before
-the manifest leaves the step uncommitted and every committed step untouched; retention runs
-only after a commit, and a retention delete that fails is a warning (the step is committed).
+each rank confirms that the storage holds what it wrote (``store.confirm_files``: read-back
+of sizes and crc32 by default) -> gather every rank's file records (or its failure) on rank 0
+-> rank 0 checks the files and the write lease and writes the manifest (the commit), then
+applies retention -> the outcome is broadcast. A failure anywhere before the manifest leaves
+the step uncommitted and every committed step untouched; retention runs only after a commit
+whose files were confirmed, and a retention delete that fails is a warning (the step is
+committed). An overwrite is written beside the step it replaces and swapped in at the commit.
 
 The background thread's collectives run on a gloo group of their own (``group``), never on
 the default group the training loop uses, so the two cannot interleave or deadlock.
@@ -31,7 +34,7 @@ from muon_ckpt._errors import CheckpointError
 from muon_ckpt.io._dcp import DCP_ERRORS, dcp_failure
 from muon_ckpt.io._staging import HostStaging, StagedSavePlanner
 from muon_ckpt.io._writer import ChecksumWriter, FileRecords
-from muon_ckpt.store import Catalog, FileEntry, step_dirname
+from muon_ckpt.store import Catalog, FileEntry, confirm_files, step_dirname, write_dirname
 
 __all__ = ["SaveJob", "WriteSpec", "write_and_commit"]
 
@@ -49,6 +52,8 @@ class WriteSpec:
     io_threads: int
     keep_last: int | None
     group: Any = None  # process group of the collectives (None: the default group)
+    confirm: str = "crc32"  # how the storage's copy is confirmed before the commit (_confirm)
+    overwrite: bool = False  # replace a committed step (written beside it, then swapped in)
     gate: threading.Event | None = None  # tests: the write starts once this is set
     timings: dict[str, float] = field(default_factory=dict)
     committed_at: float | None = None  # time.perf_counter() once the step was committed
@@ -60,7 +65,8 @@ def write_and_commit(w: WriteSpec) -> None:
         w.gate.wait()
     t0 = time.perf_counter()
     records = FileRecords()
-    writer = ChecksumWriter(storage, step_dirname(step), records, w.io_threads)
+    dirname = write_dirname(step, w.overwrite)
+    writer = ChecksumWriter(storage, dirname, records, w.io_threads)
     try:
         dcp.save(
             w.sd,
@@ -76,14 +82,22 @@ def write_and_commit(w: WriteSpec) -> None:
     finally:
         w.staging.finish()
     t1 = time.perf_counter()
-    gathered = coll.gather_to_rank0(records.files, w.group)
+    failed: Exception | None = None
+    try:
+        confirm_files(storage, dirname, records.files, w.confirm, w.io_threads)
+    except Exception as e:  # every rank must reach the gather: rank 0 raises it for all
+        failed = e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")
+    w.timings["confirm"] = time.perf_counter() - t1
+    gathered = coll.gather_to_rank0((records.files, failed), w.group)
 
     def commit() -> None:
         files: dict[str, FileEntry] = {}
-        for part in gathered or []:
+        for part, err in gathered or []:
+            if err is not None:
+                raise err
             files.update(part)
         extra = {"io_threads": w.io_threads, "keys": len(w.sd)}
-        m = w.catalog.commit(step, coll.world_size(), files, extra)
+        m = w.catalog.commit(step, coll.world_size(), files, extra, overwrite=w.overwrite)
         _log.info(
             "committed step %d to %s: %d files, %d bytes, written in %.2f s",
             step,
@@ -109,7 +123,7 @@ def write_and_commit(w: WriteSpec) -> None:
         w.timings["retention"] = time.perf_counter() - t2
     w.timings.update(
         dcp_save=t1 - t0,
-        commit=t2 - t1,
+        commit=t2 - t1 - w.timings["confirm"],
         write_data=writer.write_seconds,
         stage_wait=w.staging.wait_seconds,
         **records.thread_seconds(),

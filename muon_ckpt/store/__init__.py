@@ -10,22 +10,21 @@ from muon_ckpt.store._catalog import (
     CORRUPT,
     UNCOMMITTED,
     Catalog,
-    Resolved,
     StepInfo,
-    VerifyResult,
-    prune,
-    resolve,
-    verify,
+    write_dirname,
 )
 from muon_ckpt.store._checksum import crc_hex, file_checksum, update
+from muon_ckpt.store._confirm import CONFIRM_MODES, confirm_files
 from muon_ckpt.store._dcpfs import DelegatingFileSystem, dcp_filesystem
 from muon_ckpt.store._layout import (
     KEY_FORMAT_VERSION,
     MANIFEST,
+    MAX_STEP,
     METADATA,
     FileEntry,
     Manifest,
     extra_key,
+    is_file_name,
     model_key,
     optim_group_key,
     optim_state_key,
@@ -33,30 +32,50 @@ from muon_ckpt.store._layout import (
     rank_extra_key,
     step_dirname,
 )
+from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, LEASE, Lease
 from muon_ckpt.store._metadata import bytes_keys, parse_metadata, tensor_entries
-from muon_ckpt.store._storage import Storage
+from muon_ckpt.store._probe import open_storage
+from muon_ckpt.store._resolve import Resolved, VerifyResult, prune, resolve, verify
+from muon_ckpt.store._storage import (
+    DEFAULT_TIMEOUT,
+    Storage,
+    is_storage_failure,
+    open_regular,
+    storage_error,
+)
 
 __all__ = [
     "COMMITTED",
+    "CONFIRM_MODES",
     "CORRUPT",
+    "DEFAULT_LEASE_SECONDS",
+    "DEFAULT_TIMEOUT",
     "KEY_FORMAT_VERSION",
+    "LEASE",
     "MANIFEST",
+    "MAX_STEP",
     "METADATA",
     "UNCOMMITTED",
     "Catalog",
     "DelegatingFileSystem",
     "FileEntry",
+    "Lease",
     "Manifest",
     "Resolved",
     "StepInfo",
     "Storage",
     "VerifyResult",
     "bytes_keys",
+    "confirm_files",
     "crc_hex",
     "dcp_filesystem",
     "extra_key",
     "file_checksum",
+    "is_file_name",
+    "is_storage_failure",
     "model_key",
+    "open_regular",
+    "open_storage",
     "optim_group_key",
     "optim_state_key",
     "parse_metadata",
@@ -65,7 +84,9 @@ __all__ = [
     "rank_extra_key",
     "resolve",
     "step_dirname",
+    "storage_error",
     "tensor_entries",
     "update",
     "verify",
+    "write_dirname",
 ]

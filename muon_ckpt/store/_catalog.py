@@ -11,40 +11,70 @@ A step directory ``step-XXXXXXXX`` is
 * UNCOMMITTED without a manifest (a save that crashed or is running): ignored, and removed
   by the next save.
 
-Commit protocol: every rank's files are closed (and fsynced, locally) before rank 0 writes
-the manifest, LAST, with every file's size and crc32. Deleting a step removes the manifest
-FIRST, so a crash while deleting leaves an uncommitted directory, never a committed step with
-missing files. Writing operations run on rank 0 only; the manager broadcasts the outcome.
+Only canonical names count (``step-`` and exactly 8 digits); ``ignored()`` lists the other
+``step-*`` names for ``ls``. Nothing a step's files say can make a reader leave its directory:
+the manifest names plain files in it, the DCP metadata only files the manifest lists, local
+files are read only when regular (no FIFO, device or symlink), and no more than their size.
+
+Commit protocol: every rank's files are closed (and fsynced, locally) and confirmed on the
+storage (``_confirm``) before rank 0 checks the write lease (``_lease``) and writes the
+manifest, LAST, with every file's size and crc32, and reads it back. Deleting a step removes
+the manifest FIRST, so a crash while deleting leaves an uncommitted directory, never a
+committed step with missing files; a step directory that is a symlink is unlinked, never
+followed. An overwrite is written beside the committed step (``overwrite-step-XXXXXXXX``),
+committed there, then swapped in (locally one atomic ``renameat2(RENAME_EXCHANGE)``), so a
+crash never leaves fewer committed steps than before (object stores: see ``_swap_in``).
+Writing operations run on rank 0 only; the manager broadcasts the outcome.
 """
 
 from __future__ import annotations
 
 import datetime
-import posixpath
-from dataclasses import asdict, dataclass, field
+import logging
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
-from muon_ckpt._progress import progress_bar
 from muon_ckpt._version import __version__
-from muon_ckpt.store._checksum import crc_hex, file_checksum, update
+from muon_ckpt.store._checksum import crc_hex, update
 from muon_ckpt.store._layout import (
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     METADATA,
+    STEP_PREFIX,
     FileEntry,
     Manifest,
     parse_step_dirname,
     step_dirname,
 )
-from muon_ckpt.store._metadata import parse_metadata
+from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, Lease
+from muon_ckpt.store._metadata import check_paths, parse_metadata
 from muon_ckpt.store._storage import Storage
 
-__all__ = ["COMMITTED", "CORRUPT", "UNCOMMITTED", "Catalog", "Resolved", "StepInfo", "resolve"]
+__all__ = [
+    "COMMITTED",
+    "CORRUPT",
+    "UNCOMMITTED",
+    "Catalog",
+    "StepInfo",
+    "check_files",
+    "read_manifest",
+    "write_dirname",
+]
 
 COMMITTED, CORRUPT, UNCOMMITTED = "committed", "corrupt", "uncommitted"
+_OVERWRITE = "overwrite-"  # prefix of the directory an overwrite is written to
+
+_log = logging.getLogger("muon_ckpt")
+
+
+def write_dirname(step: int, overwrite: bool) -> str:
+    """Where a save of ``step`` writes its files: the step's directory, or beside it for an
+    overwrite (swapped in at the commit)."""
+    return _OVERWRITE + step_dirname(step) if overwrite else step_dirname(step)
 
 
 @dataclass
@@ -78,11 +108,12 @@ def _mtime(info: dict[str, Any]) -> float | None:
     return None
 
 
-def _read_manifest(storage: Storage, dirname: str, step: int | None) -> Manifest:
+def read_manifest(storage: Storage, dirname: str, step: int | None) -> Manifest:
     """The valid manifest of ``dirname`` (``step``: the step it must name). Raises
     FileNotFoundError when absent, CheckpointCorruptError when invalid."""
     where = storage.url_of(dirname, MANIFEST)
-    m = Manifest.from_json(storage.read_bytes(dirname, MANIFEST), where)
+    data = storage.read_bytes(dirname, MANIFEST, limit=MAX_MANIFEST_BYTES)
+    m = Manifest.from_json(data, where)
     if step is not None and m.step != step:
         raise CheckpointCorruptError(
             f"{where}: the manifest says step {m.step} but lies in the directory of step "
@@ -92,10 +123,12 @@ def _read_manifest(storage: Storage, dirname: str, step: int | None) -> Manifest
 
 
 class Catalog:
-    """The steps under ``storage``'s root."""
+    """The steps under ``storage``'s root. Writers (``begin``/``commit``) hold the run's
+    write lease, expiring ``lease_seconds`` after their last save."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, *, lease_seconds: float = DEFAULT_LEASE_SECONDS) -> None:
         self.storage = storage
+        self.lease = Lease(storage, lease_seconds)
 
     # ------------------------------------------------------------------ reading
     def scan(self, *, detail: bool = False) -> list[StepInfo]:
@@ -109,7 +142,7 @@ class Catalog:
                 continue
             info = StepInfo(step, name, UNCOMMITTED, problem="no manifest.json: not committed")
             try:
-                m = _read_manifest(st, name, step)
+                m = read_manifest(st, name, step)
             except FileNotFoundError:
                 pass
             except CheckpointCorruptError as e:
@@ -129,6 +162,15 @@ class Catalog:
                     ).isoformat(timespec="seconds")
             out.append(info)
         return sorted(out, key=lambda s: s.step)
+
+    def ignored(self) -> list[str]:
+        """Names under the root that look like steps but are not canonical (``step-`` and
+        exactly 8 digits): never listed, loaded or deleted."""
+        return [
+            n
+            for n in self.storage.listdir()
+            if n.startswith(STEP_PREFIX) and parse_step_dirname(n) is None
+        ]
 
     def committed_steps(self) -> list[int]:
         return [s.step for s in self.scan() if s.committed]
@@ -155,7 +197,7 @@ class Catalog:
     def manifest(self, step: int) -> Manifest:
         """The valid manifest of ``step``, or the not-found / corrupt error."""
         try:
-            return _read_manifest(self.storage, step_dirname(step), step)
+            return read_manifest(self.storage, step_dirname(step), step)
         except FileNotFoundError as e:
             raise self.not_found(step) from e
 
@@ -168,27 +210,60 @@ class Catalog:
 
     # ------------------------------------------------------------------ writing (rank 0)
     def begin(self, step: int, overwrite: bool) -> None:
-        """Ready ``step``'s directory for a save: refuse a committed (or corrupt) step unless
-        ``overwrite`` (then it is deleted), and remove the leftovers of crashed saves."""
+        """Ready a save of ``step``: take the write lease; refuse a committed (or corrupt)
+        step unless ``overwrite`` (it stays until the new version is committed:
+        ``write_dirname``); remove the leftovers of crashed saves (an overwrite that was
+        committed but not swapped in is finished first)."""
+        self.lease.acquire()
+        st = self.storage
+        for name in st.listdir():
+            if name.startswith(_OVERWRITE):
+                self._finish_or_drop(name)
         infos = {s.step: s for s in self.scan()}
         have = infos.get(step)
-        if have is not None and have.status != UNCOMMITTED:
-            if not overwrite:
-                what = "committed" if have.committed else f"present but CORRUPT ({have.problem})"
-                raise CheckpointExistsError(
-                    f"{self.storage.url_of(have.dirname)}: step {step} is already {what}; pass "
-                    "overwrite=True to replace it, or save another step"
-                )
-            self.delete(step)
+        if have is not None and have.status != UNCOMMITTED and not overwrite:
+            what = "committed" if have.committed else f"present but CORRUPT ({have.problem})"
+            raise CheckpointExistsError(
+                f"{st.url_of(have.dirname)}: step {step} is already {what}; pass "
+                "overwrite=True to replace it, or save another step"
+            )
         for s in infos.values():
             if s.status == UNCOMMITTED:
-                self.storage.rm(s.dirname)
+                st.rm(s.dirname)
+
+    def _finish_or_drop(self, name: str) -> None:
+        """An ``overwrite-`` directory left by a crash: finish the move when it is committed
+        and its step is not (an object store's swap was cut short); else remove it (an
+        overwrite that never committed, or the old version an exchange left behind)."""
+        step = parse_step_dirname(name[len(_OVERWRITE) :])
+        finish = False
+        if step is not None:
+            try:
+                read_manifest(self.storage, name, step)
+                read_manifest(self.storage, step_dirname(step), step)
+            except FileNotFoundError:  # the staged one is committed, the step's is gone
+                finish = self.storage.exists(name, MANIFEST)
+            except CheckpointCorruptError:
+                finish = False
+        if finish and step is not None:
+            _log.warning("finishing the interrupted overwrite of step %d", step)
+            self._swap_in(name, step)
+        else:
+            self._remove(name)
 
     def commit(
-        self, step: int, world_size: int, files: dict[str, FileEntry], extra: dict[str, Any]
+        self,
+        step: int,
+        world_size: int,
+        files: dict[str, FileEntry],
+        extra: dict[str, Any],
+        *,
+        overwrite: bool = False,
     ) -> Manifest:
-        """Check that every recorded file is there with its size, then write the manifest."""
-        st, name = self.storage, step_dirname(step)
+        """Check that every recorded file is there with its size and that this job still
+        holds the lease, then write the manifest and read it back; an overwrite is then
+        swapped in for the step it replaces."""
+        st, name = self.storage, write_dirname(step, overwrite)
         listed = st.walk_files(name)
         for fname, entry in sorted(files.items()):
             if listed.get(fname) != entry.size:
@@ -209,18 +284,57 @@ class Catalog:
             muon_ckpt_version=__version__,
             extra=extra,
         )
-        st.write_bytes(manifest.to_json(), name, MANIFEST)
+        data = manifest.to_json()
+        self.lease.check()
+        st.write_bytes(data, name, MANIFEST)
+        if st.read_bytes(name, MANIFEST, limit=len(data)) != data:
+            st.rm(name, MANIFEST)
+            raise CheckpointCorruptError(
+                f"{st.url_of(name, MANIFEST)}: read back other bytes than were written (the "
+                f"upload was damaged); step {step} is NOT committed. Check the storage"
+            )
+        if overwrite:
+            self._swap_in(name, step)
         return manifest
 
+    def _swap_in(self, staged: str, step: int) -> None:
+        """Put the committed ``staged`` directory in the place of ``step``'s. Locally one
+        atomic exchange of the two directories; on object stores (no rename) the old step
+        is uncommitted, the staged files copied (server-side) and the manifest written last:
+        a crash in between leaves the staged copy committed, and the next save (``begin``)
+        finishes the move."""
+        st, final = self.storage, step_dirname(step)
+        if st.is_local:
+            if not st.exists(final):
+                st.rename(staged, final)
+                return
+            st.exchange(staged, final)
+            self._remove(staged)  # now the old version (or the symlink that was the step)
+            return
+        self.delete(step)
+        files = st.walk_files(staged)
+        for fname in sorted(files):
+            if fname != MANIFEST:
+                st.copy((staged, fname), (final, fname))
+        st.copy((staged, MANIFEST), (final, MANIFEST))
+        st.rm(staged)
+
     def delete(self, step: int) -> None:
-        """Uncommit (manifest first), then remove the files."""
-        name = step_dirname(step)
+        """Uncommit (manifest first), then remove the files. A step directory that is a
+        symlink (to another run's step) is unlinked: its target is never touched."""
+        self._remove(step_dirname(step))
+
+    def _remove(self, name: str) -> None:
+        if self.storage.is_link(name):
+            self.storage.rm(name)
+            return
         self.storage.rm(name, MANIFEST)
         self.storage.rm(name)
 
     def retain(self, keep_last: int, just_saved: int | None = None) -> list[int]:
         """Delete the oldest committed steps beyond ``keep_last``; never the newest one nor
-        ``just_saved``. Returns the deleted steps."""
+        ``just_saved`` (the step just committed, after its files were confirmed on the
+        storage: the newest step that verified). Returns the deleted steps."""
         steps = self.committed_steps()
         keep = set(steps[-keep_last:]) | {just_saved}
         victims = [s for s in steps if s not in keep]
@@ -232,9 +346,16 @@ class Catalog:
 def check_files(storage: Storage, parts: tuple[str, ...], m: Manifest) -> Metadata:
     """Every file of manifest ``m`` present at its size; the DCP metadata checksummed and
     parsed. Raises CheckpointCorruptError naming the first bad file."""
-    listed = storage.walk_files(*parts)
+    infos = storage.walk_info(*parts)
     for fname, entry in sorted(m.files.items()):
-        got = listed.get(fname)
+        info = infos.get(fname)
+        got = None if info is None else int(info.get("size") or 0)
+        if info is not None and (info.get("type") != "file" or info.get("islink")):
+            kind = "a symbolic link" if info.get("islink") else f"of type {info.get('type')}"
+            raise CheckpointCorruptError(
+                f"{storage.url_of(*parts, fname)}: is {kind}, not a regular file; a "
+                "checkpoint holds regular files only. Load another step or delete this one"
+            )
         if got is None:
             raise CheckpointCorruptError(
                 f"{storage.url_of(*parts, fname)}: listed in the manifest ({entry.size} bytes) "
@@ -249,155 +370,13 @@ def check_files(storage: Storage, parts: tuple[str, ...], m: Manifest) -> Metada
     md_entry = m.files.get(METADATA)
     if md_entry is None:
         raise CheckpointCorruptError(f"{storage.url_of(*parts, MANIFEST)}: lists no {METADATA}")
-    data = storage.read_bytes(*parts, METADATA)
+    data = storage.read_bytes(*parts, METADATA, limit=md_entry.size)
     crc = crc_hex(update(0, data))
     if len(data) != md_entry.size or crc != md_entry.crc32:
         raise CheckpointCorruptError(
             f"{where}: crc32 {crc} ({len(data)} bytes), the manifest says {md_entry.crc32} "
             f"({md_entry.size} bytes); load another step"
         )
-    return parse_metadata(data, where)
-
-
-@dataclass
-class Resolved:
-    """A checkpoint directory: ``storage`` + ``parts`` (the step dir), its manifest when it is
-    a muon-ckpt step (None for a plain DCP directory)."""
-
-    storage: Storage
-    parts: tuple[str, ...]
-    step: int | None
-    manifest: Manifest | None
-
-    @property
-    def url(self) -> str:
-        return self.storage.url_of(*self.parts)
-
-    @property
-    def kind(self) -> str:
-        return "muon-ckpt" if self.manifest is not None else "dcp"
-
-    def metadata(self) -> Metadata:
-        """The DCP metadata; for a muon-ckpt step after checking every file's size and the
-        metadata's checksum against the manifest."""
-        if self.manifest is not None:
-            return check_files(self.storage, self.parts, self.manifest)
-        where = self.storage.url_of(*self.parts, METADATA)
-        try:
-            data = self.storage.read_bytes(*self.parts, METADATA)
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(f"{where}: no DCP metadata; not a checkpoint") from e
-        return parse_metadata(data, where)
-
-
-def resolve(storage: Storage, step: int | None = None) -> Resolved:
-    """The checkpoint at ``storage``'s root: a run root (newest committed step, or ``step``),
-    one step directory, or a plain DCP directory (no manifest)."""
-    storage.check_root()
-    root_name = posixpath.basename(storage.root.rstrip("/"))
-    own = parse_step_dirname(root_name)
-    if storage.exists(MANIFEST):
-        m = _read_manifest(storage, "", own)
-        if step is not None and step != m.step:
-            raise CheckpointNotFoundError(
-                f"{storage.url!r} is the directory of step {m.step}, not step {step}; give "
-                "the run's root URL to choose a step"
-            )
-        return Resolved(storage, (), m.step, m)
-    if storage.exists(METADATA):
-        if own is not None:
-            raise CheckpointNotFoundError(
-                f"{storage.url!r}: step {own} has no {MANIFEST}, so it was never committed "
-                "(a save crashed or is still running); use a committed step"
-            )
-        if step is not None:
-            raise CheckpointNotFoundError(
-                f"{storage.url!r} is a plain DCP checkpoint with no steps; drop --step/step="
-            )
-        return Resolved(storage, (), None, None)
-    cat = Catalog(storage)
-    infos = cat.scan()
-    if not infos:
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {storage.url!r}: no step-* directory, {MANIFEST} or DCP "
-            f"{METADATA} there"
-        )
-    committed = [s.step for s in infos if s.committed]
-    if step is None and not committed:
-        raise CheckpointNotFoundError(
-            f"no committed step at {storage.url!r}: {len(infos)} step dir(s), none "
-            f"committed ({', '.join(f'{s.step}: {s.status}' for s in infos)}); nothing to read"
-        )
-    step = committed[-1] if step is None else step
-    return Resolved(storage, (step_dirname(step),), step, cat.manifest(step))
-
-
-@dataclass
-class VerifyResult:
-    checked: int = 0
-    bytes: int = 0
-    problems: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
-    """Check every file of the manifest for presence, size and crc32."""
-    if r.manifest is None:
-        raise CheckpointNotFoundError(
-            f"{r.url!r} has no {MANIFEST}: only muon-ckpt checkpoints can be verified"
-        )
-    st, res = r.storage, VerifyResult()
-    present = st.walk_files(*r.parts)
-    res.unexpected = sorted(set(present) - set(r.manifest.files) - {MANIFEST})
-    total = sum(e.size for e in r.manifest.files.values())
-    with progress_bar(total, f"verify step {r.step}", enabled=progress) as bar:
-        for name, entry in sorted(r.manifest.files.items()):
-            res.checked += 1
-            if name not in present:
-                res.problems.append(f"{name}: missing (manifest: {entry.size} bytes)")
-                continue
-            if present[name] != entry.size:
-                res.problems.append(
-                    f"{name}: size {present[name]} bytes, manifest says {entry.size}"
-                )
-                bar.update(entry.size)
-                continue
-            with st.open(*r.parts, name) as f:
-                size, crc = file_checksum(f, bar.update)
-            res.bytes += size
-            if crc != entry.crc32:
-                res.problems.append(
-                    f"{name}: crc32 {crc}, manifest says {entry.crc32} (content changed)"
-                )
-    return res
-
-
-@dataclass
-class PruneResult:
-    deleted: list[int]
-    kept: list[int]
-    leftovers: list[int]  # step dirs without a manifest: reported, never deleted here
-    corrupt: list[int]  # step dirs with an invalid manifest: reported, never deleted here
-
-
-def prune(storage: Storage, keep: int, *, dry_run: bool = False) -> PruneResult:
-    """Delete committed steps but the newest ``keep`` (never the newest one)."""
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-        raise ValueError(
-            f"keep must be an int >= 1 (the newest step is never pruned), got {keep!r}"
-        )
-    cat = Catalog(storage)
-    infos = cat.scan()
-    committed = [s.step for s in infos if s.committed]
-    doomed, kept = committed[:-keep], committed[-keep:]
-    if not dry_run:
-        for s in doomed:
-            cat.delete(s)
-    by = {
-        status: [s.step for s in infos if s.status == status] for status in (UNCOMMITTED, CORRUPT)
-    }
-    return PruneResult(doomed, kept, by[UNCOMMITTED], by[CORRUPT])
+    md = parse_metadata(data, where)
+    check_paths(md, set(m.files), where)
+    return md

@@ -26,8 +26,9 @@ class _AnyPathFileSystem(FileSystemBase):
 
 
 class _FsspecFileSystem(_AnyPathFileSystem):
-    def __init__(self, fs: Any) -> None:
+    def __init__(self, fs: Any, dirs: bool) -> None:
         self.fs = fs
+        self.dirs = dirs  # False on object stores: no directories to make
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
@@ -52,7 +53,8 @@ class _FsspecFileSystem(_AnyPathFileSystem):
         self.fs.mv(os.fspath(path), os.fspath(new_path))
 
     def mkdir(self, path: str | os.PathLike) -> None:
-        self.fs.makedirs(os.fspath(path), exist_ok=True)
+        if self.dirs:  # s3fs's makedirs would create a missing bucket
+            self.fs.makedirs(os.fspath(path), exist_ok=True)
 
     def exists(self, path: str | os.PathLike) -> bool:
         return self.fs.exists(os.fspath(path))
@@ -65,7 +67,9 @@ class _FsspecFileSystem(_AnyPathFileSystem):
 
 
 def dcp_filesystem(storage: Storage) -> FileSystemBase:
-    return FileSystem() if storage.is_local else _FsspecFileSystem(storage.fs)
+    if storage.is_local:
+        return FileSystem()
+    return _FsspecFileSystem(storage.fs, dirs=not storage.object_store)
 
 
 class DelegatingFileSystem(_AnyPathFileSystem):

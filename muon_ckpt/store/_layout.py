@@ -2,7 +2,9 @@
 
 Layout::
 
-    <url>/step-00000500/            one directory per step (8 digits, zero-padded)
+    <url>/lease.json                the write lease: one writer per run (``_lease``)
+    <url>/step-00000500/            one directory per step: ``step-`` and exactly 8 digits;
+                                    any other name is ignored (``ls`` reports it)
         .metadata, __0_0.distcp ... DCP files, written first
         manifest.json               written LAST, by rank 0, after every rank finished:
                                     the commit marker. A step without it does not exist.
@@ -32,16 +34,32 @@ FORMAT = "muon-ckpt"
 FORMAT_VERSION = 1
 KEY_FORMAT_VERSION = 1
 
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
+MAX_STEP = 10**8 - 1  # 8 digits
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest is read up to this size, no further
+
+_STEP_RE = re.compile(r"^step-(\d{8})$")
+# A file of a step: one plain name inside the step directory (DCP writes no subdirectories).
+_FILE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
+_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
 
 
 def step_dirname(step: int) -> str:
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be in [0, {MAX_STEP}] (8 digits), got {step}")
     return f"{STEP_PREFIX}{step:08d}"
 
 
 def parse_step_dirname(name: str) -> int | None:
+    """The step of a canonical step directory name (``step-`` and exactly 8 digits), else
+    None: ``step-000000009`` is not step 9."""
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def is_file_name(name: str) -> bool:
+    """A name a checkpoint may refer to: one plain relative name inside its step directory
+    (no ``/``, no ``..``, not absolute)."""
+    return isinstance(name, str) and name not in (".", "..") and bool(_FILE_RE.match(name))
 
 
 def model_key(fqn: str) -> str:
@@ -93,7 +111,7 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
         try:
-            d = json.loads(data)
+            d = json.loads(data)  # nesting is bounded: too deep raises RecursionError
             if d.get("format") != FORMAT:
                 raise ValueError(f"format is {d.get('format')!r}, expected {FORMAT!r}")
             if int(d["format_version"]) > FORMAT_VERSION:
@@ -101,7 +119,7 @@ class Manifest:
                     f"format_version {d['format_version']} is newer than this muon-ckpt "
                     f"understands ({FORMAT_VERSION}); upgrade muon-ckpt"
                 )
-            files = {k: FileEntry(int(v["size"]), str(v["crc32"])) for k, v in d["files"].items()}
+            files = {k: _file_entry(k, v) for k, v in d["files"].items()}
             return cls(
                 step=int(d["step"]),
                 world_size=int(d["world_size"]),
@@ -114,8 +132,22 @@ class Manifest:
                 key_format_version=int(d.get("key_format_version", 1)),
                 extra=dict(d.get("extra", {})),
             )
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CheckpointCorruptError(
                 f"{where}: manifest is unreadable ({e}); the step cannot be trusted. "
                 "Load another step (muon-ckpt ls lists them) or delete this one"
             ) from e
+
+
+def _file_entry(name: str, v: Any) -> FileEntry:
+    if not is_file_name(name) or name == MANIFEST:
+        raise ValueError(
+            f"it lists the file {name[:80]!r}: a checkpoint holds plain file names inside "
+            "its step directory only (no '/', '..' or absolute paths)"
+        )
+    size, crc = v["size"], v["crc32"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ValueError(f"file {name!r}: size {size!r} is not an int >= 0")
+    if not isinstance(crc, str) or not _CRC_RE.match(crc):
+        raise ValueError(f"file {name!r}: crc32 {crc!r} is not 8 hex digits")
+    return FileEntry(size, crc)

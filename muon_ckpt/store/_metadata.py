@@ -23,8 +23,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt.store._layout import MANIFEST, METADATA, is_file_name
 
-__all__ = ["bytes_keys", "parse_metadata", "tensor_entries"]
+__all__ = ["bytes_keys", "check_paths", "parse_metadata", "tensor_entries"]
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}
@@ -68,6 +69,27 @@ def parse_metadata(data: bytes, where: str) -> Metadata:
     if not isinstance(md, Metadata):
         raise CheckpointCorruptError(f"{where}: not DCP metadata (found {type(md).__name__})")
     return md
+
+
+def check_paths(md: Metadata, allowed: set[str] | None, where: str) -> None:
+    """Every file the metadata points DCP at must be a plain name inside the checkpoint's
+    directory and, with a manifest, one it lists (``allowed``): a crafted ``.metadata`` must
+    not send a load, export or import to ``../x``, ``/other/bucket/x`` or an unlisted,
+    unchecksummed file."""
+    for info in (md.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        ok = is_file_name(name) and name not in (MANIFEST, METADATA)
+        if ok and allowed is not None and name not in allowed:
+            raise CheckpointCorruptError(
+                f"{where}: refers to the file {name!r}, which the manifest does not list; the "
+                "step was not written by one save and cannot be trusted. Load another step"
+            )
+        if not ok:
+            raise CheckpointCorruptError(
+                f"{where}: refers to the file {str(name)[:200]!r}, outside the checkpoint's "
+                "directory (a checkpoint refers to plain file names beside its .metadata "
+                "only); it cannot be trusted and is not read. Load another step"
+            )
 
 
 def tensor_entries(md: Metadata) -> dict[str, TensorStorageMetadata]:

@@ -1,0 +1,116 @@
+"""Open a checkpoint root and find its problems at once: ``open_storage``.
+
+At construction, not at the first save an hour later: a malformed URL (``s3:/x``, an unknown
+scheme) or storage options the filesystem does not accept are a ``ValueError``; missing
+credentials, an unreachable endpoint, a missing bucket or a refused access are a
+``CheckpointStorageError`` naming what to fix. The probe is one cheap request (S3: HEAD of the
+bucket), sent once, with a short timeout and no retries. A missing bucket is never created.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from muon_ckpt._errors import CheckpointError, CheckpointStorageError
+from muon_ckpt.store._storage import DEFAULT_TIMEOUT, Storage, bad_options, is_storage_failure
+
+__all__ = ["open_storage"]
+
+_PROBE_TIMEOUT = 5.0  # seconds: the probe's connect and read timeout
+# A scheme of 2+ characters followed by ':' but not '://' ("s3:/ckpt", "gs:bucket").
+_HALF_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)(.*)$")
+
+
+def _check_url(field: str, url: str) -> None:
+    m = _HALF_URL.match(url)
+    if m is not None:
+        scheme, rest = m.groups()
+        raise ValueError(
+            f"{field} {url!r} is not a valid URL: the scheme {scheme!r} must be followed by "
+            f"'://' (did you mean {scheme}://{rest.lstrip('/')}?). A local path whose first "
+            f"part holds ':' can be written ./{url}"
+        )
+
+
+def _probe_options(options: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+    cfg = dict(options.get("config_kwargs") or {})
+    bound = min(_PROBE_TIMEOUT, timeout or _PROBE_TIMEOUT)
+    cfg["connect_timeout"] = min(float(cfg.get("connect_timeout", bound)), bound)
+    cfg["read_timeout"] = min(float(cfg.get("read_timeout", bound)), bound)
+    cfg["retries"] = {"total_max_attempts": 1}  # one attempt, no retry
+    return {**options, "config_kwargs": cfg, "skip_instance_cache": True}
+
+
+def _explain(e: BaseException, url: str, bucket: str, options: dict[str, Any]) -> Exception:
+    name = type(e).__name__
+    endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get(
+        "endpoint_url", "the default endpoint"
+    )
+    if isinstance(e, TypeError):
+        return bad_options(url, options, e)
+    if name == "NoCredentialsError" or "credentials" in str(e).lower():
+        return CheckpointStorageError(
+            f"{url!r}: no credentials for the storage ({name}: {e}); pass them in "
+            "storage_options (key=, secret=), the environment (AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY) or a profile"
+        )
+    if isinstance(e, FileNotFoundError):
+        return CheckpointStorageError(
+            f"{url!r}: the bucket {bucket!r} does not exist at {endpoint}; create it first "
+            "(muon-ckpt never creates buckets) or fix the URL"
+        )
+    if isinstance(e, PermissionError):
+        return CheckpointStorageError(
+            f"{url!r}: access to the bucket {bucket!r} is denied ({e}); check the credentials "
+            "and the bucket's policy"
+        )
+    if "Connect" in name or "Endpoint" in name or "Timeout" in name:
+        return CheckpointStorageError(
+            f"{url!r}: cannot reach the storage at {endpoint} ({name}: {e}); check "
+            "endpoint_url and the network"
+        )
+    return CheckpointStorageError(f"{url!r}: the storage refused a first request ({name}: {e})")
+
+
+def open_storage(
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    field: str = "url",
+    timeout: float | None = DEFAULT_TIMEOUT,
+    probe: bool = True,
+) -> Storage:
+    """The Storage of checkpoint root ``url``, checked: ValueError for a malformed URL or
+    options (naming ``field``), CheckpointStorageError when the storage cannot be used
+    (``probe``: one request to the bucket of an object store)."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{field} must be a non-empty string, got {url!r}")
+    _check_url(field, url)
+    options = dict(storage_options or {})
+    try:
+        storage = Storage(url, options, timeout=timeout)
+    except ValueError as e:
+        raise ValueError(f"{field}: {e}") from e
+    if probe and storage.object_store:
+        bucket = storage.root.strip("/").split("/", 1)[0]
+        try:
+            tester = Storage(url, _probe_options(options, timeout), timeout=None)
+            tester.fs.retries = 1  # s3fs: no retries of its own for the probe
+            if hasattr(tester.fs, "call_s3"):
+                tester.fs.call_s3("head_bucket", Bucket=bucket)
+            else:
+                tester.fs.info(bucket)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            if isinstance(e, TypeError) or is_storage_failure(e):
+                raise _explain(e, url, bucket, options) from e
+            raise
+    try:
+        storage.check_root()
+    except CheckpointStorageError:
+        raise
+    except CheckpointError as e:
+        raise ValueError(f"{field} must be a directory or bucket prefix, got {url!r}: {e}") from e
+    return storage

@@ -1,0 +1,177 @@
+"""Readers over the catalog for the CLI and interop: ``resolve`` a URL to one checkpoint
+directory, ``verify`` every file of a step, ``prune`` old steps."""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass, field
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from muon_ckpt._errors import CheckpointNotFoundError
+from muon_ckpt._progress import progress_bar
+from muon_ckpt.store._catalog import (
+    CORRUPT,
+    UNCOMMITTED,
+    Catalog,
+    check_files,
+    read_manifest,
+)
+from muon_ckpt.store._checksum import file_checksum
+from muon_ckpt.store._layout import MANIFEST, METADATA, Manifest, parse_step_dirname, step_dirname
+from muon_ckpt.store._metadata import check_paths, parse_metadata
+from muon_ckpt.store._storage import Storage
+
+__all__ = ["PruneResult", "Resolved", "VerifyResult", "prune", "resolve", "verify"]
+
+MAX_PLAIN_METADATA = 1 << 30  # a plain DCP directory's .metadata (no manifest to bound it)
+
+
+@dataclass
+class Resolved:
+    """A checkpoint directory: ``storage`` + ``parts`` (the step dir), its manifest when it is
+    a muon-ckpt step (None for a plain DCP directory)."""
+
+    storage: Storage
+    parts: tuple[str, ...]
+    step: int | None
+    manifest: Manifest | None
+
+    @property
+    def url(self) -> str:
+        return self.storage.url_of(*self.parts)
+
+    @property
+    def kind(self) -> str:
+        return "muon-ckpt" if self.manifest is not None else "dcp"
+
+    def metadata(self) -> Metadata:
+        """The DCP metadata; for a muon-ckpt step after checking every file's size and the
+        metadata's checksum against the manifest."""
+        if self.manifest is not None:
+            return check_files(self.storage, self.parts, self.manifest)
+        where = self.storage.url_of(*self.parts, METADATA)
+        try:
+            data = self.storage.read_bytes(*self.parts, METADATA, limit=MAX_PLAIN_METADATA)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(f"{where}: no DCP metadata; not a checkpoint") from e
+        md = parse_metadata(data, where)
+        check_paths(md, None, where)
+        return md
+
+
+def resolve(storage: Storage, step: int | None = None) -> Resolved:
+    """The checkpoint at ``storage``'s root: a run root (newest committed step, or ``step``),
+    one step directory, or a plain DCP directory (no manifest)."""
+    storage.check_root()
+    root_name = posixpath.basename(storage.root.rstrip("/"))
+    own = parse_step_dirname(root_name)
+    if storage.exists(MANIFEST):
+        m = read_manifest(storage, "", own)
+        if step is not None and step != m.step:
+            raise CheckpointNotFoundError(
+                f"{storage.url!r} is the directory of step {m.step}, not step {step}; give "
+                "the run's root URL to choose a step"
+            )
+        return Resolved(storage, (), m.step, m)
+    if storage.exists(METADATA):
+        if own is not None:
+            raise CheckpointNotFoundError(
+                f"{storage.url!r}: step {own} has no {MANIFEST}, so it was never committed "
+                "(a save crashed or is still running); use a committed step"
+            )
+        if step is not None:
+            raise CheckpointNotFoundError(
+                f"{storage.url!r} is a plain DCP checkpoint with no steps; drop --step/step="
+            )
+        return Resolved(storage, (), None, None)
+    cat = Catalog(storage)
+    infos = cat.scan()
+    if not infos:
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {storage.url!r}: no step-* directory, {MANIFEST} or DCP "
+            f"{METADATA} there"
+        )
+    committed = [s.step for s in infos if s.committed]
+    if step is None and not committed:
+        raise CheckpointNotFoundError(
+            f"no committed step at {storage.url!r}: {len(infos)} step dir(s), none "
+            f"committed ({', '.join(f'{s.step}: {s.status}' for s in infos)}); nothing to read"
+        )
+    step = committed[-1] if step is None else step
+    return Resolved(storage, (step_dirname(step),), step, cat.manifest(step))
+
+
+@dataclass
+class VerifyResult:
+    checked: int = 0
+    bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
+    """Check every file of the manifest for presence, size and crc32."""
+    if r.manifest is None:
+        raise CheckpointNotFoundError(
+            f"{r.url!r} has no {MANIFEST}: only muon-ckpt checkpoints can be verified"
+        )
+    st, res = r.storage, VerifyResult()
+    infos = st.walk_info(*r.parts)
+    present = {n: int(i.get("size") or 0) for n, i in infos.items()}
+    res.unexpected = sorted(set(present) - set(r.manifest.files) - {MANIFEST})
+    total = sum(e.size for e in r.manifest.files.values())
+    with progress_bar(total, f"verify step {r.step}", enabled=progress) as bar:
+        for name, entry in sorted(r.manifest.files.items()):
+            res.checked += 1
+            if name not in present:
+                res.problems.append(f"{name}: missing (manifest: {entry.size} bytes)")
+                continue
+            if infos[name].get("type") != "file" or infos[name].get("islink"):
+                res.problems.append(f"{name}: not a regular file (a link, FIFO or device)")
+                continue
+            if present[name] != entry.size:
+                res.problems.append(
+                    f"{name}: size {present[name]} bytes, manifest says {entry.size}"
+                )
+                bar.update(entry.size)
+                continue
+            with st.open(*r.parts, name) as f:
+                size, crc = file_checksum(f, bar.update)
+            res.bytes += size
+            if crc != entry.crc32:
+                res.problems.append(
+                    f"{name}: crc32 {crc}, manifest says {entry.crc32} (content changed)"
+                )
+    return res
+
+
+@dataclass
+class PruneResult:
+    deleted: list[int]
+    kept: list[int]
+    leftovers: list[int]  # step dirs without a manifest: reported, never deleted here
+    corrupt: list[int]  # step dirs with an invalid manifest: reported, never deleted here
+
+
+def prune(storage: Storage, keep: int, *, dry_run: bool = False) -> PruneResult:
+    """Delete committed steps but the newest ``keep`` (never the newest one)."""
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ValueError(
+            f"keep must be an int >= 1 (the newest step is never pruned), got {keep!r}"
+        )
+    cat = Catalog(storage)
+    infos = cat.scan()
+    committed = [s.step for s in infos if s.committed]
+    doomed, kept = committed[:-keep], committed[-keep:]
+    if not dry_run:
+        for s in doomed:
+            cat.delete(s)
+    by = {
+        status: [s.step for s in infos if s.status == status] for status in (UNCOMMITTED, CORRUPT)
+    }
+    return PruneResult(doomed, kept, by[UNCOMMITTED], by[CORRUPT])
