@@ -8,7 +8,14 @@ from typing import Any
 
 __all__ = ["ManagerConfig"]
 
-VERIFY_MODES = ("crc32", "size")
+# "checksum": sizes and the manifest's checksums (CRC32C, or zlib crc32 in older manifests) of
+# every file read; "crc32" is its name before CRC32C, still accepted; "size": sizes only.
+VERIFY_MODES = ("checksum", "crc32", "size")
+
+
+def checks_content(verify: str) -> bool:
+    """Whether ``verify`` (one of VERIFY_MODES) checks checksums, not just sizes."""
+    return verify != "size"
 
 
 def _is_int(v: Any) -> bool:
@@ -26,7 +33,8 @@ class ManagerConfig:
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
         resume_from: a URL (or ``(url, step)``) to load from while ``url`` has no committed step.
         io_threads: files written / read in parallel per rank.
-        verify: ``"crc32"`` (sizes and checksums of every file read) or ``"size"`` (sizes only).
+        verify: ``"checksum"`` (sizes and checksums of every file read; ``"crc32"``, its
+            former name, means the same) or ``"size"`` (sizes only).
         async_save: ``save()`` returns after the snapshot; write and commit run in the
             background.
         max_staging_bytes: bound on the host memory a save's snapshot may hold (None: none).
@@ -41,7 +49,7 @@ class ManagerConfig:
     storage_options: dict[str, Any] | None = None
     resume_from: str | tuple[str, int] | None = None
     io_threads: int = 4
-    verify: str = "crc32"
+    verify: str = "checksum"
     async_save: bool = False
     max_staging_bytes: int | None = None
     collective_timeout: float = 600.0

@@ -31,7 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import muon_ckpt._collective as coll
-from muon_ckpt._config import ManagerConfig
+from muon_ckpt._config import ManagerConfig, checks_content
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from muon_ckpt._flatten import (
     PARTS,
@@ -104,8 +104,8 @@ class CheckpointManager:
             while ``url`` has no committed step yet.
         resume_storage_options: fsspec options for ``resume_from`` (default: ``storage_options``).
         io_threads: files written and read in parallel per rank.
-        verify: ``"crc32"`` checks size and checksum of every file a load reads; ``"size"`` only
-            sizes.
+        verify: ``"checksum"`` checks size and checksums (CRC32C) of every file a load reads
+            (``"crc32"``, its former name, means the same); ``"size"`` only sizes.
         async_save: ``save()`` returns once the state is snapshotted; the write and the commit
             run in the background (``wait()`` for them).
         max_staging_bytes: host memory a snapshot may hold; a save that needs more runs
@@ -132,7 +132,7 @@ class CheckpointManager:
         resume_from: str | tuple[str, int] | None = None,
         resume_storage_options: dict[str, Any] | None = None,
         io_threads: int = 4,
-        verify: str = "crc32",
+        verify: str = "checksum",
         async_save: bool = False,
         max_staging_bytes: int | None = None,
         collective_timeout: float = 600.0,
@@ -555,7 +555,7 @@ class CheckpointManager:
             rank=coll.rank(),
             world_size=coll.world_size(),
             io_threads=self.config.io_threads,
-            verify_crc=self.config.verify == "crc32",
+            verify_crc=checks_content(self.config.verify),
         )
         try:
             dcp.load(

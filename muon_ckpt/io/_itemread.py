@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._tensors import tensor_bytes
-from muon_ckpt.store import update
+from muon_ckpt.store import Checksum
 from offload import pinned_empty
 
 # Bytes per pread (and per crc32 call): big enough that syscalls cost nothing, small enough
@@ -247,15 +247,18 @@ def _narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
 
 
 class FileLoad:
-    """Loads the requested items of one local file; with ``verify``, also checksums it all.
+    """Loads the requested items of one local file; with ``checksum``, also checksums it all.
 
-    ``where`` names the file in errors. Call :meth:`run`; it returns ``(size, crc32)`` of the
-    whole file when verifying (the caller compares them with the manifest), else None.
+    ``where`` names the file in errors. Call :meth:`run`; it returns ``checksum`` over the
+    whole file when verifying (the caller compares it with the manifest), else None.
     """
 
-    def __init__(self, path: str, where: str, planner: LoadPlanner, verify: bool) -> None:
-        self._path, self._where, self._planner, self._verify = path, where, planner, verify
-        self._crc, self._pos = 0, 0
+    def __init__(
+        self, path: str, where: str, planner: LoadPlanner, checksum: Checksum | None
+    ) -> None:
+        self._path, self._where, self._planner = path, where, planner
+        self._sum, self._verify = checksum, checksum is not None
+        self._pos = 0
         self._chunk: bytearray | None = None
         self._whole: bytearray | None = None
         self._pinned_bufs: list[tuple[torch.Tensor, memoryview, Any]] = []
@@ -277,10 +280,10 @@ class FileLoad:
     def _take(self, fd: int, mv: memoryview, offset: int) -> None:
         """Read ``mv`` from ``offset``; checksum it when verifying (offsets come in order)."""
         self._pread(fd, mv, offset)
-        if self._verify:
+        if self._sum is not None:
             if offset != self._pos:
                 raise AssertionError(f"crc out of order: at {self._pos}, read at {offset}")
-            self._crc = update(self._crc, mv)
+            self._sum.update(mv)
             self._pos = offset + len(mv)
 
     def _chunk_buf(self) -> memoryview:
@@ -420,7 +423,7 @@ class FileLoad:
         if self._verify:
             self._take_discard(fd, tail_at, offset + length)
 
-    def run(self, items: dict[int, tuple[int, list[ReadItem]]]) -> tuple[int, int] | None:
+    def run(self, items: dict[int, tuple[int, list[ReadItem]]]) -> Checksum | None:
         """``items``: stored item offset -> (its length, the read items it serves)."""
         fd = os.open(self._path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -436,10 +439,10 @@ class FileLoad:
                 if self._verify:
                     self._take_discard(fd, self._pos, off)
                 self._load_item(fd, off, length, reqs)
-            if not self._verify:
+            if self._sum is None:
                 return None
             self._take_discard(fd, self._pos, size)
-            return self._pos, self._crc
+            return self._sum
         finally:
             self._drain()
             os.close(fd)

@@ -1,7 +1,7 @@
 """Remote reads of ``VerifyingReader`` (object stores and other non-local fsspec filesystems).
 
 With checksums (``stream=True``): a file this rank reads completely is read front to back by a
-worker thread, one stored blob at a time, chaining the crc32; the calling thread hands each
+worker thread, one stored blob at a time, chaining the checksum; the calling thread hands each
 blob to DCP as it arrives (through ``ServingFileSystem``, which serves DCP's read stream from
 the blob already in memory). A file needed only in part is read by DCP in slices; the files
 this rank checks but does not stream are checksummed by workers meanwhile.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt.io._tasks import prefer_corruption, run_all
-from muon_ckpt.store import DelegatingFileSystem, Storage, crc_hex, dcp_filesystem, update
+from muon_ckpt.store import DelegatingFileSystem, Storage, dcp_filesystem
 
 if TYPE_CHECKING:
     from muon_ckpt.io._reader import VerifyingReader
@@ -163,16 +163,16 @@ def _stream_files(
 
     def produce(name: str) -> None:
         try:
-            crc, size = 0, 0
+            got = r.checksum(name)
             with r.step.open(name) as f:
                 for off in sorted(slices[name]):
                     if stop.is_set():
                         return
                     data = f.read(lengths[(name, off)])
-                    crc, size = update(crc, data), size + len(data)
+                    got.update(data)
                     put((name, off, data, None))
-                size += len(f.read(1))  # anything past the manifest's size
-            r.check(name, size, crc_hex(crc))
+                got.update(f.read(1))  # anything past the manifest's size
+            r.check(name, got)
             put((name, -1, None, None))
         except BaseException as e:
             put((name, -1, None, e))

@@ -17,7 +17,15 @@ from muon_ckpt.store._catalog import (
     resolve,
     verify,
 )
-from muon_ckpt.store._checksum import crc_hex, file_checksum, update
+from muon_ckpt.store._checksum import (
+    CHUNK_BYTES,
+    Checksum,
+    check_chunks,
+    chunk_span,
+    crc_hex,
+    file_checksum,
+)
+from muon_ckpt.store._crc import implementation as crc32c_implementation
 from muon_ckpt.store._dcpfs import DelegatingFileSystem, dcp_filesystem
 from muon_ckpt.store._layout import (
     KEY_FORMAT_VERSION,
@@ -37,6 +45,7 @@ from muon_ckpt.store._metadata import bytes_keys, parse_metadata, tensor_entries
 from muon_ckpt.store._storage import Storage
 
 __all__ = [
+    "CHUNK_BYTES",
     "COMMITTED",
     "CORRUPT",
     "KEY_FORMAT_VERSION",
@@ -44,6 +53,7 @@ __all__ = [
     "METADATA",
     "UNCOMMITTED",
     "Catalog",
+    "Checksum",
     "DelegatingFileSystem",
     "FileEntry",
     "Manifest",
@@ -52,6 +62,9 @@ __all__ = [
     "Storage",
     "VerifyResult",
     "bytes_keys",
+    "check_chunks",
+    "chunk_span",
+    "crc32c_implementation",
     "crc_hex",
     "dcp_filesystem",
     "extra_key",
@@ -66,6 +79,5 @@ __all__ = [
     "resolve",
     "step_dirname",
     "tensor_entries",
-    "update",
     "verify",
 ]

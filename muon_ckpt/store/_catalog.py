@@ -12,7 +12,7 @@ A step directory ``step-XXXXXXXX`` is
   by the next save.
 
 Commit protocol: every rank's files are closed (and fsynced, locally) before rank 0 writes
-the manifest, LAST, with every file's size and crc32. Deleting a step removes the manifest
+the manifest, LAST, with every file's size and checksums. Deleting a step removes the manifest
 FIRST, so a crash while deleting leaves an uncommitted directory, never a committed step with
 missing files. Writing operations run on rank 0 only; the manager broadcasts the outcome.
 """
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
 from muon_ckpt._progress import progress_bar
 from muon_ckpt._version import __version__
-from muon_ckpt.store._checksum import crc_hex, file_checksum, update
+from muon_ckpt.store._checksum import Checksum, file_checksum
 from muon_ckpt.store._layout import (
     MANIFEST,
     METADATA,
@@ -250,11 +250,12 @@ def check_files(storage: Storage, parts: tuple[str, ...], m: Manifest) -> Metada
     if md_entry is None:
         raise CheckpointCorruptError(f"{storage.url_of(*parts, MANIFEST)}: lists no {METADATA}")
     data = storage.read_bytes(*parts, METADATA)
-    crc = crc_hex(update(0, data))
-    if len(data) != md_entry.size or crc != md_entry.crc32:
+    got = Checksum.like(md_entry, where)
+    got.update(data)
+    if len(data) != md_entry.size or got.hexdigest() != md_entry.digest:
         raise CheckpointCorruptError(
-            f"{where}: crc32 {crc} ({len(data)} bytes), the manifest says {md_entry.crc32} "
-            f"({md_entry.size} bytes); load another step"
+            f"{where}: {md_entry.algorithm} {got.hexdigest()} ({len(data)} bytes), the "
+            f"manifest says {md_entry.digest} ({md_entry.size} bytes); load another step"
         )
     return parse_metadata(data, where)
 
@@ -345,7 +346,7 @@ class VerifyResult:
 
 
 def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
-    """Check every file of the manifest for presence, size and crc32."""
+    """Check every file of the manifest for presence, size and checksums."""
     if r.manifest is None:
         raise CheckpointNotFoundError(
             f"{r.url!r} has no {MANIFEST}: only muon-ckpt checkpoints can be verified"
@@ -367,13 +368,22 @@ def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
                 bar.update(entry.size)
                 continue
             with st.open(*r.parts, name) as f:
-                size, crc = file_checksum(f, bar.update)
-            res.bytes += size
-            if crc != entry.crc32:
-                res.problems.append(
-                    f"{name}: crc32 {crc}, manifest says {entry.crc32} (content changed)"
-                )
+                got = file_checksum(f, entry, bar.update, st.url_of(*r.parts, name))
+            res.bytes += got.size
+            if got.hexdigest() != entry.digest:
+                res.problems.append(f"{name}: {_differs(got.hexdigest(), entry)} (content changed)")
     return res
+
+
+def _differs(digest: str, entry: FileEntry) -> str:
+    """How ``digest`` differs from ``entry``'s checksums, briefly."""
+    if entry.chunk_bytes is None:
+        return f"{entry.algorithm} {digest}, manifest says {entry.digest}"
+    bad = [i for i in range(0, len(digest), 8) if digest[i : i + 8] != entry.digest[i : i + 8]]
+    c = entry.chunk_bytes
+    spans = ", ".join(f"{i // 8 * c}-{min(entry.size, (i // 8 + 1) * c)}" for i in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return f"{entry.algorithm} of {len(bad)} chunk(s) differs from the manifest's (bytes {spans}{more})"
 
 
 @dataclass

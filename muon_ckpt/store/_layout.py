@@ -29,7 +29,7 @@ STEP_PREFIX = "step-"
 MANIFEST = "manifest.json"
 METADATA = ".metadata"  # DCP's own metadata file, in every step directory
 FORMAT = "muon-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CRC32C (or crc32) per 4 MiB chunk; 1: one zlib crc32 per file
 KEY_FORMAT_VERSION = 1
 
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
@@ -66,8 +66,42 @@ def rank_extra_key(rank: int, name: str) -> str:
 
 @dataclass
 class FileEntry:
+    """A stored file's size and checksums: 8 hex digits per chunk of ``chunk_bytes`` bytes
+    (None: one checksum of the whole file, format 1), in ``crc32c`` (CRC32C, the default)
+    or ``crc32`` (zlib's; format 1, or saves without a CRC32C package). One of them is set."""
+
     size: int
-    crc32: str  # 8 hex digits of zlib.crc32
+    crc32: str | None = None
+    crc32c: str | None = None
+    chunk_bytes: int | None = None
+
+    @property
+    def algorithm(self) -> str:
+        return "crc32c" if self.crc32c is not None else "crc32"
+
+    @property
+    def digest(self) -> str:
+        return self.crc32c if self.crc32c is not None else (self.crc32 or "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FileEntry:
+        size = int(d["size"])
+        chunk = None if d.get("chunk_bytes") is None else int(d["chunk_bytes"])
+        sums = [k for k in ("crc32c", "crc32") if d.get(k) is not None]
+        if len(sums) != 1:
+            raise ValueError(f"a file entry needs one of crc32c or crc32, found {sorted(d)}")
+        digest = str(d[sums[0]])
+        count = 1 if chunk is None else max(1, -(-size // chunk))
+        if size < 0 or (chunk is not None and chunk < 1) or len(digest) != 8 * count:
+            raise ValueError(
+                f"a file of {size} bytes in chunks of {chunk} needs {count} checksum(s) of 8 "
+                f"hex digits, found {len(digest)} digits"
+            )
+        int(digest or "0", 16)  # hex only
+        return cls(size, chunk_bytes=chunk, **{sums[0]: digest})
 
 
 @dataclass
@@ -84,7 +118,9 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+        d = asdict(self)
+        d["files"] = {k: v.to_dict() for k, v in self.files.items()}
+        return json.dumps(d, indent=1, sort_keys=True).encode()
 
     @property
     def total_bytes(self) -> int:
@@ -101,7 +137,7 @@ class Manifest:
                     f"format_version {d['format_version']} is newer than this muon-ckpt "
                     f"understands ({FORMAT_VERSION}); upgrade muon-ckpt"
                 )
-            files = {k: FileEntry(int(v["size"]), str(v["crc32"])) for k, v in d["files"].items()}
+            files = {k: FileEntry.from_dict(v) for k, v in d["files"].items()}
             return cls(
                 step=int(d["step"]),
                 world_size=int(d["world_size"]),
