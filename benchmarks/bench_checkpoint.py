@@ -46,7 +46,8 @@ from torch import nn
 from muon_ckpt import CheckpointManager
 from muon_ckpt._flatten import FlatState
 from muon_ckpt.io._writeback import start_writeback
-from muon_ckpt.store import Storage
+from muon_ckpt.store import Storage, crc32c_implementation
+from muon_ckpt.store._crc import write_algorithm
 from optim.muon import Muon
 
 GiB = 1 << 30
@@ -140,7 +141,7 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds of every variant")
-    ap.add_argument("--verify", choices=["crc32", "size"], default="crc32")
+    ap.add_argument("--verify", choices=["checksum", "crc32", "size"], default="checksum")
     args = ap.parse_args()
 
     server, opts = None, {}
@@ -162,7 +163,8 @@ def main() -> None:
     T = args.io_threads
     print(
         f"state: {len(tensors)} tensors, {nbytes / GiB:.2f} GiB on {args.device}; url {url}; "
-        f"io_threads={T}; verify={args.verify}; torch {torch.__version__}"
+        f"io_threads={T}; verify={args.verify}; torch {torch.__version__}; checksums: "
+        f"{write_algorithm()} (CRC32C implementation: {crc32c_implementation()})"
     )
 
     def clean() -> None:

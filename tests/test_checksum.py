@@ -1,4 +1,4 @@
-"""Checksums: CRC32C per 4 MiB chunk in new manifests (format 2), with a warned fallback when no
+"""Checksums: CRC32C per 1 MiB chunk in new manifests (format 2), with a warned fallback when no
 CRC32C package is installed; checkpoints of format 1 (one zlib crc32 per file, the fixture
 ``tests/fixtures/v1_crc32`` written by muon-ckpt 0.2.0) still load and verify."""
 

@@ -76,9 +76,9 @@ def test_manifest_lists_every_file_with_size_and_crc32c_per_chunk(storage_url):
     for name, entry in manifest["files"].items():
         data = st.read_bytes("step-00000002", name)
         assert entry["size"] == len(data) == on_disk[name]
-        # CRC32C of each 4 MiB chunk, by the crc32c package directly (format 2).
+        # CRC32C of each 1 MiB chunk, by the crc32c package directly (format 2).
         chunk = entry["chunk_bytes"]
-        assert chunk == 4 << 20 and "crc32" not in entry
+        assert chunk == 1 << 20 and "crc32" not in entry
         want = "".join(
             f"{crc32c.crc32c(data[i : i + chunk]):08x}" for i in range(0, max(1, len(data)), chunk)
         )

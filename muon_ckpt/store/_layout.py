@@ -29,7 +29,7 @@ STEP_PREFIX = "step-"
 MANIFEST = "manifest.json"
 METADATA = ".metadata"  # DCP's own metadata file, in every step directory
 FORMAT = "muon-ckpt"
-FORMAT_VERSION = 2  # 2: CRC32C (or crc32) per 4 MiB chunk; 1: one zlib crc32 per file
+FORMAT_VERSION = 2  # 2: CRC32C (or crc32) per 1 MiB chunk; 1: one zlib crc32 per file
 KEY_FORMAT_VERSION = 1
 
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
