@@ -203,6 +203,9 @@ class CheckpointManager:
         self.last_load_timings: dict[str, float] = {}
         # What the last load left out (load(strict=False)); empty after a strict load.
         self.last_load_report = LoadReport()
+        # Bytes the last load read from local files on this rank (data, checks and the
+        # parsing of items; remote reads are not counted yet).
+        self.last_load_bytes_read = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -570,6 +573,7 @@ class CheckpointManager:
         except RuntimeError as e:  # DCP's own collectives: a rank died or stopped answering
             raise coll.comm_failure(e, f"loading {where}") from e
         self.last_load_timings.update(dcp_load=time.perf_counter() - t0, **reader.timings)
+        self.last_load_bytes_read = reader.bytes_read
         opt = self._optimizer if "optim" in parts else None
         flat.apply_loaded(opt, where, report, strict=strict)
 

@@ -74,6 +74,7 @@ class VerifyingReader(FileSystemReader):
         self._checked: set[str] = set()
         self._lock = threading.Lock()
         self.timings: dict[str, float] = {}  # "read": wall time of read_data
+        self.bytes_read = 0  # local files: bytes this reader read from storage
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         # Already read (and checked) by the caller: no second round trip.
@@ -135,13 +136,19 @@ class VerifyingReader(FileSystemReader):
                 "restore this file"
             )
 
+    def count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+
     def fetch_and_check(self, name: str) -> None:
         """Read ``name`` whole only to check its size and checksums."""
         want = self.entry(name)
         if want is None:
             return
         with self.step.open(name) as f:
-            self.check(name, file_checksum(f, want, where=self.where(name)))
+            got = file_checksum(f, want, where=self.where(name))
+        self.count(got.size)
+        self.check(name, got)
 
     def verdict(self, name: str) -> BaseException | None:
         """The corruption of ``name`` if its checksum finds one (for ``prefer_corruption``)."""
@@ -205,9 +212,10 @@ class VerifyingReader(FileSystemReader):
         self, name: str, items: dict[int, tuple[int, list[Any]]], planner: Any, verify: bool
     ) -> None:
         where = self.where(name)
-        load = FileLoad(
-            self.step.path(name), where, planner, self.checksum(name) if verify else None
-        )
+        # Checked whole here, or (another rank checks it whole) only the parts read, by chunk.
+        whole = self.checksum(name) if verify else None
+        part = self.entry(name) if self._verify_crc and not verify else None
+        load = FileLoad(self.step.path(name), where, planner, whole, part)
 
         def run() -> Checksum | None:
             try:
@@ -225,7 +233,10 @@ class VerifyingReader(FileSystemReader):
                     f"{where}: cannot load it: {type(e).__name__}: {e}{hint}"
                 ) from e
 
-        got = prefer_corruption(run, lambda: self.verdict(name))
+        try:
+            got = prefer_corruption(run, lambda: self.verdict(name))
+        finally:
+            self.count(load.bytes_read)
         if got is not None:
             self.check(name, got)
 
