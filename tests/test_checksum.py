@@ -4,6 +4,7 @@ CRC32C package is installed; checkpoints of format 1 (one zlib crc32 per file, t
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -71,6 +72,28 @@ def test_chunked_checksum_is_one_crc32c_per_chunk_whatever_the_write_sizes():
     whole = Checksum("crc32", None)
     whole.update(data)
     assert whole.hexdigest() == f"{zlib.crc32(data):08x}"
+
+
+def test_cut_chunks_are_replayed_from_the_manifest_entry():
+    data = os.urandom(10_000)
+    w = Checksum("crc32c", 4096)
+    w.update(data[:100])
+    w.cut()  # a large write begins: its bytes start a chunk
+    w.update(data[100:9100])
+    w.cut()
+    w.update(data[9100:])
+    entry = FileEntry.from_dict(w.entry().to_dict())
+    assert entry.cuts == [100, 9100]
+    assert entry.chunk_starts() == [0, 100, 4196, 8292, 9100]
+    bounds = [*entry.chunk_starts(), 10_000]
+    want = "".join(f"{crc32c.crc32c(data[a:b]):08x}" for a, b in itertools.pairwise(bounds))
+    assert entry.digest == want
+    r = Checksum.like(entry)
+    r.update(data)  # a reader, in one piece
+    assert r.hexdigest() == want
+    assert chunk_span(entry, 5000, 5100) == (4196, 8292)
+    assert check_chunks(entry, 4196, data[4196:8292]) == []
+    assert check_chunks(entry, 8292, data[8292:] + b"") == []
 
 
 def test_ranged_check_verifies_only_the_chunks_read_and_finds_a_flipped_byte():

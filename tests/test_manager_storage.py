@@ -79,6 +79,7 @@ def test_manifest_lists_every_file_with_size_and_crc32c_per_chunk(storage_url):
         # CRC32C of each 1 MiB chunk, by the crc32c package directly (format 2).
         chunk = entry["chunk_bytes"]
         assert chunk == 1 << 20 and "crc32" not in entry
+        assert "cuts" not in entry  # no write of 64 KiB or more here: the regular 1 MiB grid
         want = "".join(
             f"{crc32c.crc32c(data[i : i + chunk]):08x}" for i in range(0, max(1, len(data)), chunk)
         )

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from muon_ckpt._errors import CheckpointCorruptError
-from muon_ckpt.store import Checksum, FileEntry, chunk_span
+from muon_ckpt.store import FileEntry, check_chunks, chunk_span
 
 __all__ = ["SpanReader"]
 
@@ -29,6 +29,7 @@ class SpanReader:
     def __init__(self, where: str, entry: FileEntry | None, pread: Pread) -> None:
         self._where, self._pread = where, pread
         self._entry = entry if entry is not None and entry.chunk_bytes is not None else None
+        self._starts = self._entry.chunk_starts() if self._entry is not None else [0]
         self._buf = bytearray()
         self._spans: list[tuple[int, int, int]] = []  # (file lo, file hi, buffer offset)
 
@@ -67,19 +68,15 @@ class SpanReader:
         entry = self._entry
         if entry is None or entry.chunk_bytes is None:
             raise AssertionError("checking chunks without a chunked manifest entry")
-        got = Checksum.like(entry, self._where)
-        got.update(data)  # chunk-aligned at ``lo``: the same chunks as the manifest's
-        first = lo // entry.chunk_bytes
-        want = entry.digest[8 * first : 8 * first + len(got.hexdigest())]
-        if got.hexdigest() != want:
-            bad = next(
-                i for i in range(0, len(want), 8) if got.hexdigest()[i : i + 8] != want[i : i + 8]
-            )
-            at = lo + bad // 8 * entry.chunk_bytes
+        bad = check_chunks(entry, lo, data, self._where)  # ``lo``: a chunk's start
+        if bad:
+            starts = self._starts
+            at = starts[bad[0]]
+            end = starts[bad[0] + 1] if bad[0] + 1 < len(starts) else entry.size
             raise CheckpointCorruptError(
                 f"{self._where}: file is corrupt: the {entry.algorithm} of its bytes {at}-"
-                f"{min(entry.size, at + entry.chunk_bytes)} differs from the manifest's. Load "
-                "another step (muon-ckpt ls lists them) or restore this file"
+                f"{end} differs from the manifest's. Load another step (muon-ckpt ls lists "
+                "them) or restore this file"
             )
 
     def view(self, lo: int, hi: int) -> memoryview:

@@ -43,6 +43,10 @@ from muon_ckpt.store import (
 __all__ = ["ChecksumWriter", "FileRecords"]
 
 _PARALLEL_CRC_BYTES = 4 << 20  # buffers at least this big: crc in a helper thread during write
+# Writes at least this big (a tensor's bytes) start and end a checksum chunk: a reader of some
+# of its rows then reads at most one chunk more before them, and the zip records around it
+# (small chunks of their own), not the neighbouring megabytes.
+_CUT_BYTES = 64 << 10
 
 
 _zip_crc_get = getattr(torch.serialization, "get_crc32_options", None)
@@ -155,6 +159,8 @@ class _CrcStream(io.RawIOBase):
     def write(self, b: Any) -> int:
         mv = memoryview(b)
         n = mv.nbytes
+        if n >= _CUT_BYTES:  # a tensor's bytes: a checksum chunk of their own from here
+            self.sum.cut()
         if n >= _PARALLEL_CRC_BYTES:
             flat = mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
             t = threading.Thread(target=self.sum.update, args=(flat,))
@@ -182,6 +188,8 @@ class _CrcStream(io.RawIOBase):
             self.sum.update(mv)
             self.last_write_end = time.perf_counter()
             self._records.add_seconds("write", self.last_write_end - t0)
+        if n >= _CUT_BYTES:
+            self.sum.cut()
         if written is not None and written != n:
             raise OSError(f"short write: {written} of {n} bytes")
         self.size += n

@@ -12,6 +12,7 @@ Writers and readers chain a ``Checksum`` over the bytes they write or read, in o
 
 from __future__ import annotations
 
+import bisect
 import threading
 from typing import Any
 
@@ -43,22 +44,60 @@ def crc_hex(crc: int) -> str:
 
 class Checksum:
     """The running checksum of bytes taken front to back, in the form of a manifest entry:
-    ``algorithm`` (``crc32c``/``crc32``), one CRC per ``chunk_bytes`` (None: one for all)."""
+    ``algorithm`` (``crc32c``/``crc32``), one CRC per chunk of at most ``chunk_bytes`` (None:
+    one for all). Chunks run on a grid of ``chunk_bytes`` that restarts at each cut: a writer
+    cuts (``cut()``) around every large write, so that a stored tensor's bytes start a chunk
+    and the small zip records between tensors form small chunks of their own; a reader
+    replays the recorded ``cuts``. ``start``: the file offset of the first byte taken (a chunk
+    start, for checking a span)."""
 
-    def __init__(self, algorithm: str, chunk_bytes: int | None, where: str = "") -> None:
+    def __init__(
+        self,
+        algorithm: str,
+        chunk_bytes: int | None,
+        where: str = "",
+        cuts: list[int] | None = None,
+        start: int = 0,
+    ) -> None:
         self.algorithm, self.chunk_bytes = algorithm, chunk_bytes
         self._fn = crc_function(algorithm, where)
-        self._crc, self._in_chunk, self.size = 0, 0, 0
+        self._crc, self.size = 0, 0
+        self._pos = self._anchor = start  # file offsets: next byte, current chunk's start
+        self._replay = sorted(cuts) if cuts is not None else None
+        self._ci = 0  # first replayed cut not behind the anchor
+        self.cuts: list[int] = []  # written: where chunks were cut short
         self._done: list[str] = []
 
     @classmethod
-    def like(cls, entry: FileEntry, where: str = "") -> Checksum:
+    def like(cls, entry: FileEntry, where: str = "", start: int = 0) -> Checksum:
         """A checksum computed the way ``entry``'s was (to compare with it)."""
-        return cls(entry.algorithm, entry.chunk_bytes, where)
+        return cls(entry.algorithm, entry.chunk_bytes, where, entry.cuts or [], start)
 
     @classmethod
     def for_writing(cls) -> Checksum:
         return cls(write_algorithm(), CHUNK_BYTES)
+
+    def _chunk_end(self) -> int:
+        if self.chunk_bytes is None:
+            raise AssertionError("no chunks")
+        end = self._anchor + self.chunk_bytes
+        cuts = self._replay
+        if cuts is not None:
+            while self._ci < len(cuts) and cuts[self._ci] <= self._anchor:
+                self._ci += 1
+            if self._ci < len(cuts) and cuts[self._ci] < end:
+                end = cuts[self._ci]
+        return end
+
+    def _finish(self) -> None:
+        self._done.append(crc_hex(self._crc))
+        self._crc, self._anchor = 0, self._pos
+
+    def cut(self) -> None:
+        """End the current chunk here (writers; nothing when it is empty)."""
+        if self.chunk_bytes is not None and self._pos > self._anchor:
+            self.cuts.append(self._pos)
+            self._finish()
 
     def update(self, data: Any) -> None:
         mv = memoryview(data)
@@ -70,31 +109,38 @@ class Checksum:
             self.size += n
             return
         while len(mv):
-            room = self.chunk_bytes - self._in_chunk
-            part = mv[:room]
+            end = self._chunk_end()
+            part = mv[: end - self._pos]
             self._crc = self._fn(self._crc, part)
-            self._in_chunk += len(part)
-            if self._in_chunk == self.chunk_bytes:
-                self._done.append(crc_hex(self._crc))
-                self._crc, self._in_chunk = 0, 0
-            mv = mv[room:]
+            self._pos += len(part)
+            if self._pos == end:
+                self._finish()
+            mv = mv[len(part) :]
         self.size += n  # last: a failed update leaves the size short (the writer checks it)
 
     def hexdigest(self) -> str:
         """8 hex digits per chunk begun (at least one: an empty file has the CRC of nothing)."""
         if self.chunk_bytes is None:
             return crc_hex(self._crc)
-        tail = [crc_hex(self._crc)] if self._in_chunk or not self._done else []
+        tail = [crc_hex(self._crc)] if self._pos > self._anchor or not self._done else []
         return "".join(self._done + tail)
 
     def entry(self) -> FileEntry:
-        return new_entry(self.size, self.algorithm, self.hexdigest(), self.chunk_bytes)
+        return new_entry(
+            self.size, self.algorithm, self.hexdigest(), self.chunk_bytes, self.cuts or None
+        )
 
 
-def new_entry(size: int, algorithm: str, digest: str, chunk_bytes: int | None) -> FileEntry:
+def new_entry(
+    size: int,
+    algorithm: str,
+    digest: str,
+    chunk_bytes: int | None,
+    cuts: list[int] | None = None,
+) -> FileEntry:
     if algorithm == CRC32:
-        return FileEntry(size, crc32=digest, chunk_bytes=chunk_bytes)
-    return FileEntry(size, crc32c=digest, chunk_bytes=chunk_bytes)
+        return FileEntry(size, crc32=digest, chunk_bytes=chunk_bytes, cuts=cuts)
+    return FileEntry(size, crc32c=digest, chunk_bytes=chunk_bytes, cuts=cuts)
 
 
 def _buffer() -> bytearray:
@@ -122,21 +168,20 @@ def file_checksum(f: Any, like: FileEntry, progress: Any = None, where: str = ""
 def chunk_span(entry: FileEntry, start: int, end: int) -> tuple[int, int]:
     """The bytes to read so that ``[start, end)`` can be verified: whole chunks (the whole
     file for an entry without chunks)."""
-    c = entry.chunk_bytes
-    if c is None:
+    if entry.chunk_bytes is None:
         return 0, entry.size
-    return start - start % c, min(entry.size, -(-end // c) * c)
+    starts = entry.chunk_starts()
+    i = bisect.bisect_left(starts, end)
+    return starts[bisect.bisect_right(starts, start) - 1], starts[i] if i < len(
+        starts
+    ) else entry.size
 
 
 def check_chunks(entry: FileEntry, start: int, data: Any, where: str = "") -> list[int]:
     """Indices of the chunks of ``entry`` in ``data`` (read from ``start``, a span from
     ``chunk_span``) whose checksums differ from the manifest's."""
-    mv = memoryview(data).cast("B")
-    c = entry.chunk_bytes or entry.size
-    fn, digest, bad = crc_function(entry.algorithm, where), entry.digest, []
-    first = start // c if c else 0
-    for i in range(first, first + max(1, -(-len(mv) // c) if c else 1)):
-        part = mv[(i - first) * c : (i - first + 1) * c] if c else mv
-        if crc_hex(fn(0, part)) != digest[8 * i : 8 * i + 8]:
-            bad.append(i)
-    return bad
+    got = Checksum.like(entry, where, start)
+    got.update(data)
+    first = bisect.bisect_right(entry.chunk_starts(), start) - 1 if entry.chunk_bytes else 0
+    mine, want = got.hexdigest(), entry.digest[8 * first :]
+    return [first + i // 8 for i in range(0, len(mine), 8) if mine[i : i + 8] != want[i : i + 8]]

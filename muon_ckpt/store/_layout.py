@@ -74,6 +74,25 @@ class FileEntry:
     crc32: str | None = None
     crc32c: str | None = None
     chunk_bytes: int | None = None
+    cuts: list[int] | None = None  # offsets where a chunk ends early; the grid restarts there
+
+    def chunk_starts(self) -> list[int]:
+        """Where each checksummed chunk begins (``[0]`` without chunks)."""
+        c, size = self.chunk_bytes, self.size
+        if c is None:
+            return [0]
+        cuts = sorted(self.cuts or [])
+        starts, at, ci = [0], 0, 0
+        while True:
+            end = at + c
+            while ci < len(cuts) and cuts[ci] <= at:
+                ci += 1
+            if ci < len(cuts) and cuts[ci] < end:
+                end = cuts[ci]
+            if end >= size:
+                return starts
+            starts.append(end)
+            at = end
 
     @property
     def algorithm(self) -> str:
@@ -94,14 +113,20 @@ class FileEntry:
         if len(sums) != 1:
             raise ValueError(f"a file entry needs one of crc32c or crc32, found {sorted(d)}")
         digest = str(d[sums[0]])
-        count = 1 if chunk is None else max(1, -(-size // chunk))
-        if size < 0 or (chunk is not None and chunk < 1) or len(digest) != 8 * count:
+        cuts = None if d.get("cuts") is None else [int(c) for c in d["cuts"]]
+        if size < 0 or (chunk is not None and chunk < 1):
+            raise ValueError(f"size {size} and chunk_bytes {chunk} must be >= 0 and >= 1")
+        if cuts is not None and (chunk is None or any(not 0 < c < size for c in cuts)):
+            raise ValueError(f"cuts must lie inside the file's {size} bytes, found {cuts[:5]}")
+        e = cls(size, chunk_bytes=chunk, cuts=cuts, **{sums[0]: digest})
+        count = len(e.chunk_starts())
+        if len(digest) != 8 * count:
             raise ValueError(
                 f"a file of {size} bytes in chunks of {chunk} needs {count} checksum(s) of 8 "
                 f"hex digits, found {len(digest)} digits"
             )
         int(digest or "0", 16)  # hex only
-        return cls(size, chunk_bytes=chunk, **{sums[0]: digest})
+        return e
 
 
 @dataclass
