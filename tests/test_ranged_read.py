@@ -60,17 +60,30 @@ def _save(tmp_path) -> tuple[str, dict[str, torch.Tensor], dict[str, FileEntry]]
     return d, sd, files
 
 
-def _load_rows(d: str, files: dict[str, FileEntry], rank: int) -> tuple[dict, VerifyingReader]:
+def _load_rows(
+    d: str,
+    files: dict[str, FileEntry],
+    rank: int,
+    url: str | None = None,
+    names: tuple[str, ...] = NAMES,
+) -> tuple[dict, VerifyingReader]:
+    """Rows ``SLICE`` of ``names``, read as ``rank`` of 2 from ``url`` (default: ``d``)."""
     md = dcp.FileSystemReader(d).read_metadata()
     reader = VerifyingReader(
-        Storage(d), files, metadata=md, rank=rank, world_size=2, io_threads=1, check_unread=False
+        Storage(url or d),
+        files,
+        metadata=md,
+        rank=rank,
+        world_size=2,
+        io_threads=1,
+        check_unread=False,
     )
     reader.set_up_storage_reader(md, is_coordinator=True)
     lo, hi = SLICE
-    targets = {n: torch.full((hi - lo, COLS), float("nan")) for n in NAMES}
+    targets = {n: torch.full((hi - lo, COLS), float("nan")) for n in names}
     chunk = ChunkStorageMetadata(offsets=torch.Size([lo, 0]), sizes=torch.Size([hi - lo, COLS]))
     items = []
-    for n in NAMES:
+    for n in names:
         items += create_read_items_for_chunk_list(n, md.state_dict_metadata[n], [chunk])
     reader.read_data(LoadPlan(items), _SlicePlanner(targets)).wait()
     return targets, reader
@@ -187,3 +200,42 @@ def test_a_resharded_rank_reads_fewer_bytes_than_the_items_it_takes_rows_from(tm
     # with the small chunks of the zip records around the tensor.
     assert rows2 <= read2 <= rows2 + (1 << 20) + (64 << 10), (read2, rows2)
     assert read2 < item, (read2, item)
+
+
+def _to_memory(d: str) -> str:
+    """A copy of directory ``d`` on fsspec's memory:// filesystem (a remote filesystem here)."""
+    import uuid
+
+    import fsspec
+
+    url = f"memory://ranged-{uuid.uuid4().hex[:8]}"
+    fs = fsspec.filesystem("memory")
+    for name in os.listdir(d):
+        with open(os.path.join(d, name), "rb") as f:
+            fs.pipe(f"{url}/{name}", f.read())
+    return url
+
+
+def test_remote_part_reads_load_items_without_torch_load_and_check_their_chunks(
+    tmp_path, monkeypatch
+):
+    """Remote items are parsed in memory, never torch.load'ed: those of a file read whole
+    (every item: streamed with the file's checksum) and those of a file needed in part (two
+    of three items: one ranged read each, widened to whole checksum chunks and checked)."""
+    d, sd, files = _save(tmp_path)
+
+    def no_torch_load(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("torch.load called for a plain tensor item")
+
+    monkeypatch.setattr(torch, "load", no_torch_load)
+    lo, hi = SLICE
+    for names in (NAMES, ("a", "b")):
+        got, _ = _load_rows(d, files, rank=1, url=_to_memory(d), names=names)
+        for n in names:
+            assert torch.equal(got[n], sd[n][lo:hi]), n
+    name = _data_file(files)
+    md = dcp.FileSystemReader(d).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "b")
+    _flip(os.path.join(d, name), info.offset + 4096 + lo * COLS * 4)
+    with pytest.raises(CheckpointCorruptError, match=rf"{name}: file is corrupt: the crc32c"):
+        _load_rows(d, files, rank=1, url=_to_memory(d), names=("a", "b"))

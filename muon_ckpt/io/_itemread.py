@@ -113,6 +113,28 @@ class _Window(io.RawIOBase):
             self._counted[0] += got
         return got
 
+    def read_at(self, at: int, b: bytearray) -> int:
+        return os.preadv(self._fd, [b], self._off + at)
+
+
+class _MemWindow(_Window):
+    """The same view of bytes already in memory."""
+
+    def __init__(self, data: Any) -> None:
+        self._data = memoryview(data).cast("B")
+        super().__init__(-1, 0, len(self._data))
+
+    def readinto(self, b: Any) -> int:
+        got = self.read_at(self._pos, b)
+        self._pos += got
+        return got
+
+    def read_at(self, at: int, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        part = self._data[at : at + len(mv)]
+        mv[: len(part)] = part
+        return len(part)
+
 
 class _StorageName:
     def __init__(self, name: str) -> None:
@@ -210,10 +232,19 @@ def _parse_tensor_pickle(data: bytes) -> _TensorRecord | None:
 def item_layout(fd: int, offset: int, length: int) -> Layout | None:
     """The layout of the dense tensor stored at ``[offset, offset + length)``, or None when
     the item is anything else (or damaged: torch.load then says what is wrong)."""
+    return _layout(_Window(fd, offset, length), length)
+
+
+def blob_layout(data: Any) -> Layout | None:
+    """``item_layout`` of one stored item held in memory (a remote read)."""
+    return _layout(_MemWindow(data), len(memoryview(data)))
+
+
+def _layout(win: Any, length: int) -> Layout | None:
     if sys.byteorder != "little":
         return None
     try:
-        reader = torch._C.PyTorchFileReader(_Window(fd, offset, length))
+        reader = torch._C.PyTorchFileReader(win)
         records = reader.get_all_records()
         data = [r for r in records if r.startswith("data/")]
         if "data.pkl" not in records or len(data) != 1:
@@ -235,8 +266,8 @@ def item_layout(fd: int, offset: int, length: int) -> Layout | None:
         # check it where this torch can say where the record's zip header is.
         if hasattr(reader, "get_record_header_offset"):
             method = bytearray(2)
-            at = offset + reader.get_record_header_offset(name) + 8
-            if os.preadv(fd, [method], at) != 2 or struct.unpack("<H", method)[0] != 0:
+            at = reader.get_record_header_offset(name) + 8
+            if win.read_at(at, method) != 2 or struct.unpack("<H", method)[0] != 0:
                 return None
         if start + nbytes > length or nbytes % dtype.itemsize:
             return None
@@ -249,6 +280,18 @@ def item_layout(fd: int, offset: int, length: int) -> Layout | None:
         return Layout(start, nbytes, dtype, soff, size, stride)
     except Exception:
         return None
+
+
+def commit_part(planner: LoadPlanner, req: ReadItem, src: torch.Tensor, where: str) -> None:
+    """``src`` (the part of a stored tensor that ``req`` wants) into its target."""
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != src.size():
+        raise RuntimeError(
+            f"{where}: item {req.storage_index.fqn} at {list(req.storage_offsets)} "
+            f"has shape {list(src.size())}, the tensor it loads into {list(target.size())}"
+        )
+    target.copy_(src)
+    planner.commit_tensor(req, target)
 
 
 def _narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
@@ -396,14 +439,7 @@ class FileLoad:
 
     def _commit(self, req: ReadItem, src: torch.Tensor) -> None:
         """``src`` (the part of the stored tensor ``req`` wants) into its target."""
-        target = self._planner.resolve_tensor(req).detach()
-        if target.size() != src.size():
-            raise RuntimeError(
-                f"{self._where}: item {req.storage_index.fqn} at {list(req.storage_offsets)} "
-                f"has shape {list(src.size())}, the tensor it loads into {list(target.size())}"
-            )
-        target.copy_(src)
-        self._planner.commit_tensor(req, target)
+        commit_part(self._planner, req, src, self._where)
 
     def _direct_target(self, reqs: list[ReadItem], lay: Layout) -> torch.Tensor | None:
         """The target when the record can be read straight into it, else None."""
