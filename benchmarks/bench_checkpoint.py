@@ -282,6 +282,13 @@ def main() -> None:
         f"{gbs['manager load'] / gbs[f'raw dcp x{T} load']:.2f}x"
     )
     print(f"  manager load / storage read speed  {gbs['manager load'] / disk_read:.2f}x")
+    if load_phases:
+        # The reader alone (reads, checksums, copies into place): the load without the
+        # decision, the all-or-nothing backup copy and the apply step.
+        reader = nbytes / statistics.median(p["read"] for p in load_phases) / 1e9
+        print(
+            f"  manager reader / storage read speed {reader / disk_read:.2f}x ({reader:.2f} GB/s)"
+        )
     print(f"  raw dcp load / storage read speed  {gbs['raw dcp load'] / disk_read:.2f}x")
     mgr.close()
     if server is not None:

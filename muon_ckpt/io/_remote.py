@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ServingFileSystem", "read_remote"]
 
-_Msg = tuple[str, int, "bytearray | None", "BaseException | None"]
+_Msg = tuple[str, int, "bytes | None", "BaseException | None"]
 
 
 class ServingFileSystem(DelegatingFileSystem):
@@ -113,8 +113,7 @@ def _stream_files(
                 for off in sorted(slices[name]):
                     if stop.is_set():
                         return
-                    data = bytearray(lengths[(name, off)])
-                    data = data[: f.readinto(data) or 0]
+                    data = f.read(lengths[(name, off)])
                     got.update(data)
                     put((name, off, data, None))
                 got.update(f.read(1))  # anything past the manifest's size
