@@ -77,7 +77,14 @@ class FileEntry:
     cuts: list[int] | None = None  # offsets where a chunk ends early; the grid restarts there
 
     def chunk_starts(self) -> list[int]:
-        """Where each checksummed chunk begins (``[0]`` without chunks)."""
+        """Where each checksummed chunk begins (``[0]`` without chunks). Computed once per
+        entry (entries are not changed after they are made; the cache is no field)."""
+        cached = self.__dict__.get("_starts")
+        if cached is None:
+            cached = self.__dict__["_starts"] = self._chunk_starts()
+        return cached
+
+    def _chunk_starts(self) -> list[int]:
         c, size = self.chunk_bytes, self.size
         if c is None:
             return [0]
