@@ -46,7 +46,8 @@ from torch import nn
 from muon_ckpt import CheckpointManager
 from muon_ckpt._flatten import FlatState
 from muon_ckpt.io._writeback import start_writeback
-from muon_ckpt.store import Storage
+from muon_ckpt.store import Storage, crc32c_implementation
+from muon_ckpt.store._crc import write_algorithm
 from optim.muon import Muon
 
 GiB = 1 << 30
@@ -140,7 +141,7 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds of every variant")
-    ap.add_argument("--verify", choices=["crc32", "size"], default="crc32")
+    ap.add_argument("--verify", choices=["checksum", "crc32", "size"], default="checksum")
     args = ap.parse_args()
 
     server, opts = None, {}
@@ -162,7 +163,8 @@ def main() -> None:
     T = args.io_threads
     print(
         f"state: {len(tensors)} tensors, {nbytes / GiB:.2f} GiB on {args.device}; url {url}; "
-        f"io_threads={T}; verify={args.verify}; torch {torch.__version__}"
+        f"io_threads={T}; verify={args.verify}; torch {torch.__version__}; checksums: "
+        f"{write_algorithm()} (CRC32C implementation: {crc32c_implementation()})"
     )
 
     def clean() -> None:
@@ -280,6 +282,13 @@ def main() -> None:
         f"{gbs['manager load'] / gbs[f'raw dcp x{T} load']:.2f}x"
     )
     print(f"  manager load / storage read speed  {gbs['manager load'] / disk_read:.2f}x")
+    if load_phases:
+        # The reader alone (reads, checksums, copies into place): the load without the
+        # decision, the all-or-nothing backup copy and the apply step.
+        reader = nbytes / statistics.median(p["read"] for p in load_phases) / 1e9
+        print(
+            f"  manager reader / storage read speed {reader / disk_read:.2f}x ({reader:.2f} GB/s)"
+        )
     print(f"  raw dcp load / storage read speed  {gbs['raw dcp load'] / disk_read:.2f}x")
     mgr.close()
     if server is not None:

@@ -1,6 +1,6 @@
 """The cost of confirming a save on the storage before its commit (``confirm=``).
 
-Saves the same state with ``confirm="crc32"`` (read-back of every file), ``"size"`` and
+Saves the same state with ``confirm="checksum"`` (read-back of every file), ``"size"`` and
 ``"off"`` to a local directory and to a moto S3 server on 127.0.0.1, and prints the median
 save time and the confirm phase. Run: ``python -m benchmarks.bench_confirm [--mib 256]``.
 """
@@ -48,7 +48,7 @@ def main() -> None:
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         model = _model(args.mib)
-        for confirm in ("off", "size", "crc32"):
+        for confirm in ("off", "size", "checksum"):
             s, c = _bench(os.path.join(tmp, confirm), {}, model, confirm, args.iters)
             print(f"local {args.mib} MiB confirm={confirm:<5}: save {s:.3f} s, confirm {c:.3f} s")
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -68,7 +68,7 @@ def main() -> None:
         opts = {"key": "testing", "secret": "testing", "endpoint_url": f"http://127.0.0.1:{port}"}
         s3fs.S3FileSystem(**opts).mkdir("bench-confirm")
         model = _model(args.s3_mib)
-        for confirm in ("off", "size", "crc32"):
+        for confirm in ("off", "size", "checksum"):
             url = f"s3://bench-confirm/{confirm}"
             s, c = _bench(url, opts, model, confirm, args.iters)
             print(f"moto {args.s3_mib} MiB confirm={confirm:<5}: save {s:.3f} s, confirm {c:.3f} s")

@@ -8,8 +8,15 @@ from typing import Any
 
 __all__ = ["ManagerConfig"]
 
-VERIFY_MODES = ("crc32", "size")
-CONFIRM_MODES = ("crc32", "size", "off")  # as muon_ckpt.store.CONFIRM_MODES
+# "checksum": sizes and the manifest's checksums (CRC32C, or zlib crc32 in older manifests) of
+# every file read; "crc32" is its name before CRC32C, still accepted; "size": sizes only.
+VERIFY_MODES = ("checksum", "crc32", "size")
+CONFIRM_MODES = ("checksum", "crc32", "size", "off")  # as muon_ckpt.store.CONFIRM_MODES
+
+
+def checks_content(verify: str) -> bool:
+    """Whether ``verify`` (one of VERIFY_MODES) checks checksums, not just sizes."""
+    return verify != "size"
 
 
 def _is_int(v: Any) -> bool:
@@ -27,7 +34,8 @@ class ManagerConfig:
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
         resume_from: a URL (or ``(url, step)``) to load from while ``url`` has no committed step.
         io_threads: files written / read in parallel per rank.
-        verify: ``"crc32"`` (sizes and checksums of every file read) or ``"size"`` (sizes only).
+        verify: ``"checksum"`` (sizes and checksums of every file read; ``"crc32"``, its
+            former name, means the same) or ``"size"`` (sizes only).
         async_save: ``save()`` returns after the snapshot; write and commit run in the
             background.
         max_staging_bytes: bound on the host memory a save's snapshot may hold (None: none).
@@ -35,7 +43,7 @@ class ManagerConfig:
             timeouts; None: the client's defaults).
         lease_seconds: the write lease expires this long after the last save.
         confirm: how a save confirms the storage holds its files before the commit:
-            ``"crc32"`` (read back), ``"size"`` or ``"off"``.
+            ``"checksum"`` (read back; ``"crc32"`` means the same), ``"size"`` or ``"off"``.
         collective_timeout: seconds a rank waits for the others in a save or load before it
             raises (a rank that never calls, or died).
         resume_storage_options: fsspec options for ``resume_from`` (None: ``storage_options``).
@@ -47,12 +55,12 @@ class ManagerConfig:
     storage_options: dict[str, Any] | None = None
     resume_from: str | tuple[str, int] | None = None
     io_threads: int = 4
-    verify: str = "crc32"
+    verify: str = "checksum"
     async_save: bool = False
     max_staging_bytes: int | None = None
     storage_timeout: float | None = 60.0
     lease_seconds: float = 600.0
-    confirm: str = "crc32"
+    confirm: str = "checksum"
     collective_timeout: float = 600.0
     resume_storage_options: dict[str, Any] | None = None
 

@@ -406,8 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--verify",
-        choices=["crc32", "size"],
-        default="crc32",
+        choices=["checksum", "crc32", "size"],
+        default="checksum",
         help="check sizes and checksums of the files read (default), or sizes only",
     )
     s.add_argument("--json", action="store_true", help="machine-readable output")

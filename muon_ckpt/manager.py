@@ -33,7 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import muon_ckpt._collective as coll
-from muon_ckpt._config import ManagerConfig
+from muon_ckpt._config import ManagerConfig, checks_content
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from muon_ckpt._flatten import (
     PARTS,
@@ -102,8 +102,8 @@ class CheckpointManager:
             while ``url`` has no committed step yet.
         resume_storage_options: fsspec options for ``resume_from`` (default: ``storage_options``).
         io_threads: files written and read in parallel per rank.
-        verify: ``"crc32"`` checks size and checksum of every file a load reads; ``"size"`` only
-            sizes.
+        verify: ``"checksum"`` checks size and checksums (CRC32C) of every file a load reads
+            (``"crc32"``, its former name, means the same); ``"size"`` only sizes.
         async_save: ``save()`` returns once the state is snapshotted; the write and the commit
             run in the background (``wait()`` for them).
         max_staging_bytes: host memory a snapshot may hold; a save that needs more runs
@@ -115,7 +115,8 @@ class CheckpointManager:
         lease_seconds: the run's write lease (one writer per run) expires this long after
             this job's last save. Default 600.
         confirm: before a commit, how each rank confirms the storage holds the files it
-            wrote: ``"crc32"`` reads them back (default), ``"size"`` compares sizes, ``"off"``.
+            wrote: ``"checksum"`` reads them back (default; ``"crc32"`` means the same),
+            ``"size"`` compares sizes, ``"off"``.
 
     Save, load, wait and close are collectives: call them on every rank.
     """
@@ -136,13 +137,13 @@ class CheckpointManager:
         resume_from: str | tuple[str, int] | None = None,
         resume_storage_options: dict[str, Any] | None = None,
         io_threads: int = 4,
-        verify: str = "crc32",
+        verify: str = "checksum",
         async_save: bool = False,
         max_staging_bytes: int | None = None,
         collective_timeout: float = 600.0,
         storage_timeout: float | None = 60.0,
         lease_seconds: float = 600.0,
-        confirm: str = "crc32",
+        confirm: str = "checksum",
     ) -> None:
         self.config = ManagerConfig(
             url=url,
@@ -222,6 +223,9 @@ class CheckpointManager:
         self.last_load_timings: dict[str, float] = {}
         # What the last load left out (load(strict=False)); empty after a strict load.
         self.last_load_report = LoadReport()
+        # Bytes the last load read from local files on this rank (data, checks and the
+        # parsing of items; remote reads are not counted yet).
+        self.last_load_bytes_read = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -634,7 +638,7 @@ class CheckpointManager:
             rank=coll.rank(),
             world_size=coll.world_size(),
             io_threads=self.config.io_threads,
-            verify_crc=self.config.verify == "crc32",
+            verify_crc=checks_content(self.config.verify),
         )
         try:
             dcp.load(
@@ -649,6 +653,7 @@ class CheckpointManager:
         except RuntimeError as e:  # DCP's own collectives: a rank died or stopped answering
             raise coll.comm_failure(e, f"loading {where}") from e
         self.last_load_timings.update(dcp_load=time.perf_counter() - t0, **reader.timings)
+        self.last_load_bytes_read = reader.bytes_read
         opt = self._optimizer if "optim" in parts else None
         flat.apply_loaded(opt, where, report, strict=strict)
 

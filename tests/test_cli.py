@@ -91,7 +91,7 @@ def test_verify_passes_then_catches_corruption(run, capsys):
     _put(st, ("step-00000002", files[1]), st.read_bytes("step-00000002", files[1])[:-7])
     rc, out, _ = cli(capsys, "verify", run["url"], *run["flags"])
     assert rc == 1
-    assert f"step 2: {files[0]}: crc32 " in out and "(content changed)" in out
+    assert f"step 2: {files[0]}: crc32c " in out and "(content changed)" in out
     assert f"step 2: {files[1]}: size " in out
     assert "step 2: FAILED (2 problem(s))" in out
     assert "step 1: OK" in out and "step 3: OK" in out
@@ -252,7 +252,7 @@ def test_verify_json_reports_every_step_good_corrupt_and_missing_file(tmp_path, 
     assert [steps[n]["status"] for n in (1, 2, 3, 4)] == ["failed", "failed", "failed", "skipped"]
     assert "manifest is unreadable" in steps[1]["problems"][0]
     assert len(steps[2]["problems"]) == 1 and "(content changed)" in steps[2]["problems"][0]
-    assert steps[2]["problems"][0].startswith(f"{files[0]}: crc32 ")
+    assert steps[2]["problems"][0].startswith(f"{files[0]}: crc32c ")
     assert steps[3]["problems"] == [f"{files[0]}: missing (manifest: {_size(run, files[0])} bytes)"]
     rc, out, _ = cli(capsys, "verify", run["url"], "--step", "3", "--json")
     assert rc == 1 and [s["step"] for s in json.loads(out)["steps"]] == [3]

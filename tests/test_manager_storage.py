@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 
+import crc32c
 import pytest
 import torch
 
@@ -62,7 +62,7 @@ def test_fresh_run_loads_nothing_then_roundtrips_every_step(storage_url):
     assert_same(snap, snaps[1])
 
 
-def test_manifest_lists_every_file_with_size_and_crc32(storage_url):
+def test_manifest_lists_every_file_with_size_and_crc32c_per_chunk(storage_url):
     url, opts = storage_url
     _save_states(url, opts, [2])
     st = Storage(url, opts)
@@ -76,7 +76,15 @@ def test_manifest_lists_every_file_with_size_and_crc32(storage_url):
     for name, entry in manifest["files"].items():
         data = st.read_bytes("step-00000002", name)
         assert entry["size"] == len(data) == on_disk[name]
-        assert entry["crc32"] == f"{zlib.crc32(data) & 0xFFFFFFFF:08x}", name
+        # CRC32C of each 1 MiB chunk, by the crc32c package directly (format 2).
+        chunk = entry["chunk_bytes"]
+        assert chunk == 1 << 20 and "crc32" not in entry
+        assert "cuts" not in entry  # no write of 64 KiB or more here: the regular 1 MiB grid
+        want = "".join(
+            f"{crc32c.crc32c(data[i : i + chunk]):08x}" for i in range(0, max(1, len(data)), chunk)
+        )
+        assert entry["crc32c"] == want, name
+    assert manifest["format_version"] == 2
 
 
 def test_interval_saves_only_due_steps_unless_forced(storage_url):

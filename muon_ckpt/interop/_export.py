@@ -157,7 +157,7 @@ def export_safetensors(
     dtype: str | torch.dtype | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: bool | None = False,
-    verify: str = "crc32",
+    verify: str = "checksum",
 ) -> ExportSummary:
     """Write the full tensors of a checkpoint to the safetensors file ``out``.
 
@@ -170,8 +170,9 @@ def export_safetensors(
         dtype: cast floating tensors of one or more dimensions to this dtype (scalars such as
             AdamW's ``step`` keep theirs); default: as stored.
         progress: draw a progress bar on stderr (``None``: only on a TTY).
-        verify: ``"crc32"`` checks the size and checksum of every file read (a damaged file
-            is a CheckpointCorruptError naming it); ``"size"`` sizes only.
+        verify: ``"checksum"`` (former name ``"crc32"``) checks the size and checksums of
+            every file read (a damaged file is a CheckpointCorruptError naming it); ``"size"``
+            sizes only.
     """
     inc = tuple(include)
     bad = [s for s in inc if s not in SECTIONS]

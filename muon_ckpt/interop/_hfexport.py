@@ -182,7 +182,7 @@ def export_hf(
     tied: Mapping[str, str] | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: bool | None = False,
-    verify: str = "crc32",
+    verify: str = "checksum",
 ) -> HFExportSummary:
     """Write a checkpoint's model weights to ``out_dir`` in the Hugging Face layout.
 
@@ -201,7 +201,8 @@ def export_hf(
             once, as ``kept``, after checking both hold the same bytes (as transformers'
             ``_tied_weights_keys``). A checkpoint does not record ties by itself.
         progress: a progress bar on stderr (``None``: only on a terminal).
-        verify: ``"crc32"`` checks sizes and checksums of every file read, ``"size"`` sizes.
+        verify: ``"checksum"`` (former name ``"crc32"``) checks sizes and checksums of every
+            file read, ``"size"`` sizes.
 
     Raises:
         ValueError: bad arguments, or ``include`` selects no tensor.

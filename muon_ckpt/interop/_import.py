@@ -206,7 +206,7 @@ def import_optimizer_state(
     step: int | None = None,
     adam_into_muon: bool = False,
     dry_run: bool = False,
-    verify: str = "crc32",
+    verify: str = "checksum",
 ) -> ImportReport:
     """Load optimizer state from ``source`` into ``optimizer`` (a Muon), by parameter FQN.
 
@@ -222,8 +222,9 @@ def import_optimizer_state(
         step: which step of a muon-ckpt run to read (default: newest committed).
         adam_into_muon: use Adam's ``exp_avg`` as the momentum of Muon (matrix) params.
         dry_run: plan and check only; the optimizer is not changed.
-        verify: for a muon-ckpt source, ``"crc32"`` checks the size and checksum of every
-            file read, ``"size"`` sizes only (as ``CheckpointManager(verify=)``).
+        verify: for a muon-ckpt source, ``"checksum"`` (former name ``"crc32"``) checks the
+            size and checksums of every file read, ``"size"`` sizes only (as
+            ``CheckpointManager(verify=)``).
 
     Raises:
         CheckpointMismatchError: a source tensor's shape does not match its parameter.

@@ -226,7 +226,7 @@ def open_source(
     model: Any = None,
     storage_options: dict[str, Any] | None = None,
     step: int | None = None,
-    verify: str = "crc32",
+    verify: str = "checksum",
 ) -> Source:
     """Open ``source``: a path/URL (file or directory), or an in-memory state dict."""
     if isinstance(source, Mapping):

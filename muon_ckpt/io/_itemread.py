@@ -12,7 +12,10 @@ Here, for a local file:
   reused host buffer when it is on another device, and through a reused buffer holding the
   whole record otherwise (slices of it for resharding, dtype casts, odd strides);
 * when this rank verifies the file, every byte of it, gaps and other ranks' items included,
-  goes through the checksum in file order right after it is read, while it is still in cache.
+  goes through the checksum in file order right after it is read, while it is still in cache;
+* otherwise (another rank checks the file whole) only the bytes the targets need are read
+  (``_ranged``): the rows of a resharded slice, not the whole item, each chunk checked
+  against the manifest's per-chunk checksums when it has them.
 
 Anything this module does not recognise (another pickle, several storages, a compressed
 record, a big-endian file, a DCP storage transform) is loaded the way DCP does it: the item's
@@ -29,6 +32,7 @@ import pickle
 import pickletools
 import struct
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +41,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._tensors import tensor_bytes
-from muon_ckpt.store import open_regular, update
+from muon_ckpt.io._ranged import SpanReader
+from muon_ckpt.store import Checksum, FileEntry, open_regular
 from offload import pinned_empty
 
 # Bytes per pread (and per crc32 call): big enough that syscalls cost nothing, small enough
@@ -70,12 +75,18 @@ class Layout:
         return True
 
 
+# The byte count of the FileLoad running in this thread (``[n]``): the layout parser's reads
+# add to it, so that bytes_read is everything read from the file.
+_counting = threading.local()
+
+
 class _Window(io.RawIOBase):
     """Seekable read-only view of ``length`` bytes of ``fd`` from ``offset`` (pread)."""
 
     def __init__(self, fd: int, offset: int, length: int) -> None:
         super().__init__()
         self._fd, self._off, self._len, self._pos = fd, offset, length, 0
+        self._counted: list[int] | None = getattr(_counting, "cell", None)
 
     def readable(self) -> bool:
         return True
@@ -98,7 +109,31 @@ class _Window(io.RawIOBase):
             return 0
         got = os.preadv(self._fd, [mv[:n]], self._off + self._pos)
         self._pos += got
+        if self._counted is not None:
+            self._counted[0] += got
         return got
+
+    def read_at(self, at: int, b: bytearray) -> int:
+        return os.preadv(self._fd, [b], self._off + at)
+
+
+class _MemWindow(_Window):
+    """The same view of bytes already in memory."""
+
+    def __init__(self, data: Any) -> None:
+        self._data = memoryview(data).cast("B")
+        super().__init__(-1, 0, len(self._data))
+
+    def readinto(self, b: Any) -> int:
+        got = self.read_at(self._pos, b)
+        self._pos += got
+        return got
+
+    def read_at(self, at: int, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        part = self._data[at : at + len(mv)]
+        mv[: len(part)] = part
+        return len(part)
 
 
 class _StorageName:
@@ -197,10 +232,19 @@ def _parse_tensor_pickle(data: bytes) -> _TensorRecord | None:
 def item_layout(fd: int, offset: int, length: int) -> Layout | None:
     """The layout of the dense tensor stored at ``[offset, offset + length)``, or None when
     the item is anything else (or damaged: torch.load then says what is wrong)."""
+    return _layout(_Window(fd, offset, length), length)
+
+
+def blob_layout(data: Any) -> Layout | None:
+    """``item_layout`` of one stored item held in memory (a remote read)."""
+    return _layout(_MemWindow(data), len(memoryview(data)))
+
+
+def _layout(win: Any, length: int) -> Layout | None:
     if sys.byteorder != "little":
         return None
     try:
-        reader = torch._C.PyTorchFileReader(_Window(fd, offset, length))
+        reader = torch._C.PyTorchFileReader(win)
         records = reader.get_all_records()
         data = [r for r in records if r.startswith("data/")]
         if "data.pkl" not in records or len(data) != 1:
@@ -222,8 +266,8 @@ def item_layout(fd: int, offset: int, length: int) -> Layout | None:
         # check it where this torch can say where the record's zip header is.
         if hasattr(reader, "get_record_header_offset"):
             method = bytearray(2)
-            at = offset + reader.get_record_header_offset(name) + 8
-            if os.preadv(fd, [method], at) != 2 or struct.unpack("<H", method)[0] != 0:
+            at = reader.get_record_header_offset(name) + 8
+            if win.read_at(at, method) != 2 or struct.unpack("<H", method)[0] != 0:
                 return None
         if start + nbytes > length or nbytes % dtype.itemsize:
             return None
@@ -238,6 +282,18 @@ def item_layout(fd: int, offset: int, length: int) -> Layout | None:
         return None
 
 
+def commit_part(planner: LoadPlanner, req: ReadItem, src: torch.Tensor, where: str) -> None:
+    """``src`` (the part of a stored tensor that ``req`` wants) into its target."""
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != src.size():
+        raise RuntimeError(
+            f"{where}: item {req.storage_index.fqn} at {list(req.storage_offsets)} "
+            f"has shape {list(src.size())}, the tensor it loads into {list(target.size())}"
+        )
+    target.copy_(src)
+    planner.commit_tensor(req, target)
+
+
 def _narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     """The part of a stored chunk that a read item wants (resharding)."""
     for dim, (start, n) in enumerate(zip(offsets, lengths)):
@@ -247,15 +303,27 @@ def _narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
 
 
 class FileLoad:
-    """Loads the requested items of one local file; with ``verify``, also checksums it all.
+    """Loads the requested items of one local file; with ``checksum``, also checksums it all.
 
-    ``where`` names the file in errors. Call :meth:`run`; it returns ``(size, crc32)`` of the
-    whole file when verifying (the caller compares them with the manifest), else None.
+    ``where`` names the file in errors. Call :meth:`run`; it returns ``checksum`` over the
+    whole file when verifying (the caller compares it with the manifest), else None. Without
+    ``checksum``, only the bytes the targets need are read, and checked against ``entry``'s
+    per-chunk checksums when given. ``bytes_read``: what this load read from the file.
     """
 
-    def __init__(self, path: str, where: str, planner: LoadPlanner, verify: bool) -> None:
-        self._path, self._where, self._planner, self._verify = path, where, planner, verify
-        self._crc, self._pos = 0, 0
+    def __init__(
+        self,
+        path: str,
+        where: str,
+        planner: LoadPlanner,
+        checksum: Checksum | None,
+        entry: FileEntry | None = None,
+    ) -> None:
+        self._path, self._where, self._planner = path, where, planner
+        self._sum, self._verify = checksum, checksum is not None
+        self._pos = 0
+        self._counted = [0]
+        self._spans = SpanReader(where, entry, self._pread)
         self._chunk: bytearray | None = None
         self._whole: bytearray | None = None
         self._pinned_bufs: list[tuple[torch.Tensor, memoryview, Any]] = []
@@ -273,14 +341,19 @@ class FileLoad:
                     "Load another step (muon-ckpt ls lists them) or restore this file"
                 )
             done += got
+            self._counted[0] += got
+
+    @property
+    def bytes_read(self) -> int:
+        return self._counted[0]
 
     def _take(self, fd: int, mv: memoryview, offset: int) -> None:
         """Read ``mv`` from ``offset``; checksum it when verifying (offsets come in order)."""
         self._pread(fd, mv, offset)
-        if self._verify:
+        if self._sum is not None:
             if offset != self._pos:
                 raise AssertionError(f"crc out of order: at {self._pos}, read at {offset}")
-            self._crc = update(self._crc, mv)
+            self._sum.update(mv)
             self._pos = offset + len(mv)
 
     def _chunk_buf(self) -> memoryview:
@@ -362,15 +435,11 @@ class FileLoad:
 
     # ------------------------------------------------------------------ items
     def _deliver(self, req: ReadItem, src: torch.Tensor) -> None:
-        src = _narrow(src, req.storage_offsets, req.lengths)
-        target = self._planner.resolve_tensor(req).detach()
-        if target.size() != src.size():
-            raise RuntimeError(
-                f"{self._where}: item {req.storage_index.fqn} at {list(req.storage_offsets)} "
-                f"has shape {list(src.size())}, the tensor it loads into {list(target.size())}"
-            )
-        target.copy_(src)
-        self._planner.commit_tensor(req, target)
+        self._commit(req, _narrow(src, req.storage_offsets, req.lengths))
+
+    def _commit(self, req: ReadItem, src: torch.Tensor) -> None:
+        """``src`` (the part of the stored tensor ``req`` wants) into its target."""
+        commit_part(self._planner, req, src, self._where)
 
     def _direct_target(self, reqs: list[ReadItem], lay: Layout) -> torch.Tensor | None:
         """The target when the record can be read straight into it, else None."""
@@ -390,24 +459,68 @@ class FileLoad:
         )
         return target if ok else None
 
-    def _load_item(self, fd: int, offset: int, length: int, reqs: list[ReadItem]) -> None:
-        if reqs[0].type == LoadItemType.BYTE_IO:
+    def _whole_item(self, fd: int, offset: int, length: int) -> bytes | bytearray:
+        """The item's bytes: through the file's checksum when verifying it whole, else
+        checked by chunk (when the manifest has chunks)."""
+        if self._verify or not self._spans.verifies:
             data = bytearray(length)
             self._take(fd, memoryview(data), offset)
+            return data
+        self._spans.read(fd, [(offset, offset + length)])
+        return bytes(self._spans.view(offset, offset + length))
+
+    def _load_ranged(
+        self, fd: int, offset: int, length: int, lay: Layout, reqs: list[ReadItem]
+    ) -> None:
+        """Read only the bytes that ``reqs`` take from the stored tensor (one span from the
+        first to the last element any of them takes), checked by chunk with the item's zip
+        header and directory when the manifest has chunks; then copy each part out."""
+        isz, data_at = lay.dtype.itemsize, offset + lay.start
+        parts = []
+        for req in reqs:
+            if any(n == 0 for n in req.lengths):
+                parts.append((req, None))
+                continue
+            first = lay.offset + sum(o * s for o, s in zip(req.storage_offsets, lay.stride))
+            last = first + sum((n - 1) * s for n, s in zip(req.lengths, lay.stride))
+            parts.append((req, (first, last + 1)))
+        spans = [p for _, p in parts if p is not None]
+        lo = min((a for a, _ in spans), default=0)
+        hi = max((b for _, b in spans), default=0)
+        ranges = [(data_at + lo * isz, data_at + hi * isz)]
+        if self._spans.verifies:  # the bytes that said where the tensor is, too
+            ranges += [(offset, data_at), (data_at + lay.nbytes, offset + length)]
+        self._spans.read(fd, ranges)
+        flat = None
+        if hi > lo:
+            view = self._spans.view(data_at + lo * isz, data_at + hi * isz)
+            flat = torch.frombuffer(view, dtype=lay.dtype)
+        for req, span in parts:
+            if span is None or flat is None:
+                src = torch.empty(tuple(req.lengths), dtype=lay.dtype)
+            else:
+                src = flat.as_strided(tuple(req.lengths), lay.stride, span[0] - lo)
+            self._commit(req, src)
+
+    def _load_item(self, fd: int, offset: int, length: int, reqs: list[ReadItem]) -> None:
+        if reqs[0].type == LoadItemType.BYTE_IO:
+            data = self._whole_item(fd, offset, length)
             for req in reqs:
                 self._planner.load_bytes(req, io.BytesIO(data))
             return
         lay = item_layout(fd, offset, length)
         if lay is None:  # not a plain dense tensor: DCP's way, torch.load of the item
-            data = bytearray(length)
-            self._take(fd, memoryview(data), offset)
+            data = self._whole_item(fd, offset, length)
             src = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             for req in reqs:
                 self._deliver(req, src)
             return
+        target = self._direct_target(reqs, lay)
+        if not self._verify and (target is None or self._spans.verifies):
+            self._load_ranged(fd, offset, length, lay, reqs)
+            return
         head = bytearray(lay.start)
         self._take(fd, memoryview(head), offset)
-        target = self._direct_target(reqs, lay)
         if target is not None:
             self._take_chunked(fd, target, offset + lay.start, lay.nbytes)
             self._drain()  # the target is complete before the planner sees it (as with DCP)
@@ -420,9 +533,10 @@ class FileLoad:
         if self._verify:
             self._take_discard(fd, tail_at, offset + length)
 
-    def run(self, items: dict[int, tuple[int, list[ReadItem]]]) -> tuple[int, int] | None:
+    def run(self, items: dict[int, tuple[int, list[ReadItem]]]) -> Checksum | None:
         """``items``: stored item offset -> (its length, the read items it serves)."""
         fd = open_regular(self._path, self._where)  # no FIFO, device or symlink
+        _counting.cell = self._counted
         try:
             size = os.fstat(fd).st_size
             for off in sorted(items):
@@ -436,10 +550,11 @@ class FileLoad:
                 if self._verify:
                     self._take_discard(fd, self._pos, off)
                 self._load_item(fd, off, length, reqs)
-            if not self._verify:
+            if self._sum is None:
                 return None
             self._take_discard(fd, self._pos, size)
-            return self._pos, self._crc
+            return self._sum
         finally:
+            _counting.cell = None
             self._drain()
             os.close(fd)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from muon_ckpt._config import VERIFY_MODES
+from muon_ckpt._config import VERIFY_MODES, checks_content
 from muon_ckpt.io._dcp import DCP_ERRORS, SafeLoadPlanner, dcp_failure
 from muon_ckpt.io._reader import VerifyingReader
 from muon_ckpt.store import Resolved
@@ -19,14 +19,14 @@ class CheckpointReader:
     """``resolved`` opened for reading: ``metadata`` (checked against the manifest: every
     file present at its size, the metadata's checksum) and ``load(sd)``, which fills ``sd``'s
     tensors (DTensors: their local slices) and non-tensor keys in place, checking the size and
-    (``verify="crc32"``) the checksum of every file it reads. ``rank``/``world_size``: when N
+    (``verify="checksum"``) the checksums of every file it reads. ``rank``/``world_size``: when N
     processes each read a part, which files this one checks whole (every file by some rank)."""
 
     def __init__(
         self,
         resolved: Resolved,
         *,
-        verify: str = "crc32",
+        verify: str = "checksum",
         io_threads: int = 4,
         rank: int = 0,
         world_size: int = 1,
@@ -43,7 +43,7 @@ class CheckpointReader:
             rank=rank,
             world_size=world_size,
             io_threads=io_threads,
-            verify_crc=verify == "crc32",
+            verify_crc=checks_content(verify),
         )
 
     def load(self, sd: dict[str, Any]) -> None:

@@ -8,8 +8,8 @@ Used by the manager's ``load`` and, in one process, by import, export and inspec
   bytes read with ``pread`` straight into the targets (through page-locked chunk buffers for
   CUDA targets), with no ``torch.load``. A file is checksummed on the way when this reader
   checks it whole (below), every byte once, in order;
-* remote files with ``verify="crc32"`` (``_remote``): a file read completely is streamed
-  front to back, chaining the crc32, each stored blob handed to DCP as it arrives; a file
+* remote files with ``verify="checksum"`` (``_remote``): a file read completely is streamed
+  front to back, chaining the checksum, each stored blob handed to DCP as it arrives; a file
   needed only in part is read by slices;
 * remote files with ``verify="size"``: DCP's own reads, file by file in parallel (sizes were
   checked when the step was chosen).
@@ -35,7 +35,7 @@ from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt.io._itemread import FileLoad
 from muon_ckpt.io._remote import ServingFileSystem, read_remote
 from muon_ckpt.io._tasks import prefer_corruption, run_all
-from muon_ckpt.store import FileEntry, Storage, crc_hex, file_checksum
+from muon_ckpt.store import Checksum, FileEntry, Storage, file_checksum
 
 __all__ = ["VerifyingReader"]
 
@@ -74,6 +74,7 @@ class VerifyingReader(FileSystemReader):
         self._checked: set[str] = set()
         self._lock = threading.Lock()
         self.timings: dict[str, float] = {}  # "read": wall time of read_data
+        self.bytes_read = 0  # local files: bytes this reader read from storage
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         # Already read (and checked) by the caller: no second round trip.
@@ -117,20 +118,37 @@ class VerifyingReader(FileSystemReader):
             self._checked |= todo
         return todo
 
-    def check(self, name: str, size: int, crc: str) -> None:
+    def checksum(self, name: str) -> Checksum:
+        """A running checksum computed the way the manifest's entry for ``name`` was."""
         want = self.entry(name)
-        if want is not None and (size != want.size or crc != want.crc32):
+        if want is None:
+            raise AssertionError(f"{name}: no manifest entry to check against")
+        return Checksum.like(want, self.where(name))
+
+    def check(self, name: str, got: Checksum) -> None:
+        want = self.entry(name)
+        if want is not None and (got.size != want.size or got.hexdigest() != want.digest):
+            what = want.algorithm if want.chunk_bytes is None else f"{want.algorithm} per chunk"
             raise CheckpointCorruptError(
-                f"{self.where(name)}: file is corrupt: {size} bytes with crc32 {crc}, the "
-                f"manifest says {want.size} bytes with crc32 {want.crc32}. Load another step "
-                "(muon-ckpt ls lists them) or restore this file"
+                f"{self.where(name)}: file is corrupt: {got.size} bytes with {what} "
+                f"{_brief(got.hexdigest())}, the manifest says {want.size} bytes with "
+                f"{_brief(want.digest)}. Load another step (muon-ckpt ls lists them) or "
+                "restore this file"
             )
 
+    def count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+
     def fetch_and_check(self, name: str) -> None:
-        """Read ``name`` whole only to check its size and crc32."""
-        self.entry(name)
+        """Read ``name`` whole only to check its size and checksums."""
+        want = self.entry(name)
+        if want is None:
+            return
         with self.step.open(name) as f:
-            self.check(name, *file_checksum(f))
+            got = file_checksum(f, want, where=self.where(name))
+        self.count(got.size)
+        self.check(name, got)
 
     def verdict(self, name: str) -> BaseException | None:
         """The corruption of ``name`` if its checksum finds one (for ``prefer_corruption``)."""
@@ -194,9 +212,12 @@ class VerifyingReader(FileSystemReader):
         self, name: str, items: dict[int, tuple[int, list[Any]]], planner: Any, verify: bool
     ) -> None:
         where = self.where(name)
-        load = FileLoad(self.step.path(name), where, planner, verify)
+        # Checked whole here, or (another rank checks it whole) only the parts read, by chunk.
+        whole = self.checksum(name) if verify else None
+        part = self.entry(name) if self._verify_crc and not verify else None
+        load = FileLoad(self.step.path(name), where, planner, whole, part)
 
-        def run() -> tuple[int, int] | None:
+        def run() -> Checksum | None:
             try:
                 return load.run(items)
             except (CheckpointError, OSError):
@@ -205,14 +226,20 @@ class VerifyingReader(FileSystemReader):
                 hint = (
                     ""
                     if self._verify_crc
-                    else '. If the file is damaged, load another step; verify="crc32" '
+                    else '. If the file is damaged, load another step; verify="checksum" '
                     "(the default) checks every byte of it"
                 )
                 raise CheckpointError(
                     f"{where}: cannot load it: {type(e).__name__}: {e}{hint}"
                 ) from e
 
-        got = prefer_corruption(run, lambda: self.verdict(name))
+        try:
+            got = prefer_corruption(run, lambda: self.verdict(name))
+        finally:
+            self.count(load.bytes_read)
         if got is not None:
-            size, crc = got
-            self.check(name, size, crc_hex(crc))
+            self.check(name, got)
+
+
+def _brief(digest: str) -> str:
+    return digest if len(digest) <= 24 else f"{digest[:16]}...({len(digest) // 8} chunks)"

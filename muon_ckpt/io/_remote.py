@@ -1,17 +1,18 @@
 """Remote reads of ``VerifyingReader`` (object stores and other non-local fsspec filesystems).
 
+Every stored item is loaded from memory into its targets (``_blob``: its zip records parsed,
+its tensor bytes viewed in place and copied), without a ``torch.load`` per item.
 With checksums (``stream=True``): a file this rank reads completely is read front to back by a
-worker thread, one stored blob at a time, chaining the crc32; the calling thread hands each
-blob to DCP as it arrives (through ``ServingFileSystem``, which serves DCP's read stream from
-the blob already in memory). A file needed only in part is read by DCP in slices; the files
-this rank checks but does not stream are checksummed by workers meanwhile.
-Without (``verify="size"``): DCP's own reads, one task per file on ``io_threads`` threads
-(sizes were checked when the step was chosen).
+worker thread, one stored item at a time, chaining the checksum; the calling thread loads each
+item as it arrives. A file needed only in part is read item by item with ranged reads, each
+widened to whole checksum chunks and checked (format-2 manifests); the files this rank checks
+but does not stream are checksummed by workers meanwhile.
+Without (``verify="size"``): ranged reads of the items this rank needs, one task per file on
+``io_threads`` threads (sizes were checked when the step was chosen).
 """
 
 from __future__ import annotations
 
-import io
 import os
 import posixpath
 import queue
@@ -22,15 +23,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt.io._blob import fetch_items, load_blob
 from muon_ckpt.io._tasks import prefer_corruption, run_all
-from muon_ckpt.store import (
-    DelegatingFileSystem,
-    Storage,
-    crc_hex,
-    dcp_filesystem,
-    is_file_name,
-    update,
-)
+from muon_ckpt.store import DelegatingFileSystem, Storage, dcp_filesystem, is_file_name
 
 if TYPE_CHECKING:
     from muon_ckpt.io._reader import VerifyingReader
@@ -40,60 +35,15 @@ __all__ = ["ServingFileSystem", "read_remote"]
 _Msg = tuple[str, int, "bytes | None", "BaseException | None"]
 
 
-class _SliceStream(io.RawIOBase):
-    """Read-only view of one slice of a file, addressed by absolute file offsets."""
-
-    def __init__(self, offset: int, data: bytes) -> None:
-        super().__init__()
-        self._off = offset
-        self._data = memoryview(data)
-        self._pos = offset
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            self._pos = pos
-        elif whence == io.SEEK_CUR:
-            self._pos += pos
-        else:
-            self._pos = self._off + len(self._data) + pos
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def _window(self, n: int) -> memoryview:
-        start = self._pos - self._off
-        if start < 0 or start > len(self._data):
-            raise OSError(f"read at offset {self._pos} outside the slice being loaded")
-        end = len(self._data) if n < 0 else min(len(self._data), start + n)
-        self._pos = self._off + end
-        return self._data[start:end]
-
-    def readinto(self, b: Any) -> int:
-        mv = self._window(memoryview(b).nbytes)
-        memoryview(b).cast("B")[: len(mv)] = mv
-        return len(mv)
-
-    def read(self, size: int | None = -1) -> bytes:
-        return bytes(self._window(-1 if size is None else size))
-
-
 class ServingFileSystem(DelegatingFileSystem):
-    """Read streams come from ``cache`` (the slice being loaded, already read) when there,
-    else from ``step.open`` (locally: regular files only). Only files directly inside the
-    step directory are read (the metadata's paths were checked when it was read; this is
-    the second line)."""
+    """DCP's filesystem for a remote step (``Storage`` underneath): DCP's own reads (items with
+    a storage transform) go through it, through ``step.open`` and only for files directly
+    inside the step directory (the metadata's paths were checked when it was read; this is the
+    second line)."""
 
     def __init__(self, step: Storage) -> None:
         super().__init__(dcp_filesystem(step))
         self.step = step
-        self.cache: dict[str, _SliceStream] = {}
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
@@ -108,10 +58,6 @@ class ServingFileSystem(DelegatingFileSystem):
                 f"{self.step.url}: refusing to read {p!r}, which is not a file of this "
                 "checkpoint's directory"
             )
-        cached = self.cache.get(name)
-        if cached is not None:
-            yield cached
-            return
         with self.step.open(name) as s:
             yield s
 
@@ -124,8 +70,14 @@ def read_remote(r: VerifyingReader, plan: Any, planner: Any, *, stream: bool) ->
         info = r.storage_data[item.storage_index]
         slices.setdefault(info.relative_path, {}).setdefault(info.offset, []).append(item)
         lengths[(info.relative_path, info.offset)] = info.length
+
+    def fetch(name: str) -> None:
+        items = {off: (lengths[(name, off)], reqs) for off, reqs in slices[name].items()}
+        entry = r.entry(name) if stream else None
+        fetch_items(r.step, name, r.where(name), items, planner, entry)
+
     if not stream:
-        run_all(r.threads, lambda n: r.read_items(plan, planner, _all(slices[n])), sorted(slices))
+        run_all(r.threads, fetch, sorted(slices))
         return
     streamed, sliced = [], []
     for name, by_off in sorted(slices.items()):
@@ -139,9 +91,8 @@ def read_remote(r: VerifyingReader, plan: Any, planner: Any, *, stream: bool) ->
         checks = [ex.submit(r.fetch_and_check, n) for n in only_check]
 
         def read_all() -> None:
-            _stream_files(r, ex, streamed, slices, lengths, plan, planner)
-            for name in sliced:
-                r.read_items(plan, planner, _all(slices[name]))
+            _stream_files(r, ex, streamed, slices, lengths, planner)
+            run_all(r.threads, fetch, sliced)
 
         def found() -> BaseException | None:
             return next(
@@ -154,17 +105,12 @@ def read_remote(r: VerifyingReader, plan: Any, planner: Any, *, stream: bool) ->
             c.result()
 
 
-def _all(by_off: dict[int, list[Any]]) -> list[Any]:
-    return [it for items in by_off.values() for it in items]
-
-
 def _stream_files(
     r: VerifyingReader,
     ex: ThreadPoolExecutor,
     names: list[str],
     slices: dict[str, dict[int, list[Any]]],
     lengths: dict[tuple[str, int], int],
-    plan: Any,
     planner: Any,
 ) -> None:
     """Files this rank reads completely: worker threads read each file's slices in order
@@ -185,16 +131,16 @@ def _stream_files(
 
     def produce(name: str) -> None:
         try:
-            crc, size = 0, 0
+            got = r.checksum(name)
             with r.step.open(name) as f:
                 for off in sorted(slices[name]):
                     if stop.is_set():
                         return
                     data = f.read(lengths[(name, off)])
-                    crc, size = update(crc, data), size + len(data)
+                    got.update(data)
                     put((name, off, data, None))
-                size += len(f.read(1))  # anything past the manifest's size
-            r.check(name, size, crc_hex(crc))
+                got.update(f.read(1))  # anything past the manifest's size
+            r.check(name, got)
             put((name, -1, None, None))
         except BaseException as e:
             put((name, -1, None, e))
@@ -217,14 +163,10 @@ def _stream_files(
             if data is None:
                 done += 1
                 continue
-            r.fs.cache[name] = _SliceStream(off, data)
-            try:
-                prefer_corruption(
-                    lambda n=name, o=off: r.read_items(plan, planner, slices[n][o]),
-                    lambda n=name: file_verdict(n),
-                )
-            finally:
-                del r.fs.cache[name]
+            prefer_corruption(
+                lambda n=name, o=off, d=data: load_blob(d, slices[n][o], planner, r.where(n)),
+                lambda n=name: file_verdict(n),
+            )
     finally:
         stop.set()
         for f in futures:

@@ -52,7 +52,7 @@ class WriteSpec:
     io_threads: int
     keep_last: int | None
     group: Any = None  # process group of the collectives (None: the default group)
-    confirm: str = "crc32"  # how the storage's copy is confirmed before the commit (_confirm)
+    confirm: str = "checksum"  # how the storage's copy is confirmed before the commit (_confirm)
     overwrite: bool = False  # replace a committed step (written beside it, then swapped in)
     gate: threading.Event | None = None  # tests: the write starts once this is set
     timings: dict[str, float] = field(default_factory=dict)

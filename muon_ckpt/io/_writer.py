@@ -1,13 +1,14 @@
 """The save path's DCP writer: every file checksummed while it is written.
 
 ``ChecksumWriter`` is DCP's ``FileSystemWriter`` with its ``fs`` swapped for one whose write
-streams compute crc32 and size as the bytes pass through, so the manifest costs no read-back;
+streams compute the manifest's checksums (CRC32C per chunk, ``store.Checksum``) and size as
+the bytes pass through, so the manifest costs no read-back;
 a large buffer's crc runs in a helper thread while the same buffer is written (both release
 the GIL). Locally, each large write's pages are queued for write-out right away
 (``_writeback``), and every file is fsynced once, by DCP. While a writer thread writes a file,
 ``torch.save`` (which DCP calls once per tensor) is told not to compute its zip records' crc32
 (``torch.serialization.set_crc32_options``, set in that thread): that is a second full pass
-over the bytes, and the manifest's per-file crc32 already covers them. The files stay plain
+over the bytes, and the manifest's checksums already cover them. The files stay plain
 DCP files; ``torch.load`` reads zip records without a crc.
 
 DCP's writer threads die silently on an error (``dcp.save`` would still return): failures are
@@ -32,17 +33,20 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 from muon_ckpt._errors import CheckpointError
 from muon_ckpt.io._writeback import start_writeback
 from muon_ckpt.store import (
+    Checksum,
     DelegatingFileSystem,
     FileEntry,
     Storage,
-    crc_hex,
     dcp_filesystem,
-    update,
 )
 
 __all__ = ["ChecksumWriter", "FileRecords"]
 
 _PARALLEL_CRC_BYTES = 4 << 20  # buffers at least this big: crc in a helper thread during write
+# Writes at least this big (a tensor's bytes) start and end a checksum chunk: a reader of some
+# of its rows then reads at most one chunk more before them, and the zip records around it
+# (small chunks of their own), not the neighbouring megabytes.
+_CUT_BYTES = 64 << 10
 
 
 _zip_crc_get = getattr(torch.serialization, "get_crc32_options", None)
@@ -127,9 +131,9 @@ class FileRecords:
         with self._lock:
             self.errors.append((name, error))
 
-    def put(self, name: str, size: int, crc: int) -> None:
+    def put(self, name: str, entry: FileEntry) -> None:
         with self._lock:
-            self.files[name] = FileEntry(size, crc_hex(crc))
+            self.files[name] = entry
 
     def rename(self, old: str, new: str) -> None:
         with self._lock:
@@ -138,14 +142,14 @@ class FileRecords:
 
 
 class _CrcStream(io.RawIOBase):
-    """Write-only pass-through that keeps the running crc32 and byte count."""
+    """Write-only pass-through that keeps the running checksum and byte count."""
 
     def __init__(self, raw: Any, records: FileRecords, fd: int | None = None) -> None:
         super().__init__()
         self._raw = raw
         self._records = records
         self._fd = fd  # a local file's descriptor: large writes start their write-out at once
-        self.crc = 0
+        self.sum = Checksum.for_writing()
         self.size = 0
         self.last_write_end = time.perf_counter()
 
@@ -155,10 +159,11 @@ class _CrcStream(io.RawIOBase):
     def write(self, b: Any) -> int:
         mv = memoryview(b)
         n = mv.nbytes
+        if n >= _CUT_BYTES:  # a tensor's bytes: a checksum chunk of their own from here
+            self.sum.cut()
         if n >= _PARALLEL_CRC_BYTES:
-            box: list[int] = []
             flat = mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
-            t = threading.Thread(target=lambda: box.append(update(self.crc, flat)))
+            t = threading.Thread(target=self.sum.update, args=(flat,))
             t.start()
             try:
                 t0 = time.perf_counter()
@@ -171,7 +176,8 @@ class _CrcStream(io.RawIOBase):
                 # Even when the write fails: the crc thread reads ``b``, whose memory the
                 # caller may free as soon as this returns or raises.
                 t.join()
-            self.crc = box[0]
+            if self.sum.size != self.size + n:
+                raise OSError("the checksum thread failed; see the error above")
             self.last_write_end = time.perf_counter()
             self._records.add_seconds("write", t1 - t0)
             self._records.add_seconds("writeback", t2 - t1)
@@ -179,9 +185,11 @@ class _CrcStream(io.RawIOBase):
         else:
             t0 = time.perf_counter()
             written = self._raw.write(b)
-            self.crc = update(self.crc, mv)
+            self.sum.update(mv)
             self.last_write_end = time.perf_counter()
             self._records.add_seconds("write", self.last_write_end - t0)
+        if n >= _CUT_BYTES:
+            self.sum.cut()
         if written is not None and written != n:
             raise OSError(f"short write: {written} of {n} bytes")
         self.size += n
@@ -226,7 +234,7 @@ class _RecordingFileSystem(DelegatingFileSystem):
             raise
         # Recorded only once the inner stream closed cleanly (an object store's upload done).
         self.records.add_seconds("sync", time.perf_counter() - tail_start)
-        self.records.put(posixpath.basename(os.fspath(path)), s.size, s.crc)
+        self.records.put(posixpath.basename(os.fspath(path)), s.sum.entry())
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         self.inner.rename(path, new_path)

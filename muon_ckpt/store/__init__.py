@@ -13,8 +13,16 @@ from muon_ckpt.store._catalog import (
     StepInfo,
     write_dirname,
 )
-from muon_ckpt.store._checksum import crc_hex, file_checksum, update
+from muon_ckpt.store._checksum import (
+    CHUNK_BYTES,
+    Checksum,
+    check_chunks,
+    chunk_span,
+    crc_hex,
+    file_checksum,
+)
 from muon_ckpt.store._confirm import CONFIRM_MODES, confirm_files
+from muon_ckpt.store._crc import implementation as crc32c_implementation
 from muon_ckpt.store._dcpfs import DelegatingFileSystem, dcp_filesystem
 from muon_ckpt.store._layout import (
     KEY_FORMAT_VERSION,
@@ -45,6 +53,7 @@ from muon_ckpt.store._storage import (
 )
 
 __all__ = [
+    "CHUNK_BYTES",
     "COMMITTED",
     "CONFIRM_MODES",
     "CORRUPT",
@@ -57,6 +66,7 @@ __all__ = [
     "METADATA",
     "UNCOMMITTED",
     "Catalog",
+    "Checksum",
     "DelegatingFileSystem",
     "FileEntry",
     "Lease",
@@ -66,7 +76,10 @@ __all__ = [
     "Storage",
     "VerifyResult",
     "bytes_keys",
+    "check_chunks",
+    "chunk_span",
     "confirm_files",
+    "crc32c_implementation",
     "crc_hex",
     "dcp_filesystem",
     "extra_key",
@@ -86,7 +99,6 @@ __all__ = [
     "step_dirname",
     "storage_error",
     "tensor_entries",
-    "update",
     "verify",
     "write_dirname",
 ]

@@ -18,7 +18,7 @@ files are read only when regular (no FIFO, device or symlink), and no more than 
 
 Commit protocol: every rank's files are closed (and fsynced, locally) and confirmed on the
 storage (``_confirm``) before rank 0 checks the write lease (``_lease``) and writes the
-manifest, LAST, with every file's size and crc32, and reads it back. Deleting a step removes
+manifest, LAST, with every file's size and checksums, and reads it back. Deleting a step removes
 the manifest FIRST, so a crash while deleting leaves an uncommitted directory, never a
 committed step with missing files; a step directory that is a symlink is unlinked, never
 followed. An overwrite is written beside the committed step (``overwrite-step-XXXXXXXX``),
@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
 from muon_ckpt._version import __version__
-from muon_ckpt.store._checksum import crc_hex, update
+from muon_ckpt.store._checksum import Checksum
 from muon_ckpt.store._layout import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -371,11 +371,12 @@ def check_files(storage: Storage, parts: tuple[str, ...], m: Manifest) -> Metada
     if md_entry is None:
         raise CheckpointCorruptError(f"{storage.url_of(*parts, MANIFEST)}: lists no {METADATA}")
     data = storage.read_bytes(*parts, METADATA, limit=md_entry.size)
-    crc = crc_hex(update(0, data))
-    if len(data) != md_entry.size or crc != md_entry.crc32:
+    got = Checksum.like(md_entry, where)
+    got.update(data)
+    if len(data) != md_entry.size or got.hexdigest() != md_entry.digest:
         raise CheckpointCorruptError(
-            f"{where}: crc32 {crc} ({len(data)} bytes), the manifest says {md_entry.crc32} "
-            f"({md_entry.size} bytes); load another step"
+            f"{where}: {md_entry.algorithm} {got.hexdigest()} ({len(data)} bytes), the "
+            f"manifest says {md_entry.digest} ({md_entry.size} bytes); load another step"
         )
     md = parse_metadata(data, where)
     check_paths(md, set(m.files), where)

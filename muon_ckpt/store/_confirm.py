@@ -1,11 +1,12 @@
 """Integrity before commit: confirm that the storage holds the bytes a save wrote.
 
-A writer computes each file's size and crc32 as it sends the bytes; that proves what left this
+A writer computes each file's size and checksums (``_checksum``) as it sends the bytes; that proves what left this
 process, not what the storage kept (a proxy, a bad disk or a buggy gateway can accept a
 corrupted upload and answer OK). Before the manifest is written, each rank confirms the files
 it wrote, ``mode``:
 
-* ``"crc32"`` (default): reads every file back and compares size and crc32 with the record.
+* ``"checksum"`` (default; ``"crc32"``, its former name, means the same): reads every file
+  back and compares its size and per-chunk checksums (CRC32C) with the record.
   Costs one read of the checkpoint (spread over the ranks, ``threads`` files at once per
   rank); measured in docs/internals.md;
 * ``"size"``: compares the sizes the storage lists (catches truncation, not flipped bytes);
@@ -15,8 +16,9 @@ A mismatch is a CheckpointCorruptError: the step is not committed, so retention 
 it and never deletes a good step because of it.
 
 Seam: a store that checks a checksum sent with the upload (S3 and GCS accept CRC32C;
-``x-amz-checksum-crc32c``) confirms on the way; once manifests record CRC32C, files uploaded
-that way need no read-back here.
+``x-amz-checksum-crc32c``) could confirm on the way: manifests record CRC32C per chunk, and a
+store's composite or full-object CRC32C can be derived from them, so such uploads would need
+no read-back here.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from muon_ckpt.store._storage import Storage
 
 __all__ = ["CONFIRM_MODES", "confirm_files"]
 
-CONFIRM_MODES = ("crc32", "size", "off")
+CONFIRM_MODES = ("checksum", "crc32", "size", "off")
 
 
 def _mismatch(where: str, what: str) -> CheckpointCorruptError:
@@ -44,8 +46,8 @@ def _mismatch(where: str, what: str) -> CheckpointCorruptError:
 def confirm_files(
     storage: Storage, dirname: str, files: dict[str, FileEntry], mode: str, threads: int = 4
 ) -> None:
-    """Raise CheckpointCorruptError unless the storage holds ``files`` (name -> size, crc32
-    of what was written) in ``dirname`` as written (``mode``: see the module)."""
+    """Raise CheckpointCorruptError unless the storage holds ``files`` (name -> size and
+    checksums of what was written) in ``dirname`` as written (``mode``: see the module)."""
     if mode == "off" or not files:
         return
     listed = storage.walk_files(dirname)
@@ -55,17 +57,18 @@ def confirm_files(
                 storage.url_of(dirname, name),
                 f"{listed.get(name)} bytes, not the {entry.size} written",
             )
-    if mode != "crc32":
+    if mode not in ("checksum", "crc32"):
         return
 
     def one(name: str) -> None:
+        want, where = files[name], storage.url_of(dirname, name)
         with storage.open(dirname, name) as f:
-            size, crc = file_checksum(f)
-        want = files[name]
-        if (size, crc) != (want.size, want.crc32):
+            got = file_checksum(f, want, where=where)
+        if got.size != want.size or got.hexdigest() != want.digest:
             raise _mismatch(
-                storage.url_of(dirname, name),
-                f"{size} bytes with crc32 {crc} (written: {want.size} bytes, crc32 {want.crc32})",
+                where,
+                f"{got.size} bytes whose {want.algorithm} differs from what was written "
+                f"({want.size} bytes)",
             )
 
     with ThreadPoolExecutor(max(1, min(threads, len(files)))) as ex:

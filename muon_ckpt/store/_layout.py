@@ -31,7 +31,7 @@ STEP_PREFIX = "step-"
 MANIFEST = "manifest.json"
 METADATA = ".metadata"  # DCP's own metadata file, in every step directory
 FORMAT = "muon-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CRC32C (or crc32) per 1 MiB chunk; 1: one zlib crc32 per file
 KEY_FORMAT_VERSION = 1
 
 MAX_STEP = 10**8 - 1  # 8 digits
@@ -40,7 +40,7 @@ MAX_MANIFEST_BYTES = 64 << 20  # a manifest is read up to this size, no further
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 # A file of a step: one plain name inside the step directory (DCP writes no subdirectories).
 _FILE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
-_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
+_HEX_RE = re.compile(r"(?:[0-9a-f]{8})+")
 
 
 def step_dirname(step: int) -> str:
@@ -84,8 +84,74 @@ def rank_extra_key(rank: int, name: str) -> str:
 
 @dataclass
 class FileEntry:
+    """A stored file's size and checksums: 8 hex digits per chunk of ``chunk_bytes`` bytes
+    (None: one checksum of the whole file, format 1), in ``crc32c`` (CRC32C, the default)
+    or ``crc32`` (zlib's; format 1, or saves without a CRC32C package). One of them is set."""
+
     size: int
-    crc32: str  # 8 hex digits of zlib.crc32
+    crc32: str | None = None
+    crc32c: str | None = None
+    chunk_bytes: int | None = None
+    cuts: list[int] | None = None  # offsets where a chunk ends early; the grid restarts there
+
+    def chunk_starts(self) -> list[int]:
+        """Where each checksummed chunk begins (``[0]`` without chunks). Computed once per
+        entry (entries are not changed after they are made; the cache is no field)."""
+        cached = self.__dict__.get("_starts")
+        if cached is None:
+            cached = self.__dict__["_starts"] = self._chunk_starts()
+        return cached
+
+    def _chunk_starts(self) -> list[int]:
+        c, size = self.chunk_bytes, self.size
+        if c is None:
+            return [0]
+        cuts = sorted(self.cuts or [])
+        starts, at, ci = [0], 0, 0
+        while True:
+            end = at + c
+            while ci < len(cuts) and cuts[ci] <= at:
+                ci += 1
+            if ci < len(cuts) and cuts[ci] < end:
+                end = cuts[ci]
+            if end >= size:
+                return starts
+            starts.append(end)
+            at = end
+
+    @property
+    def algorithm(self) -> str:
+        return "crc32c" if self.crc32c is not None else "crc32"
+
+    @property
+    def digest(self) -> str:
+        return self.crc32c if self.crc32c is not None else (self.crc32 or "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FileEntry:
+        size = int(d["size"])
+        chunk = None if d.get("chunk_bytes") is None else int(d["chunk_bytes"])
+        sums = [k for k in ("crc32c", "crc32") if d.get(k) is not None]
+        if len(sums) != 1:
+            raise ValueError(f"a file entry needs one of crc32c or crc32, found {sorted(d)}")
+        digest = str(d[sums[0]])
+        cuts = None if d.get("cuts") is None else [int(c) for c in d["cuts"]]
+        if size < 0 or (chunk is not None and chunk < 1):
+            raise ValueError(f"size {size} and chunk_bytes {chunk} must be >= 0 and >= 1")
+        if cuts is not None and (chunk is None or any(not 0 < c < size for c in cuts)):
+            raise ValueError(f"cuts must lie inside the file's {size} bytes, found {cuts[:5]}")
+        e = cls(size, chunk_bytes=chunk, cuts=cuts, **{sums[0]: digest})
+        count = len(e.chunk_starts())
+        if len(digest) != 8 * count:
+            raise ValueError(
+                f"a file of {size} bytes in chunks of {chunk} needs {count} checksum(s) of 8 "
+                f"hex digits, found {len(digest)} digits"
+            )
+        int(digest or "0", 16)  # hex only
+        return e
 
 
 @dataclass
@@ -102,7 +168,9 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+        d = asdict(self)
+        d["files"] = {k: v.to_dict() for k, v in self.files.items()}
+        return json.dumps(d, indent=1, sort_keys=True).encode()
 
     @property
     def total_bytes(self) -> int:
@@ -145,9 +213,30 @@ def _file_entry(name: str, v: Any) -> FileEntry:
             f"it lists the file {name[:80]!r}: a checkpoint holds plain file names inside "
             "its step directory only (no '/', '..' or absolute paths)"
         )
-    size, crc = v["size"], v["crc32"]
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise ValueError(f"file {name!r}: size {size!r} is not an int >= 0")
-    if not isinstance(crc, str) or not _CRC_RE.match(crc):
-        raise ValueError(f"file {name!r}: crc32 {crc!r} is not 8 hex digits")
-    return FileEntry(size, crc)
+    for k in ("size", "chunk_bytes"):
+        x = v.get(k)
+        if (x is not None or k == "size") and (not isinstance(x, int) or isinstance(x, bool)):
+            raise ValueError(f"file {name!r}: {k} {x!r} is not an int")
+    cuts = v.get("cuts")
+    if cuts is not None and (not isinstance(cuts, list) or not all(type(c) is int for c in cuts)):
+        raise ValueError(f"file {name!r}: cuts must be a list of ints")
+    for k in ("crc32c", "crc32"):
+        digest = v.get(k)
+        if digest is None:
+            continue
+        if not isinstance(digest, str) or not _HEX_RE.fullmatch(digest):
+            raise ValueError(
+                f"file {name!r}: {k} {str(digest)[:40]!r} is not 8 hex digits per chunk"
+            )
+        chunk = v.get("chunk_bytes")
+        # Bound the work before the chunk grid is built: a crafted entry (1-byte chunks of a
+        # huge file) must not spin; at least size / chunk_bytes checksums are needed.
+        if chunk is not None and chunk >= 1 and -(-v["size"] // chunk) > len(digest) // 8:
+            raise ValueError(
+                f"file {name!r}: {v['size']} bytes in chunks of {chunk} need more checksums "
+                f"than the {len(digest) // 8} listed"
+            )
+    try:
+        return FileEntry.from_dict(v)
+    except ValueError as e:
+        raise ValueError(f"file {name!r}: {e}") from e

@@ -18,7 +18,14 @@ from muon_ckpt.store._catalog import (
     read_manifest,
 )
 from muon_ckpt.store._checksum import file_checksum
-from muon_ckpt.store._layout import MANIFEST, METADATA, Manifest, parse_step_dirname, step_dirname
+from muon_ckpt.store._layout import (
+    MANIFEST,
+    METADATA,
+    FileEntry,
+    Manifest,
+    parse_step_dirname,
+    step_dirname,
+)
 from muon_ckpt.store._metadata import check_paths, parse_metadata
 from muon_ckpt.store._storage import Storage
 
@@ -115,7 +122,7 @@ class VerifyResult:
 
 
 def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
-    """Check every file of the manifest for presence, size and crc32."""
+    """Check every file of the manifest for presence, size and checksums."""
     if r.manifest is None:
         raise CheckpointNotFoundError(
             f"{r.url!r} has no {MANIFEST}: only muon-ckpt checkpoints can be verified"
@@ -141,13 +148,27 @@ def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
                 bar.update(entry.size)
                 continue
             with st.open(*r.parts, name) as f:
-                size, crc = file_checksum(f, bar.update)
-            res.bytes += size
-            if crc != entry.crc32:
-                res.problems.append(
-                    f"{name}: crc32 {crc}, manifest says {entry.crc32} (content changed)"
-                )
+                got = file_checksum(f, entry, bar.update, st.url_of(*r.parts, name))
+            res.bytes += got.size
+            if got.hexdigest() != entry.digest:
+                res.problems.append(f"{name}: {_differs(got.hexdigest(), entry)} (content changed)")
     return res
+
+
+def _differs(digest: str, entry: FileEntry) -> str:
+    """How ``digest`` differs from ``entry``'s checksums, briefly: which byte ranges."""
+    if entry.chunk_bytes is None:
+        return f"{entry.algorithm} {digest}, manifest says {entry.digest}"
+    starts = entry.chunk_starts()
+    bad = [
+        k
+        for k in range(len(starts))
+        if digest[8 * k : 8 * k + 8] != entry.digest[8 * k : 8 * k + 8]
+    ]
+    ends = [*starts[1:], entry.size]
+    spans = ", ".join(f"{starts[k]}-{ends[k]}" for k in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return f"{entry.algorithm} of {len(bad)} chunk(s) differs from the manifest's (bytes {spans}{more})"
 
 
 @dataclass

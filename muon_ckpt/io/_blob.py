@@ -1,0 +1,95 @@
+"""One stored item already in memory (a remote read) into its targets, without ``torch.load``.
+
+DCP's reader ``torch.load``s every item into fresh memory and copies it into the target. Here
+the item's zip records are parsed in memory (``_itemread.blob_layout``: torch's zip reader and
+the restricted unpickler) and its tensor bytes viewed in place and copied into each target
+(narrowed to the part a resharded target takes). An item that is not a plain dense tensor
+goes through ``torch.load(weights_only=True)``, as in DCP; a non-tensor item to the planner.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt.io._itemread import _narrow, blob_layout, commit_part
+from muon_ckpt.store import FileEntry, check_chunks, chunk_span
+
+__all__ = ["fetch_items", "load_blob"]
+
+
+def load_blob(
+    data: bytes | bytearray, reqs: list[ReadItem], planner: LoadPlanner, where: str
+) -> None:
+    """``data``: the whole stored item that ``reqs`` read from (viewed in place, only read)."""
+    if reqs[0].type == LoadItemType.BYTE_IO:
+        for req in reqs:
+            planner.load_bytes(req, io.BytesIO(data))
+        return
+    lay = blob_layout(data)
+    if lay is None:
+        src = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    elif lay.nbytes == 0:
+        src = torch.empty(lay.size, dtype=lay.dtype)
+    else:
+        with warnings.catch_warnings():
+            # bytes are read-only: torch warns that writing the view would be undefined; the
+            # view is only the source of the copies below.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=torch.uint8, count=lay.nbytes, offset=lay.start)
+        src = flat.view(lay.dtype).as_strided(lay.size, lay.stride, lay.offset)
+    for req in reqs:
+        commit_part(planner, req, _narrow(src, req.storage_offsets, req.lengths), where)
+
+
+def fetch_items(
+    step: Any,
+    name: str,
+    where: str,
+    items: dict[int, tuple[int, list[ReadItem]]],
+    planner: LoadPlanner,
+    entry: FileEntry | None,
+) -> None:
+    """The stored items of remote file ``name`` that this rank reads (offset -> (length, read
+    items)), one ranged read each; with ``entry`` (a format-2 entry: checksums on), each read
+    is widened to whole checksum chunks and checked before the item is loaded."""
+    chunked = entry is not None and entry.chunk_bytes is not None
+    # One open file, items in file order: the filesystem's read-ahead serves neighbours (one
+    # cat_file per item: 2.6x slower against S3 on moto, 4.0 s against 1.5 s for 0.25 GiB).
+    with step.open(name) as f:
+        for off in sorted(items):
+            length, reqs = items[off]
+            _fetch_one(f, off, length, reqs, planner, where, entry if chunked else None)
+
+
+def _fetch_one(
+    f: Any,
+    off: int,
+    length: int,
+    reqs: list[ReadItem],
+    planner: LoadPlanner,
+    where: str,
+    entry: FileEntry | None,
+) -> None:
+    lo, hi = chunk_span(entry, off, off + length) if entry is not None else (off, off + length)
+    f.seek(lo)
+    raw = bytearray(hi - lo)
+    got = f.readinto(raw) or 0
+    if got != hi - lo:
+        raise CheckpointCorruptError(
+            f"{where}: file is truncated: bytes {lo}-{hi} gave {got} bytes. Load "
+            "another step (muon-ckpt ls lists them) or restore this file"
+        )
+    if entry is not None and check_chunks(entry, lo, raw, where):
+        raise CheckpointCorruptError(
+            f"{where}: file is corrupt: the {entry.algorithm} of its bytes {lo}-{hi} "
+            "differs from the manifest's. Load another step (muon-ckpt ls lists them) or "
+            "restore this file"
+        )
+    data = raw if (lo, hi) == (off, off + length) else raw[off - lo : off - lo + length]
+    load_blob(data, reqs, planner, where)
