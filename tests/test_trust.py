@@ -154,6 +154,31 @@ def test_metadata_paths_outside_the_step_are_refused_everywhere(
         os.remove(outside)
 
 
+@pytest.mark.parametrize("verify", ["checksum", "size"])
+def test_metadata_ranges_past_a_file_are_refused_before_any_read(local_run, tmp_path, verify):
+    """A ``.metadata`` that gives an item a length of a terabyte (its manifest entry updated
+    so the checksum passes) is a corrupt step, not a terabyte allocation (ranged reads size
+    their buffers from these lengths)."""
+    st = local_run["storage"]
+    name = step_dirname(3)
+    md = parse_metadata(st.read_bytes(name, METADATA), "test")
+    key = next(iter(md.storage_data))
+    md.storage_data[key] = dataclasses.replace(md.storage_data[key], length=1 << 40)
+    data = pickle.dumps(md)
+    st.write_bytes(data, name, METADATA)
+    entry = {"size": len(data), "crc32": f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"}
+    _rewrite_manifest(st, 3, lambda m: m["files"].__setitem__(METADATA, entry))
+    model, opt = _fresh()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mgr = CheckpointManager(local_run["url"], model=model, optimizer=opt, verify=verify)
+    with pytest.raises(CheckpointCorruptError, match="cannot be trusted"):
+        bounded(lambda: mgr.load(step=3))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(CheckpointCorruptError, match="cannot be trusted"):
+        bounded(lambda: export_safetensors(local_run["url"], str(tmp_path / "o.st"), step=3))
+    assert bounded(mgr.load) == 2  # the fallback skips it
+
+
 def test_plain_dcp_directory_pointing_outside_is_refused(tmp_path):
     """Without a manifest (a plain DCP directory) export and import refuse the same paths."""
     import torch.distributed.checkpoint as dcp

@@ -51,7 +51,7 @@ from muon_ckpt.store._layout import (
     step_dirname,
 )
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, Lease
-from muon_ckpt.store._metadata import check_paths, parse_metadata
+from muon_ckpt.store._metadata import check_paths, check_ranges, parse_metadata
 from muon_ckpt.store._storage import Storage
 
 __all__ = [
@@ -380,4 +380,5 @@ def check_files(storage: Storage, parts: tuple[str, ...], m: Manifest) -> Metada
         )
     md = parse_metadata(data, where)
     check_paths(md, set(m.files), where)
+    check_ranges(md, {n: e.size for n, e in m.files.items()}, where)
     return md

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt.store._layout import MANIFEST, METADATA, is_file_name
 
-__all__ = ["bytes_keys", "check_paths", "parse_metadata", "tensor_entries"]
+__all__ = ["bytes_keys", "check_paths", "check_ranges", "parse_metadata", "tensor_entries"]
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}
@@ -89,6 +89,20 @@ def check_paths(md: Metadata, allowed: set[str] | None, where: str) -> None:
                 f"{where}: refers to the file {str(name)[:200]!r}, outside the checkpoint's "
                 "directory (a checkpoint refers to plain file names beside its .metadata "
                 "only); it cannot be trusted and is not read. Load another step"
+            )
+
+
+def check_ranges(md: Metadata, sizes: dict[str, int], where: str) -> None:
+    """Every stored item the metadata points at lies inside its file's ``sizes`` (the
+    manifest's): a crafted ``.metadata`` must not make a reader allocate or seek past a file
+    (a length of a terabyte is a MemoryError, not a corrupt step, otherwise)."""
+    for info in (md.storage_data or {}).values():
+        name, off, n = info.relative_path, info.offset, info.length
+        size = sizes.get(name, 0)
+        if not (type(off) is int and type(n) is int and off >= 0 and n >= 0 and off + n <= size):
+            raise CheckpointCorruptError(
+                f"{where}: points at bytes {off}+{n} of {name!r}, which has {size} bytes (the "
+                "manifest's size); it cannot be trusted and is not read. Load another step"
             )
 
 
