@@ -346,9 +346,15 @@ def test_an_interrupted_wait_keeps_the_save_pending(tmp_path):
     mgr._write_gate = gate = threading.Event()
     want = state_of(model, opt, data)
     mgr.save(1)
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        mgr.wait()
+    # Python raises KeyboardInterrupt only where SIGINT was not ignored when it started (a
+    # background job of a non-interactive shell inherits it ignored): install the handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            mgr.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert mgr._pending is not None
     train(model, range(2, 3), opt)  # the pool is still frozen for the pending write
     gate.set()
