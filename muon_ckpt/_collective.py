@@ -54,7 +54,7 @@ def on_rank0(fn: Callable[[], T], group: Any = None) -> T:
                 raise
             box[0] = (False, _portable(e))
     if is_dist():
-        with _comm("a broadcast from rank 0"):
+        with communicating("a broadcast from rank 0"):
             dist.broadcast_object_list(box, src=0, group=group)
     ok, value = box[0]
     if not ok:
@@ -67,7 +67,7 @@ def gather_to_rank0(obj: Any, group: Any = None) -> list[Any] | None:
     if not is_dist():
         return [obj]
     out: list[Any] | None = [None] * world_size() if rank() == 0 else None
-    with _comm("a gather to rank 0"):
+    with communicating("a gather to rank 0"):
         dist.gather_object(obj, out, dst=0, group=group)
     return out
 
@@ -77,7 +77,7 @@ def all_gather(obj: Any, group: Any = None) -> list[Any]:
     if not is_dist():
         return [obj]
     out: list[Any] = [None] * world_size()
-    with _comm("an all-gather"):
+    with communicating("an all-gather"):
         dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -164,7 +164,7 @@ def comm_failure(e: RuntimeError, what: str) -> CheckpointCollectiveError:
 
 
 @contextlib.contextmanager
-def _comm(what: str) -> Iterator[None]:
+def communicating(what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:  # torch's communication errors (DistError derives from it)

@@ -639,6 +639,7 @@ class CheckpointManager:
             world_size=coll.world_size(),
             io_threads=self.config.io_threads,
             verify_crc=checks_content(self.config.verify),
+            group=self._group,
         )
         try:
             dcp.load(

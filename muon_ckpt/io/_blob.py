@@ -20,13 +20,23 @@ from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt.io._itemread import _narrow, blob_layout, commit_part
 from muon_ckpt.store import FileEntry, check_chunks, chunk_span
 
-__all__ = ["fetch_items", "load_blob"]
+__all__ = ["Capture", "fetch_items", "load_blob"]
 
 
-def load_blob(
-    data: bytes | bytearray, reqs: list[ReadItem], planner: LoadPlanner, where: str
-) -> None:
-    """``data``: the whole stored item that ``reqs`` read from (viewed in place, only read)."""
+class Capture:
+    """Stands for the read items of a stored item that this rank reads only to send it to the
+    ranks that need it (``_shared``): its bytes are copied into ``buf`` (of its length)."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+
+
+def load_blob(data: Any, reqs: list[ReadItem] | Capture, planner: LoadPlanner, where: str) -> None:
+    """``data``: the whole stored item that ``reqs`` read from (a bytes-like object, viewed in
+    place, only read)."""
+    if isinstance(reqs, Capture):
+        reqs.buf[:] = memoryview(data).cast("B")
+        return
     if reqs[0].type == LoadItemType.BYTE_IO:
         for req in reqs:
             planner.load_bytes(req, io.BytesIO(data))
@@ -51,31 +61,34 @@ def fetch_items(
     step: Any,
     name: str,
     where: str,
-    items: dict[int, tuple[int, list[ReadItem]]],
+    items: dict[int, tuple[int, list[ReadItem] | Capture]],
     planner: LoadPlanner,
     entry: FileEntry | None,
-) -> None:
+) -> int:
     """The stored items of remote file ``name`` that this rank reads (offset -> (length, read
     items)), one ranged read each; with ``entry`` (a format-2 entry: checksums on), each read
-    is widened to whole checksum chunks and checked before the item is loaded."""
+    is widened to whole checksum chunks and checked before the item is loaded. Returns the
+    bytes read."""
     chunked = entry is not None and entry.chunk_bytes is not None
     # One open file, items in file order: the filesystem's read-ahead serves neighbours (one
     # cat_file per item: 2.6x slower against S3 on moto, 4.0 s against 1.5 s for 0.25 GiB).
+    read = 0
     with step.open(name) as f:
         for off in sorted(items):
             length, reqs = items[off]
-            _fetch_one(f, off, length, reqs, planner, where, entry if chunked else None)
+            read += _fetch_one(f, off, length, reqs, planner, where, entry if chunked else None)
+    return read
 
 
 def _fetch_one(
     f: Any,
     off: int,
     length: int,
-    reqs: list[ReadItem],
+    reqs: list[ReadItem] | Capture,
     planner: LoadPlanner,
     where: str,
     entry: FileEntry | None,
-) -> None:
+) -> int:
     lo, hi = chunk_span(entry, off, off + length) if entry is not None else (off, off + length)
     f.seek(lo)
     raw = bytearray(hi - lo)
@@ -93,3 +106,4 @@ def _fetch_one(
         )
     data = raw if (lo, hi) == (off, off + length) else raw[off - lo : off - lo + length]
     load_blob(data, reqs, planner, where)
+    return got

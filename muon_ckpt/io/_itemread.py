@@ -533,14 +533,29 @@ class FileLoad:
         if self._verify:
             self._take_discard(fd, tail_at, offset + length)
 
-    def run(self, items: dict[int, tuple[int, list[ReadItem]]]) -> Checksum | None:
-        """``items``: stored item offset -> (its length, the read items it serves)."""
+    def _capture(self, fd: int, offset: int, buf: memoryview) -> None:
+        """A stored item's raw bytes into ``buf`` (read once here, sent to the other ranks
+        that need it: ``_shared``), through the file's checksum or checked by chunk."""
+        if self._verify or not self._spans.verifies:
+            self._take(fd, buf, offset)
+            return
+        self._spans.read(fd, [(offset, offset + len(buf))])
+        buf[:] = self._spans.view(offset, offset + len(buf))
+
+    def run(
+        self,
+        items: dict[int, tuple[int, list[ReadItem]]],
+        capture: dict[int, memoryview] | None = None,
+    ) -> Checksum | None:
+        """``items``: stored item offset -> (its length, the read items it serves);
+        ``capture``: stored item offset -> a buffer of its length, filled with its bytes."""
         fd = open_regular(self._path, self._where)  # no FIFO, device or symlink
         _counting.cell = self._counted
+        capture = capture or {}
         try:
             size = os.fstat(fd).st_size
-            for off in sorted(items):
-                length, reqs = items[off]
+            for off in sorted({*items, *capture}):
+                length = items[off][0] if off in items else len(capture[off])
                 if off + length > size:  # before any buffer is sized from the metadata
                     raise CheckpointCorruptError(
                         f"{self._where}: file is truncated: it has {size} bytes, the "
@@ -549,7 +564,10 @@ class FileLoad:
                     )
                 if self._verify:
                     self._take_discard(fd, self._pos, off)
-                self._load_item(fd, off, length, reqs)
+                if off in capture:
+                    self._capture(fd, off, capture[off])
+                else:
+                    self._load_item(fd, off, length, items[off][1])
             if self._sum is None:
                 return None
             self._take_discard(fd, self._pos, size)

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt.io._itemread import FileLoad
 from muon_ckpt.io._remote import ServingFileSystem, read_remote
+from muon_ckpt.io._shared import agree, distribute, plan_shared
 from muon_ckpt.io._tasks import prefer_corruption, run_all
 from muon_ckpt.store import Checksum, FileEntry, Storage, file_checksum
 
@@ -60,6 +61,7 @@ class VerifyingReader(FileSystemReader):
         io_threads: int = 4,
         verify_crc: bool = True,
         check_unread: bool = True,
+        group: Any = None,
     ) -> None:
         super().__init__(step.root)
         self.fs = ServingFileSystem(step)
@@ -73,8 +75,11 @@ class VerifyingReader(FileSystemReader):
         self._check_unread = check_unread
         self._checked: set[str] = set()
         self._lock = threading.Lock()
+        self._group = group  # with world_size > 1: shared items are read once (_shared)
+        self.captures: dict[str, dict[int, memoryview]] = {}  # read here for other ranks
         self.timings: dict[str, float] = {}  # "read": wall time of read_data
-        self.bytes_read = 0  # local files: bytes this reader read from storage
+        self.bytes_read = 0  # bytes this reader read from storage
+        self.shared_bytes = 0  # bytes of stored items read once for several ranks (all ranks)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         # Already read (and checked) by the caller: no second round trip.
@@ -100,17 +105,21 @@ class VerifyingReader(FileSystemReader):
             )
         return want
 
+    def owner(self, name: str) -> int:
+        """The rank that checks file ``name`` whole: the rank that wrote it, modulo this world
+        size (a file not named by rank: its place among the files, modulo world size)."""
+        m = _RANK_FILE_RE.match(name)
+        if m:
+            return int(m.group(1)) % self._world
+        names = sorted(self._files if self._files is not None else {name})
+        return names.index(name) % self._world if name in names else 0
+
     def to_check(self, read: set[str]) -> set[str]:
         """The files this reader checksums whole (and marks as checked): owned ones, among
         those it reads unless ``check_unread``."""
         if not self._verify_crc or self._files is None:
             return set()
-        names = sorted(self._files)
-        owned = set()
-        for i, n in enumerate(names):
-            m = _RANK_FILE_RE.match(n)
-            if (int(m.group(1)) if m else i) % self._world == self._rank:
-                owned.add(n)
+        owned = {n for n in self._files if self.owner(n) == self._rank}
         if not self._check_unread:
             owned &= read
         with self._lock:
@@ -167,11 +176,35 @@ class VerifyingReader(FileSystemReader):
 
     def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
         t0 = time.perf_counter()
-        if self.step.is_local:
-            self._read_local(plan, planner)
-        else:
-            read_remote(self, plan, planner, stream=self._verify_crc)
-        self.timings = {"read": time.perf_counter() - t0}
+        share = None
+        if self._group is not None and self._world > 1:
+            share = plan_shared(
+                plan.items,
+                self.storage_data,
+                self._metadata,
+                self.owner,
+                self._rank,
+                self._group,
+            )
+            plan = dataclasses.replace(plan, items=share.items)
+            self.captures, self.shared_bytes = share.captures, share.shared_bytes
+        error = None
+        try:
+            if self.step.is_local:
+                self._read_local(plan, planner)
+            else:
+                read_remote(self, plan, planner, stream=self._verify_crc)
+        except BaseException as e:
+            if share is None:
+                raise
+            error = e
+        finally:
+            self.captures = {}
+        t1 = time.perf_counter()
+        if share is not None:
+            agree(error, self._rank, self._group)
+            distribute(share, planner, self.where, self._rank, self._world, self._group)
+        self.timings = {"read": t1 - t0, "share": time.perf_counter() - t1}
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
@@ -190,26 +223,34 @@ class VerifyingReader(FileSystemReader):
                 continue
             slot = per_file.setdefault(info.relative_path, {})
             slot.setdefault(info.offset, (info.length, []))[1].append(item)
-        check = self.to_check(set(per_file) | set(dcp_items))
-        work = sorted(set(per_file) | set(dcp_items) | check)
+        captures = self.captures
+        check = self.to_check(set(per_file) | set(dcp_items) | set(captures))
+        work = sorted(set(per_file) | set(dcp_items) | set(captures) | check)
         sizes = {n: (e.size if (e := self.entry(n)) else 0) for n in work}
         work.sort(key=lambda n: (-sizes[n], n))  # largest first: even finish
 
         def one(name: str) -> None:
             # A checked file is checksummed once: on the way by FileLoad, or by its own pass
             # when DCP's reader is involved or nothing is read from it.
-            separate = name in check and (name in dcp_items or name not in per_file)
+            loads, caps = per_file.get(name), captures.get(name)
+            separate = name in check and (name in dcp_items or not (loads or caps))
             if separate:
                 self.fetch_and_check(name)
             if name in dcp_items:
                 self.read_items(plan, planner, dcp_items[name])
-            if name in per_file:
-                self._load_file(name, per_file[name], planner, name in check and not separate)
+            if loads or caps:
+                verify = name in check and not separate
+                self._load_file(name, loads or {}, planner, verify, caps)
 
         run_all(self.threads, one, work)
 
     def _load_file(
-        self, name: str, items: dict[int, tuple[int, list[Any]]], planner: Any, verify: bool
+        self,
+        name: str,
+        items: dict[int, tuple[int, list[Any]]],
+        planner: Any,
+        verify: bool,
+        capture: dict[int, memoryview] | None = None,
     ) -> None:
         where = self.where(name)
         # Checked whole here, or (another rank checks it whole) only the parts read, by chunk.
@@ -219,7 +260,7 @@ class VerifyingReader(FileSystemReader):
 
         def run() -> Checksum | None:
             try:
-                return load.run(items)
+                return load.run(items, capture)
             except (CheckpointError, OSError):
                 raise
             except Exception as e:

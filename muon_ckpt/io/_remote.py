@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from muon_ckpt._errors import CheckpointCorruptError
-from muon_ckpt.io._blob import fetch_items, load_blob
+from muon_ckpt.io._blob import Capture, fetch_items, load_blob
 from muon_ckpt.io._tasks import prefer_corruption, run_all
 from muon_ckpt.store import DelegatingFileSystem, Storage, dcp_filesystem, is_file_name
 
@@ -70,11 +70,15 @@ def read_remote(r: VerifyingReader, plan: Any, planner: Any, *, stream: bool) ->
         info = r.storage_data[item.storage_index]
         slices.setdefault(info.relative_path, {}).setdefault(info.offset, []).append(item)
         lengths[(info.relative_path, info.offset)] = info.length
+    for name, caps in r.captures.items():  # read here for other ranks (_shared)
+        for off, buf in caps.items():
+            slices.setdefault(name, {})[off] = Capture(buf)  # type: ignore[assignment]
+            lengths[(name, off)] = len(buf)
 
     def fetch(name: str) -> None:
         items = {off: (lengths[(name, off)], reqs) for off, reqs in slices[name].items()}
         entry = r.entry(name) if stream else None
-        fetch_items(r.step, name, r.where(name), items, planner, entry)
+        r.count(fetch_items(r.step, name, r.where(name), items, planner, entry))
 
     if not stream:
         run_all(r.threads, fetch, sorted(slices))
@@ -137,9 +141,12 @@ def _stream_files(
                     if stop.is_set():
                         return
                     data = f.read(lengths[(name, off)])
+                    r.count(len(data))
                     got.update(data)
                     put((name, off, data, None))
-                got.update(f.read(1))  # anything past the manifest's size
+                tail = f.read(1)  # anything past the manifest's size
+                r.count(len(tail))
+                got.update(tail)
             r.check(name, got)
             put((name, -1, None, None))
         except BaseException as e:
