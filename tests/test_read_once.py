@@ -41,9 +41,10 @@ def _replicated(fill: float | None, mesh_shape: tuple[int, ...]) -> torch.nn.Mod
     r = torch.randn(ROWS, COLS, generator=g)
     r = r if fill is None else r * 0 + fill
     if len(mesh_shape) == 1:
-        m.rep = torch.nn.Parameter(distribute_tensor(r, mesh, [Replicate()]))
+        m.register_parameter("rep", torch.nn.Parameter(distribute_tensor(r, mesh, [Replicate()])))
     else:
-        m.hsdp = torch.nn.Parameter(distribute_tensor(r, mesh, [Replicate(), Shard(0)]))
+        t = distribute_tensor(r, mesh, [Replicate(), Shard(0)])
+        m.register_parameter("hsdp", torch.nn.Parameter(t))
     return m
 
 

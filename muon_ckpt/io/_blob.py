@@ -17,10 +17,43 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from muon_ckpt._errors import CheckpointCorruptError
-from muon_ckpt.io._itemread import _narrow, blob_layout, commit_part
+from muon_ckpt.io._itemread import (
+    _narrow,
+    blob_layout,
+    commit_part,
+    commit_slices,
+    pieces_layout,
+    slice_spans,
+)
+from muon_ckpt.io._ranged import SpanReader
 from muon_ckpt.store import FileEntry, check_chunks, chunk_span
 
-__all__ = ["Capture", "fetch_items", "load_blob"]
+__all__ = ["Capture", "WholeItems", "fetch_items", "load_blob"]
+
+# Bytes read at each end of an item taken in part, for its zip records (header, pickle,
+# directory: well under 1 KiB each in a torch.save file); parsing needs nothing else.
+EDGE_BYTES = 4096
+
+
+class WholeItems:
+    """Whether a read item takes its whole stored chunk (from the DCP metadata's chunk sizes),
+    not a slice of it (a resharded rank's rows)."""
+
+    def __init__(self, metadata: Any) -> None:
+        self._md = metadata
+        self._by_fqn: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def __call__(self, item: ReadItem) -> bool:
+        if item.type == LoadItemType.BYTE_IO:
+            return True
+        fqn = item.storage_index.fqn
+        table = self._by_fqn.get(fqn)
+        if table is None:
+            meta = self._md.state_dict_metadata.get(fqn)
+            chunks = getattr(meta, "chunks", None) or []
+            table = self._by_fqn[fqn] = {tuple(c.offsets): tuple(c.sizes) for c in chunks}
+        sizes = table.get(tuple(item.storage_index.offset or ()))
+        return sizes is not None and not any(item.storage_offsets) and tuple(item.lengths) == sizes
 
 
 class Capture:
@@ -64,20 +97,72 @@ def fetch_items(
     items: dict[int, tuple[int, list[ReadItem] | Capture]],
     planner: LoadPlanner,
     entry: FileEntry | None,
+    whole: Any = None,
 ) -> int:
     """The stored items of remote file ``name`` that this rank reads (offset -> (length, read
     items)), one ranged read each; with ``entry`` (a format-2 entry: checksums on), each read
-    is widened to whole checksum chunks and checked before the item is loaded. Returns the
-    bytes read."""
+    is widened to whole checksum chunks and checked before the item is loaded. An item of
+    which every read item takes a slice (``whole``: ``WholeItems``) is read in part: its zip
+    records at both ends, then the span of the slices' elements. Returns the bytes read."""
     chunked = entry is not None and entry.chunk_bytes is not None
+    entry = entry if chunked else None
     # One open file, items in file order: the filesystem's read-ahead serves neighbours (one
     # cat_file per item: 2.6x slower against S3 on moto, 4.0 s against 1.5 s for 0.25 GiB).
     read = 0
     with step.open(name) as f:
         for off in sorted(items):
             length, reqs = items[off]
-            read += _fetch_one(f, off, length, reqs, planner, where, entry if chunked else None)
+            if whole is not None and isinstance(reqs, list) and not any(map(whole, reqs)):
+                done, got = _fetch_slices(f, off, length, reqs, planner, where, entry)
+                read += got
+                if done:
+                    continue
+            read += _fetch_one(f, off, length, reqs, planner, where, entry)
     return read
+
+
+def _fetch_slices(
+    f: Any,
+    off: int,
+    length: int,
+    reqs: list[ReadItem],
+    planner: LoadPlanner,
+    where: str,
+    entry: FileEntry | None,
+) -> tuple[bool, int]:
+    """The slices ``reqs`` take of the item at ``off``, read in part (``fetch_items``):
+    whether they were loaded (not when the item's records cannot be parsed from its ends:
+    the caller reads it whole), and the bytes read."""
+    count = [0]
+
+    def pread(fd: Any, mv: memoryview, at: int) -> None:
+        fd.seek(at)
+        done = 0
+        while done < len(mv):
+            got = fd.readinto(mv[done:]) or 0
+            if got == 0:
+                raise CheckpointCorruptError(
+                    f"{where}: file is truncated: it ends at byte {at + done}, the "
+                    f"checkpoint's metadata has data up to byte {at + len(mv)}. Load another "
+                    "step (muon-ckpt ls lists them) or restore this file"
+                )
+            done += got
+        count[0] += len(mv)
+
+    spans = SpanReader(where, entry, pread)
+    edge = min(length, EDGE_BYTES)
+    spans.read(f, [(off, off + edge), (off + length - edge, off + length)])
+    lay = pieces_layout(lambda a, b: spans.view(off + a, off + b), length)
+    if lay is None:
+        return False, count[0]
+    parts, lo, hi = slice_spans(lay, reqs)
+    isz, data_at = lay.dtype.itemsize, off + lay.start
+    view = None
+    if hi > lo:
+        spans.read(f, [(data_at + lo * isz, data_at + hi * isz)])
+        view = spans.view(data_at + lo * isz, data_at + hi * isz)
+    commit_slices(planner, lay, parts, lo, view, where)
+    return True, count[0]
 
 
 def _fetch_one(

@@ -240,6 +240,34 @@ def blob_layout(data: Any) -> Layout | None:
     return _layout(_MemWindow(data), len(memoryview(data)))
 
 
+class _PieceWindow(_Window):
+    """An item of which only some byte ranges were read: ``view(lo, hi)`` gives bytes
+    ``[lo, hi)`` of the item, or raises when they were not read."""
+
+    def __init__(self, view: Any, length: int) -> None:
+        self._view = view
+        super().__init__(-1, 0, length)
+
+    def readinto(self, b: Any) -> int:
+        got = self.read_at(self._pos, b)
+        self._pos += got
+        return got
+
+    def read_at(self, at: int, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = min(len(mv), self._len - at)
+        if n <= 0:
+            return 0
+        mv[:n] = self._view(at, at + n)
+        return n
+
+
+def pieces_layout(view: Any, length: int) -> Layout | None:
+    """``item_layout`` of an item of ``length`` bytes from the pieces of it that were read
+    (``view``: see ``_PieceWindow``); None when parsing needs bytes outside them."""
+    return _layout(_PieceWindow(view, length), length)
+
+
 def _layout(win: Any, length: int) -> Layout | None:
     if sys.byteorder != "little":
         return None
@@ -292,6 +320,47 @@ def commit_part(planner: LoadPlanner, req: ReadItem, src: torch.Tensor, where: s
         )
     target.copy_(src)
     planner.commit_tensor(req, target)
+
+
+Span = tuple[int, int]
+
+
+def slice_spans(
+    lay: Layout, reqs: list[ReadItem]
+) -> tuple[list[tuple[ReadItem, Span | None]], int, int]:
+    """For each read item, the elements ``[first, last + 1)`` of the stored tensor's storage
+    it takes (None: none), and the span of all of them ``lo, hi`` (in elements)."""
+    parts: list[tuple[ReadItem, Span | None]] = []
+    for req in reqs:
+        if any(n == 0 for n in req.lengths):
+            parts.append((req, None))
+            continue
+        first = lay.offset + sum(o * s for o, s in zip(req.storage_offsets, lay.stride))
+        last = first + sum((n - 1) * s for n, s in zip(req.lengths, lay.stride))
+        parts.append((req, (first, last + 1)))
+    spans = [p for _, p in parts if p is not None]
+    lo = min((a for a, _ in spans), default=0)
+    hi = max((b for _, b in spans), default=0)
+    return parts, lo, hi
+
+
+def commit_slices(
+    planner: LoadPlanner,
+    lay: Layout,
+    parts: list[tuple[ReadItem, Span | None]],
+    lo: int,
+    view: Any,
+    where: str,
+) -> None:
+    """Each read item's part of the stored tensor, from ``view``: the bytes of its elements
+    ``[lo, hi)`` (``slice_spans``; None when empty), into its target."""
+    flat = None if view is None else torch.frombuffer(view, dtype=lay.dtype)
+    for req, span in parts:
+        if span is None or flat is None:
+            src = torch.empty(tuple(req.lengths), dtype=lay.dtype)
+        else:
+            src = flat.as_strided(tuple(req.lengths), lay.stride, span[0] - lo)
+        commit_part(planner, req, src, where)
 
 
 def _narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
@@ -475,32 +544,14 @@ class FileLoad:
         """Read only the bytes that ``reqs`` take from the stored tensor (one span from the
         first to the last element any of them takes), checked by chunk with the item's zip
         header and directory when the manifest has chunks; then copy each part out."""
+        parts, lo, hi = slice_spans(lay, reqs)
         isz, data_at = lay.dtype.itemsize, offset + lay.start
-        parts = []
-        for req in reqs:
-            if any(n == 0 for n in req.lengths):
-                parts.append((req, None))
-                continue
-            first = lay.offset + sum(o * s for o, s in zip(req.storage_offsets, lay.stride))
-            last = first + sum((n - 1) * s for n, s in zip(req.lengths, lay.stride))
-            parts.append((req, (first, last + 1)))
-        spans = [p for _, p in parts if p is not None]
-        lo = min((a for a, _ in spans), default=0)
-        hi = max((b for _, b in spans), default=0)
         ranges = [(data_at + lo * isz, data_at + hi * isz)]
         if self._spans.verifies:  # the bytes that said where the tensor is, too
             ranges += [(offset, data_at), (data_at + lay.nbytes, offset + length)]
         self._spans.read(fd, ranges)
-        flat = None
-        if hi > lo:
-            view = self._spans.view(data_at + lo * isz, data_at + hi * isz)
-            flat = torch.frombuffer(view, dtype=lay.dtype)
-        for req, span in parts:
-            if span is None or flat is None:
-                src = torch.empty(tuple(req.lengths), dtype=lay.dtype)
-            else:
-                src = flat.as_strided(tuple(req.lengths), lay.stride, span[0] - lo)
-            self._commit(req, src)
+        view = self._spans.view(data_at + lo * isz, data_at + hi * isz) if hi > lo else None
+        commit_slices(self._planner, lay, parts, lo, view, self._where)
 
     def _load_item(self, fd: int, offset: int, length: int, reqs: list[ReadItem]) -> None:
         if reqs[0].type == LoadItemType.BYTE_IO:

@@ -13,13 +13,15 @@ file's owner checks it whole, as before.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt.store import FileEntry, check_chunks, chunk_span
 
 __all__ = ["SpanReader"]
 
-Pread = Callable[[int, memoryview, int], None]  # (fd, into, file offset): all of it, or raise
+# (file: an fd or an open file object, into, file offset): all of it, or raise
+Pread = Callable[[Any, memoryview, int], None]
 
 
 class SpanReader:
@@ -37,7 +39,7 @@ class SpanReader:
     def verifies(self) -> bool:
         return self._entry is not None
 
-    def read(self, fd: int, ranges: list[tuple[int, int]]) -> None:
+    def read(self, fd: Any, ranges: list[tuple[int, int]]) -> None:
         """Read ``ranges`` (file offsets ``[lo, hi)``; empty ones are skipped), widened to
         whole chunks and checked when verifying; :meth:`view` then serves them."""
         spans = sorted(

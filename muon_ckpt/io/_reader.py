@@ -32,6 +32,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
+from muon_ckpt.io._blob import WholeItems
 from muon_ckpt.io._itemread import FileLoad
 from muon_ckpt.io._remote import ServingFileSystem, read_remote
 from muon_ckpt.io._shared import agree, distribute, plan_shared
@@ -76,6 +77,7 @@ class VerifyingReader(FileSystemReader):
         self._checked: set[str] = set()
         self._lock = threading.Lock()
         self._group = group  # with world_size > 1: shared items are read once (_shared)
+        self.whole = WholeItems(metadata)  # whether a read item takes its whole stored chunk
         self.captures: dict[str, dict[int, memoryview]] = {}  # read here for other ranks
         self.timings: dict[str, float] = {}  # "read": wall time of read_data
         self.bytes_read = 0  # bytes this reader read from storage
@@ -181,7 +183,7 @@ class VerifyingReader(FileSystemReader):
             share = plan_shared(
                 plan.items,
                 self.storage_data,
-                self._metadata,
+                self.whole,
                 self.owner,
                 self._rank,
                 self._group,

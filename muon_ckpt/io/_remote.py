@@ -78,19 +78,27 @@ def read_remote(r: VerifyingReader, plan: Any, planner: Any, *, stream: bool) ->
     def fetch(name: str) -> None:
         items = {off: (lengths[(name, off)], reqs) for off, reqs in slices[name].items()}
         entry = r.entry(name) if stream else None
-        r.count(fetch_items(r.step, name, r.where(name), items, planner, entry))
+        r.count(fetch_items(r.step, name, r.where(name), items, planner, entry, r.whole))
 
     if not stream:
         run_all(r.threads, fetch, sorted(slices))
         return
+    # A file is streamed whole (one read serves the loads and the file's checksum) when its
+    # items cover it and this rank checks it whole, or loads every item whole; otherwise its
+    # items are read one by one (slices of an item: only their rows), checked by chunk.
+    check = r.to_check(set(slices))
     streamed, sliced = [], []
     for name, by_off in sorted(slices.items()):
         pos = 0
         for off in sorted(by_off):
             pos = pos + lengths[(name, off)] if off == pos else -1
         entry = r.entry(name)
-        (streamed if entry is not None and pos == entry.size else sliced).append(name)
-    only_check = sorted(r.to_check(set(slices)) - set(streamed))
+        every = all(
+            isinstance(reqs, Capture) or all(map(r.whole, reqs)) for reqs in by_off.values()
+        )
+        covers = entry is not None and pos == entry.size
+        (streamed if covers and (name in check or every) else sliced).append(name)
+    only_check = sorted(check - set(streamed))
     with ThreadPoolExecutor(r.threads, thread_name_prefix="muon_ckpt_read") as ex:
         checks = [ex.submit(r.fetch_and_check, n) for n in only_check]
 

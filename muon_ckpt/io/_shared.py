@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.planner import ReadItem
 
 from muon_ckpt import _collective as coll
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
@@ -75,30 +75,10 @@ class SharePlan:
         return sum(s.length for m in self.messages for s in m)
 
 
-class _Sizes:
-    """The stored chunks' sizes, to tell a whole-item read from a slice."""
-
-    def __init__(self, metadata: Any) -> None:
-        self._md = metadata
-        self._by_fqn: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
-
-    def whole(self, item: ReadItem) -> bool:
-        if item.type == LoadItemType.BYTE_IO:
-            return True
-        fqn = item.storage_index.fqn
-        table = self._by_fqn.get(fqn)
-        if table is None:
-            meta = self._md.state_dict_metadata.get(fqn)
-            chunks = getattr(meta, "chunks", None) or []
-            table = self._by_fqn[fqn] = {tuple(c.offsets): tuple(c.sizes) for c in chunks}
-        sizes = table.get(tuple(item.storage_index.offset or ()))
-        return sizes is not None and not any(item.storage_offsets) and tuple(item.lengths) == sizes
-
-
 def plan_shared(
     items: list[ReadItem],
     storage_data: dict[Any, Any],
-    metadata: Any,
+    whole_item: Callable[[ReadItem], bool],
     owner: Callable[[str], int],
     rank: int,
     group: Any,
@@ -107,7 +87,6 @@ def plan_shared(
     by_key: dict[Key, list[ReadItem]] = {}
     whole: dict[Key, bool] = {}
     kept: list[ReadItem] = []
-    sizes = _Sizes(metadata)
     for item in items:
         info = storage_data[item.storage_index]
         if getattr(info, "transform_descriptors", None):  # DCP's own reader: not shared
@@ -115,7 +94,7 @@ def plan_shared(
             continue
         key = (info.relative_path, info.offset, info.length)
         by_key.setdefault(key, []).append(item)
-        whole[key] = whole.get(key, False) or sizes.whole(item)
+        whole[key] = whole.get(key, False) or whole_item(item)
     needs = coll.all_gather(sorted(whole.items()), group)
     ranks: dict[Key, list[int]] = {}
     wholes: dict[Key, int] = {}
