@@ -1,11 +1,17 @@
 """Resharded load against a same-topology load: saved on 2 ranks, loaded on 2 and on 3 (CPU,
-gloo; real processes through ``tests/_dist.run_on_ranks``).
+gloo; real processes through ``tests/_dist.run_on_ranks``); and bytes read by a replicated
+load on 4 ranks.
 
 The state is ``--size-gib`` of 2048x2048 fp32 parameters sharded by rows (``Shard(0)``). On 3
 ranks every rank takes rows from both saved shards; ranks 0 and 1 check their own files whole
 and read only the rows they need from the other file, rank 2 reads only its rows. Each rank
 times ``CheckpointManager.load`` and counts the bytes it read (``last_load_bytes_read``); a
 load's speed is the state's bytes over its slowest rank's time. Interleaved rounds, medians.
+
+Replicated (``--replicated-gib``): plain 2048x2048 fp32 tensors on every rank, saved and loaded
+on 4 ranks; every rank loads all of it. Reports the bytes all ranks read from storage over the
+checkpoint's bytes (read once: 1.0; each rank reading what it loads: 4.0) and the load time
+against a 1-rank load of the same checkpoint.
 
 Usage (from the repository root)::
 
@@ -15,6 +21,7 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -60,6 +67,63 @@ def _load(rank: int, world: int, url: str, n: int, verify: str, threads: int) ->
         return took, m.last_load_bytes_read, m.last_load_timings.get("read", 0.0)
 
 
+def _plain(n: int, fill: bool) -> torch.nn.Module:
+    model = torch.nn.Module()
+    g = torch.Generator().manual_seed(1)
+    for i in range(n):
+        full = torch.randn(SIDE, SIDE, generator=g) if fill else torch.zeros(SIDE, SIDE)
+        model.register_parameter(f"w{i}", torch.nn.Parameter(full))
+    return model
+
+
+def _save_plain(rank: int, world: int, url: str, n: int) -> None:
+    from muon_ckpt import CheckpointManager
+
+    with CheckpointManager(url, model=_plain(n, True)) as m:
+        m.save(1)
+
+
+def _load_plain(rank: int, world: int, url: str, n: int, verify: str, threads: int) -> tuple:
+    from muon_ckpt import CheckpointManager
+
+    with CheckpointManager(url, model=_plain(n, False), verify=verify, io_threads=threads) as m:
+        t = time.perf_counter()
+        m.load()
+        return time.perf_counter() - t, m.last_load_bytes_read
+
+
+def _replicated(args: argparse.Namespace) -> None:
+    n = max(1, round(args.replicated_gib * (1 << 30) / (SIDE * SIDE * 4)))
+    nbytes = n * SIDE * SIDE * 4
+    url = tempfile.mkdtemp(prefix="muon_ckpt_replicated_")
+    try:
+        run_on_ranks(_save_plain, 4, url, n, timeout=1800)
+        step = f"{url}/step-00000001"
+        stored = sum(
+            os.path.getsize(f"{step}/{f}") for f in os.listdir(step) if f.endswith(".distcp")
+        )
+        rounds: dict[int, list[list[tuple]]] = {1: [], 4: []}
+        for r in range(args.repeat):
+            for world in (4, 1) if r % 2 == 0 else (1, 4):
+                rounds[world].append(
+                    run_on_ranks(_load_plain, world, url, n, args.verify, args.io_threads)
+                )
+        wall = {
+            w: statistics.median(max(x[0] for x in rs) for rs in rr) for w, rr in rounds.items()
+        }
+        read4 = statistics.median(sum(x[1] for x in rs) for rs in rounds[4])
+        print(
+            f"replicated: {n} x {SIDE}x{SIDE} fp32 = {nbytes / 2**30:.2f} GiB on every rank, "
+            f"saved on 4 ranks ({stored / 2**20:.0f} MiB of data files)"
+        )
+        print(
+            f"  4 ranks: load {wall[4]:.3f} s (1 rank: {wall[1]:.3f} s); bytes read by all "
+            f"ranks / stored bytes {read4 / stored:.3f} (each rank reading all: 4.000)"
+        )
+    finally:
+        shutil.rmtree(url, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0)
@@ -67,6 +131,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--verify", choices=["checksum", "size"], default="checksum")
+    ap.add_argument("--replicated-gib", type=float, default=0.25, help="0: skip")
     args = ap.parse_args()
     from muon_ckpt.store import crc32c_implementation
 
@@ -101,6 +166,8 @@ def main() -> None:
     print(f"  resharded (2 -> 3) / same topology (2 -> 2) load  {speed[3] / speed[2]:.2f}x")
     if args.url is None:
         shutil.rmtree(url, ignore_errors=True)
+    if args.replicated_gib > 0:
+        _replicated(args)
 
 
 if __name__ == "__main__":
