@@ -9,9 +9,9 @@ times ``CheckpointManager.load`` and counts the bytes it read (``last_load_bytes
 load's speed is the state's bytes over its slowest rank's time. Interleaved rounds, medians.
 
 Replicated (``--replicated-gib``): plain 2048x2048 fp32 tensors on every rank, saved and loaded
-on 4 ranks; every rank loads all of it. Reports the bytes all ranks read from storage over the
-checkpoint's bytes (read once: 1.0; each rank reading what it loads: 4.0) and the load time
-against a 1-rank load of the same checkpoint.
+on 4 ranks; every rank loads all of it. With ``read_once`` on and off: the bytes all ranks read
+from storage over the checkpoint's bytes (read once: 1.0; each rank reading what it loads:
+4.0) and the load time, against a 1-rank load of the same checkpoint.
 
 Usage (from the repository root)::
 
@@ -83,13 +83,16 @@ def _save_plain(rank: int, world: int, url: str, n: int) -> None:
         m.save(1)
 
 
-def _load_plain(rank: int, world: int, url: str, n: int, verify: str, threads: int) -> tuple:
+def _load_plain(
+    rank: int, world: int, url: str, n: int, verify: str, threads: int, once: bool
+) -> tuple:
     from muon_ckpt import CheckpointManager
 
-    with CheckpointManager(url, model=_plain(n, False), verify=verify, io_threads=threads) as m:
+    kw = {"verify": verify, "io_threads": threads, "read_once": once}
+    with CheckpointManager(url, model=_plain(n, False), **kw) as m:
         t = time.perf_counter()
         m.load()
-        return time.perf_counter() - t, m.last_load_bytes_read
+        return time.perf_counter() - t, m.last_load_bytes_read, m.last_load_timings
 
 
 def _replicated(args: argparse.Namespace) -> None:
@@ -102,23 +105,31 @@ def _replicated(args: argparse.Namespace) -> None:
         stored = sum(
             os.path.getsize(f"{step}/{f}") for f in os.listdir(step) if f.endswith(".distcp")
         )
-        rounds: dict[int, list[list[tuple]]] = {1: [], 4: []}
+        cases = [(1, False), (4, True), (4, False)]
+        rounds: dict[tuple[int, bool], list[list[tuple]]] = {c: [] for c in cases}
         for r in range(args.repeat):
-            for world in (4, 1) if r % 2 == 0 else (1, 4):
-                rounds[world].append(
-                    run_on_ranks(_load_plain, world, url, n, args.verify, args.io_threads)
+            for world, once in cases if r % 2 == 0 else cases[::-1]:
+                rounds[(world, once)].append(
+                    run_on_ranks(_load_plain, world, url, n, args.verify, args.io_threads, once)
                 )
-        wall = {
-            w: statistics.median(max(x[0] for x in rs) for rs in rr) for w, rr in rounds.items()
-        }
-        read4 = statistics.median(sum(x[1] for x in rs) for rs in rounds[4])
         print(
             f"replicated: {n} x {SIDE}x{SIDE} fp32 = {nbytes / 2**30:.2f} GiB on every rank, "
             f"saved on 4 ranks ({stored / 2**20:.0f} MiB of data files)"
         )
+        wall = {}
+        for (world, once), rr in rounds.items():
+            wall[(world, once)] = statistics.median(max(x[0] for x in rs) for rs in rr)
+            read = statistics.median(sum(x[1] for x in rs) for rs in rr)
+            share = statistics.median(max(x[2].get("share", 0.0) for x in rs) for rs in rr)
+            print(
+                f"  {world} rank(s), read_once={once}: load {wall[(world, once)]:.3f} s "
+                f"(sending {share:.3f} s); bytes read by all ranks / stored bytes "
+                f"{read / stored:.3f}"
+            )
         print(
-            f"  4 ranks: load {wall[4]:.3f} s (1 rank: {wall[1]:.3f} s); bytes read by all "
-            f"ranks / stored bytes {read4 / stored:.3f} (each rank reading all: 4.000)"
+            f"  load time, 4 ranks read once / each rank reading: "
+            f"{wall[(4, True)] / wall[(4, False)]:.2f}x; / 1 rank: "
+            f"{wall[(4, True)] / wall[(1, False)]:.2f}x"
         )
     finally:
         shutil.rmtree(url, ignore_errors=True)

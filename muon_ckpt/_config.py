@@ -47,6 +47,8 @@ class ManagerConfig:
         collective_timeout: seconds a rank waits for the others in a save or load before it
             raises (a rank that never calls, or died).
         resume_storage_options: fsspec options for ``resume_from`` (None: ``storage_options``).
+        read_once: state several ranks load whole is read from storage by one rank and sent
+            to the others (None: when the storage is remote or the ranks span hosts).
     """
 
     url: str
@@ -63,6 +65,7 @@ class ManagerConfig:
     confirm: str = "checksum"
     collective_timeout: float = 600.0
     resume_storage_options: dict[str, Any] | None = None
+    read_once: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.url, os.PathLike):
@@ -125,6 +128,8 @@ class ManagerConfig:
                 isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
             ):
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        if self.read_once not in (None, True, False):
+            raise ValueError(f"read_once must be None, True or False, got {self.read_once!r}")
         if self.confirm not in CONFIRM_MODES:
             raise ValueError(f"confirm must be one of {CONFIRM_MODES}, got {self.confirm!r}")
 

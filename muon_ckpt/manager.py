@@ -25,6 +25,7 @@ import hashlib
 import logging
 import operator
 import posixpath
+import socket
 import threading
 import time
 from typing import Any
@@ -117,6 +118,11 @@ class CheckpointManager:
         confirm: before a commit, how each rank confirms the storage holds the files it
             wrote: ``"checksum"`` reads them back (default; ``"crc32"`` means the same),
             ``"size"`` compares sizes, ``"off"``.
+        read_once: a stored item that several ranks load whole (replicated tensors, plain
+            tensors on every rank, ``extra``) is read from storage by one rank and sent to the
+            others over the process group. None (default): when the storage is remote or the
+            ranks run on more than one host (on one host, the page cache already serves the
+            other ranks' reads of a local file, faster than the process group).
 
     Save, load, wait and close are collectives: call them on every rank.
     """
@@ -144,6 +150,7 @@ class CheckpointManager:
         storage_timeout: float | None = 60.0,
         lease_seconds: float = 600.0,
         confirm: str = "checksum",
+        read_once: bool | None = None,
     ) -> None:
         self.config = ManagerConfig(
             url=url,
@@ -160,6 +167,7 @@ class CheckpointManager:
             storage_timeout=storage_timeout,
             lease_seconds=lease_seconds,
             confirm=confirm,
+            read_once=read_once,
         )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
@@ -194,6 +202,7 @@ class CheckpointManager:
             rf_storage = _open_storage("resume_from", rf_url, rf_opts, timeout)
             self._resume = (Catalog(rf_storage), rf_step)
         self._pending: SaveJob | None = None
+        self._hosts = 1  # hosts the ranks run on (counted with the group)
         self._group: Any = None  # gloo group of every save/load collective, made by the first
         # Handshake keys: per url and per manager of that url in this process (the same on
         # every rank when every rank makes the same managers, whatever else a rank makes).
@@ -256,6 +265,7 @@ class CheckpointManager:
         coll.handshake(f"{self._tag}/{self._calls}", call, timeout)
         if self._group is None:
             self._group = coll.new_group(timeout)
+            self._hosts = len(set(coll.all_gather(socket.gethostname(), self._group)))
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, *, force: bool = False, overwrite: bool = False) -> bool:
@@ -639,7 +649,7 @@ class CheckpointManager:
             world_size=coll.world_size(),
             io_threads=self.config.io_threads,
             verify_crc=checks_content(self.config.verify),
-            group=self._group,
+            group=self._group if self._reads_once(catalog) else None,
         )
         try:
             dcp.load(
@@ -657,6 +667,12 @@ class CheckpointManager:
         self.last_load_bytes_read = reader.bytes_read
         opt = self._optimizer if "optim" in parts else None
         flat.apply_loaded(opt, where, report, strict=strict)
+
+    def _reads_once(self, catalog: Catalog) -> bool:
+        """Whether a load from ``catalog`` reads shared items once (``read_once``)."""
+        if self.config.read_once is not None:
+            return self.config.read_once
+        return not catalog.storage.is_local or self._hosts > 1
 
     def _decide(self, step: int | None, skipped: list[_Skip]) -> _Decision | None:
         """Rank 0: what to load, or None on a fresh run. Without ``step``, a step whose files

@@ -65,12 +65,14 @@ def _local(m: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: getattr(v, "_local_tensor", v).detach().clone() for k, v in m.state_dict().items()}
 
 
-def _body_save(rank: int, world: int, url: str, mesh_shape: tuple[int, ...]) -> None:
+def _body_save(
+    rank: int, world: int, url: str, mesh_shape: tuple[int, ...], opts: dict | None = None
+) -> None:
     from muon_ckpt import CheckpointManager
 
     m = _replicated(None, mesh_shape)
     pos = _Pos(3, torch.arange(4096.0))
-    with CheckpointManager(url, model=m, extra={"data": pos}) as c:
+    with CheckpointManager(url, model=m, extra={"data": pos}, storage_options=opts) as c:
         c.save(1)
         with torch.no_grad():
             for p in m.parameters():
@@ -79,13 +81,20 @@ def _body_save(rank: int, world: int, url: str, mesh_shape: tuple[int, ...]) -> 
 
 
 def _body_load(
-    rank: int, world: int, url: str, mesh_shape: tuple[int, ...], verify: str
+    rank: int,
+    world: int,
+    url: str,
+    mesh_shape: tuple[int, ...],
+    verify: str,
+    read_once: bool | None = True,
+    opts: dict | None = None,
 ) -> tuple[int, int, dict[str, torch.Tensor], tuple]:
     from muon_ckpt import CheckpointManager
 
     m = _replicated(-7.0, mesh_shape)
     pos = _Pos(0, torch.zeros(4096))
-    with CheckpointManager(url, model=m, extra={"data": pos}, verify=verify) as c:
+    kw = {"verify": verify, "read_once": read_once, "storage_options": opts}
+    with CheckpointManager(url, model=m, extra={"data": pos}, **kw) as c:
         assert c.load(step=1) == 1
         got = c.last_load_bytes_read
     want = _replicated(None, mesh_shape)
@@ -105,7 +114,7 @@ def saved_on_4(tmp_path_factory) -> str:
 @pytest.mark.parametrize("verify", ["checksum", "size"])
 def test_a_replicated_model_on_4_ranks_reads_each_stored_byte_once(saved_on_4, verify):
     url = saved_on_4
-    got = run_on_ranks(_body_load, 4, url, (4,), verify)
+    got = run_on_ranks(_body_load, 4, url, (4,), verify)  # read_once=True
     total = _data_bytes(os.path.join(url, "step-00000001"))
     read = sum(g[0] for g in got)
     # Every stored item is loaded by every rank: all of each data file is read, once.
@@ -113,6 +122,31 @@ def test_a_replicated_model_on_4_ranks_reads_each_stored_byte_once(saved_on_4, v
     assert all(g[3] == (3, True) for g in got), [g[3] for g in got]
     for _, _, sd, _ in got[1:]:  # the same bitwise state on every rank
         assert all(torch.equal(sd[k], got[0][2][k]) for k in sd)
+
+
+def test_by_default_ranks_on_one_host_read_a_local_checkpoint_themselves(saved_on_4):
+    """read_once=None on one host with a local directory: the page cache serves the other
+    ranks' reads (faster than gloo, docs/benchmarks.md), so each rank reads what it loads."""
+    got = run_on_ranks(_body_load, 4, saved_on_4, (4,), "checksum", None)
+    total = _data_bytes(os.path.join(saved_on_4, "step-00000001"))
+    assert sum(g[0] for g in got) >= 3.9 * total, ([g[0] for g in got], total)
+
+
+def test_a_remote_checkpoint_is_read_once_by_default(s3_bucket):
+    """On S3 (moto) the default reads each stored byte once: the owner streams its file,
+    checking it, and sends the shared items; 2 ranks."""
+    import s3fs
+
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/run"
+    run_on_ranks(_body_save, 2, url, (2,), opts)
+    got = run_on_ranks(_body_load, 2, url, (2,), "checksum", None, opts)
+    fs = s3fs.S3FileSystem(**opts)
+    step = f"{bucket}/run/step-00000001"
+    total = sum(fs.size(f) for f in fs.ls(step) if f.endswith(".distcp"))
+    read = sum(g[0] for g in got)
+    assert total <= read <= 1.05 * total, (read, total, [g[0] for g in got])
+    assert all(g[3] == (3, True) for g in got)
 
 
 def test_items_needed_by_some_ranks_go_point_to_point_and_are_read_once(tmp_path):
@@ -134,7 +168,8 @@ def _body_corrupt(rank: int, world: int, url: str) -> tuple[str, bool, int | Non
 
     m = _replicated(-7.0, (4,))
     before = _local(m)
-    with CheckpointManager(url, model=m, extra={"data": _Pos(0, torch.zeros(4096))}) as c:
+    pos = _Pos(0, torch.zeros(4096))
+    with CheckpointManager(url, model=m, extra={"data": pos}, read_once=True) as c:
         with pytest.raises(CheckpointCorruptError) as e:
             c.load(step=2)
         unchanged = all(torch.equal(v, _local(m)[k]) for k, v in before.items())

@@ -16,18 +16,25 @@ by every rank: N ranks would read it N times from storage. Inside
    anything is sent;
 3. ``distribute``: each shared item goes from its reader to the ranks that need it over the
    manager's gloo group, packed into messages of at most ``MESSAGE_BYTES``: a broadcast when
-   every rank takes part, point-to-point sends otherwise. Each receiver loads the item from
-   memory into its targets (``_blob``: no ``torch.load``).
+   every rank takes part, point-to-point sends otherwise, ``WINDOW`` messages in flight while
+   an earlier one is loaded. Each receiver loads the item from memory into its targets
+   (``_blob``: no ``torch.load``).
+
+When it pays (``ManagerConfig.read_once``): for remote storage, and for ranks on several
+hosts. On one host the page cache already serves every rank's read of a local file after the
+first, faster than gloo moves the bytes (1 GiB replicated on 4 ranks of the H200 host: see
+docs/benchmarks.md).
 
 Each stored byte is read from storage once per group (``VerifyingReader.bytes_read`` counts
 them). Verification is unchanged: the reader checks the bytes it sends against the manifest
 (whole file or per chunk) before ``agree``; the bytes travel over the process group's TCP
 connections. Memory: a reader holds the shared items of the files it owns until they are sent
-(about the replicated bytes / world size per rank); a receiver holds one message at a time.
+(about the replicated bytes / world size per rank); a receiver up to WINDOW + 1 messages.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +51,7 @@ from muon_ckpt.io._blob import load_blob
 __all__ = ["MESSAGE_BYTES", "SharePlan", "agree", "distribute", "plan_shared"]
 
 MESSAGE_BYTES = 64 << 20  # largest message packing several shared items (a larger one alone)
+WINDOW = 3  # messages in flight while an earlier one is loaded
 
 Key = tuple[str, int, int]  # a stored item: file, offset, length
 
@@ -173,48 +181,58 @@ def distribute(
     group: Any,
 ) -> None:
     """Collective: send every message from its reader to the ranks that load it, and load
-    the items this rank wants. A failure to load (a shape mismatch) is raised after every
-    message has been sent, so that no rank is left waiting."""
-    error: BaseException | None = None
-    for i, msg in enumerate(plan.messages):
-        first = msg[0]
-        n = sum(s.length for s in msg)
-        takes = rank in first.ranks
-        if rank == first.reader:
-            buf = plan.buffers.pop(i)
-        elif takes or len(set(first.ranks) | {first.reader}) == world:
-            buf = torch.empty(n, dtype=torch.uint8)
-        else:
-            continue  # neither reads nor loads it, and it goes point to point
-        _send(buf, first, world, group)
-        if not takes:
-            continue
+    the items this rank wants. Up to ``WINDOW`` messages are in flight (asynchronous sends)
+    while this rank loads an earlier one. A failure to load (a shape mismatch) is raised
+    after every message has been sent, so that no rank is left waiting."""
+    error: list[BaseException] = []
+    flight: collections.deque[tuple[list[SharedItem], torch.Tensor, list[Any]]] = (
+        collections.deque()
+    )
+
+    def land() -> None:
+        msg, buf, works = flight.popleft()
+        with coll.communicating(f"sending shared items from rank {msg[0].reader}"):
+            for w in works:
+                w.wait()
+        if rank not in msg[0].ranks or error:
+            return
         view, at = tensor_bytes(buf), 0
         for s in msg:
             data = view[at : at + s.length]
             at += s.length
-            if error is None:
-                try:
-                    load_blob(data, plan.wanted[s.key], planner, where(s.name))
-                except BaseException as e:  # keep sending: the others wait for the messages
-                    error = e
-    if error is not None:
-        raise error
+            try:
+                load_blob(data, plan.wanted[s.key], planner, where(s.name))
+            except BaseException as e:  # keep sending: the others wait for the messages
+                error.append(e)
+                return
+
+    for i, msg in enumerate(plan.messages):
+        first = msg[0]
+        everyone = len(set(first.ranks) | {first.reader}) == world
+        if rank == first.reader:
+            buf = plan.buffers.pop(i)
+        elif rank in first.ranks or everyone:
+            buf = torch.empty(sum(s.length for s in msg), dtype=torch.uint8)
+        else:
+            continue  # neither reads nor loads it, and it goes point to point
+        flight.append((msg, buf, _send(buf, first, everyone, group)))
+        if len(flight) > WINDOW:
+            land()
+    while flight:
+        land()
+    if error:
+        raise error[0]
 
 
-def _send(buf: torch.Tensor, s: SharedItem, world: int, group: Any) -> None:
-    """``buf`` from ``s.reader`` to ``s.ranks``: a broadcast when every rank takes part."""
+def _send(buf: torch.Tensor, s: SharedItem, everyone: bool, group: Any) -> list[Any]:
+    """Start sending ``buf`` from ``s.reader`` to ``s.ranks`` (a broadcast when every rank
+    takes part); the works to wait for."""
     peers = [r for r in s.ranks if r != s.reader]
     if not peers:
-        return
-    with coll.communicating(f"sending {s.name}'s shared items from rank {s.reader}"):
-        if len(set(s.ranks) | {s.reader}) == world:
-            dist.broadcast(buf, src=s.reader, group=group)
-            return
+        return []
+    with coll.communicating(f"sending shared items from rank {s.reader}"):
+        if everyone:
+            return [dist.broadcast(buf, src=s.reader, group=group, async_op=True)]
         if dist.get_rank() == s.reader:
-            works = [dist.isend(buf, dst=r, group=group) for r in peers]
-        else:
-            works = [dist.irecv(buf, src=s.reader, group=group)]
-        for w in works:
-            if w is not None:
-                w.wait()
+            return [dist.isend(buf, dst=r, group=group) for r in peers]
+        return [dist.irecv(buf, src=s.reader, group=group)]
