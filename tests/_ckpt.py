@@ -18,6 +18,15 @@ from torch import nn
 from muon_ckpt.store import MANIFEST, FileEntry, Manifest, Storage, step_dirname
 
 
+def flip_byte(path: str, at: int, mask: int = 0x01) -> None:
+    """Corrupt one byte of a local file in place (XOR with ``mask``)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def write_step(
     url: str,
     step: int,

@@ -22,6 +22,7 @@ import muon_ckpt.io._itemread as itemread
 from muon_ckpt import CheckpointCorruptError, CheckpointError
 from muon_ckpt.io import VerifyingReader, dcp_failure
 from muon_ckpt.store import FileEntry, Storage, crc_hex
+from tests._ckpt import flip_byte
 
 
 def _stored() -> dict[str, object]:
@@ -269,14 +270,6 @@ def test_layout_parser_rejects_pickles_torch_save_does_not_write():
     assert itemread._parse_tensor_pickle(b"\x80\x02c") is None  # truncated
 
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
 @pytest.mark.parametrize("where", ["head", "record", "tail"])
 def test_damaged_byte_is_reported_as_corruption_naming_the_file(tmp_path, where):
     d, sd = _save(tmp_path)
@@ -289,7 +282,7 @@ def test_damaged_byte_is_reported_as_corruption_naming_the_file(tmp_path, where)
         "record": info.offset + info.length // 2,  # tensor bytes
         "tail": info.offset + info.length - 30,  # central directory
     }[where]
-    _flip(path, at)
+    flip_byte(path, at, 0x5A)
     with pytest.raises(CheckpointCorruptError, match=info.relative_path):
         _ours(d, _targets(sd, "same"), files=files)
 
@@ -300,7 +293,7 @@ def test_damaged_item_without_crc_names_the_file(tmp_path):
     files = _manifest(d)
     md = dcp.FileSystemReader(d).read_metadata()
     info = next(i for idx, i in md.storage_data.items() if idx.fqn == "big")
-    _flip(os.path.join(d, info.relative_path), info.offset + info.length - 30)
+    flip_byte(os.path.join(d, info.relative_path), info.offset + info.length - 30, 0x5A)
     with pytest.raises(CheckpointError, match=f"{info.relative_path}: cannot load it"):
         _ours(d, _targets(sd, "same"), files=files, verify=False)
 

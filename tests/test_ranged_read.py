@@ -23,6 +23,7 @@ from muon_ckpt import CheckpointCorruptError
 from muon_ckpt.io import VerifyingReader
 from muon_ckpt.store import Checksum, FileEntry, Storage, resolve, verify
 from muon_ckpt.store._layout import MANIFEST, Manifest
+from tests._ckpt import flip_byte
 
 ROWS, COLS = 4096, 1024  # fp32: 16 MiB per item, sixteen 1 MiB checksum chunks
 NAMES = ("a", "b", "c")
@@ -95,9 +96,8 @@ def _data_file(files: dict[str, FileEntry]) -> str:
     return next(n for n in files if n.endswith(".distcp"))
 
 
-def test_a_rank_that_does_not_own_a_file_reads_only_the_rows_it_needs(tmp_path):
-    d, sd, files = _save(tmp_path)
-    got, reader = _load_rows(d, files, rank=1)
+def _check_rows_only(got: dict, sd: dict, reader) -> None:
+    """``got`` holds rank 1's rows (bitwise), and ``reader`` read little more than them."""
     lo, hi = SLICE
     for n in NAMES:
         assert torch.equal(got[n], sd[n][lo:hi]), n
@@ -108,8 +108,15 @@ def test_a_rank_that_does_not_own_a_file_reads_only_the_rows_it_needs(tmp_path):
     # directory (<= 2 MiB more).
     assert needed <= reader.bytes_read <= needed + len(NAMES) * 4 * (1 << 20)
     assert reader.bytes_read < 0.6 * whole_items
+
+
+def test_a_rank_that_does_not_own_a_file_reads_only_the_rows_it_needs(tmp_path):
+    d, sd, files = _save(tmp_path)
+    got, reader = _load_rows(d, files, rank=1)
+    _check_rows_only(got, sd, reader)
     # The file's owner reads (and checks) it whole.
     got0, owner = _load_rows(d, files, rank=0)
+    lo, hi = SLICE
     assert torch.equal(got0["b"], sd["b"][lo:hi])
     assert owner.bytes_read >= files[_data_file(files)].size
 
@@ -122,7 +129,7 @@ def test_corruption_in_the_bytes_a_rank_reads_is_detected_by_that_rank(tmp_path,
     info = next(v for k, v in md.storage_data.items() if k.fqn == "b")
     # An item's tensor bytes start within its first 4 KiB (zip header, 64-byte aligned).
     at = info.offset + 64 if where == "item header" else info.offset + 4096 + SLICE[0] * COLS * 4
-    _flip(os.path.join(d, name), at)
+    flip_byte(os.path.join(d, name), at)
     what = "file is corrupt: the crc32c" if where == "rows read" else "file is corrupt"
     with pytest.raises(CheckpointCorruptError, match=rf"{name}: {what}"):
         _load_rows(d, files, rank=1)
@@ -133,7 +140,7 @@ def test_corruption_outside_the_bytes_read_is_left_to_the_owner_and_a_full_verif
     name = _data_file(files)
     md = dcp.FileSystemReader(d).read_metadata()
     info = next(v for k, v in md.storage_data.items() if k.fqn == "c")
-    _flip(os.path.join(d, name), info.offset + 3600 * COLS * 4)  # rank 1 reads rows 1365-2729
+    flip_byte(os.path.join(d, name), info.offset + 3600 * COLS * 4)  # rank 1 reads rows 1365-2729
     got, _ = _load_rows(d, files, rank=1)
     lo, hi = SLICE
     for n in NAMES:
@@ -145,14 +152,6 @@ def test_corruption_outside_the_bytes_read_is_left_to_the_owner_and_a_full_verif
     )
     res = verify(resolve(Storage(d)))
     assert [p.split(":")[0] for p in res.problems] == [name]
-
-
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def _body_save_sharded(rank: int, world: int, url: str) -> None:
@@ -225,13 +224,7 @@ def test_a_remote_rank_reads_only_the_rows_it_needs(tmp_path, verify):
     the items."""
     d, sd, files = _save(tmp_path)
     got, reader = _load_rows(d, files, rank=1, url=_to_memory(d), verify=verify)
-    lo, hi = SLICE
-    for n in NAMES:
-        assert torch.equal(got[n], sd[n][lo:hi]), n
-    needed = len(NAMES) * (hi - lo) * COLS * 4
-    whole_items = len(NAMES) * ROWS * COLS * 4
-    assert needed <= reader.bytes_read <= needed + len(NAMES) * 4 * (1 << 20)
-    assert reader.bytes_read < 0.6 * whole_items
+    _check_rows_only(got, sd, reader)
 
 
 def test_remote_part_reads_load_items_without_torch_load_and_check_their_chunks(
@@ -254,6 +247,6 @@ def test_remote_part_reads_load_items_without_torch_load_and_check_their_chunks(
     name = _data_file(files)
     md = dcp.FileSystemReader(d).read_metadata()
     info = next(v for k, v in md.storage_data.items() if k.fqn == "b")
-    _flip(os.path.join(d, name), info.offset + 4096 + lo * COLS * 4)
+    flip_byte(os.path.join(d, name), info.offset + 4096 + lo * COLS * 4)
     with pytest.raises(CheckpointCorruptError, match=rf"{name}: file is corrupt: the crc32c"):
         _load_rows(d, files, rank=1, url=_to_memory(d), names=("a", "b"))

@@ -117,17 +117,21 @@ class _Window(io.RawIOBase):
         return os.preadv(self._fd, [b], self._off + at)
 
 
-class _MemWindow(_Window):
-    """The same view of bytes already in memory."""
-
-    def __init__(self, data: Any) -> None:
-        self._data = memoryview(data).cast("B")
-        super().__init__(-1, 0, len(self._data))
+class _HeldWindow(_Window):
+    """A window whose bytes are already in memory: ``read_at`` says how to get them."""
 
     def readinto(self, b: Any) -> int:
         got = self.read_at(self._pos, b)
         self._pos += got
         return got
+
+
+class _MemWindow(_HeldWindow):
+    """The same view of bytes already in memory."""
+
+    def __init__(self, data: Any) -> None:
+        self._data = memoryview(data).cast("B")
+        super().__init__(-1, 0, len(self._data))
 
     def read_at(self, at: int, b: Any) -> int:
         mv = memoryview(b).cast("B")
@@ -240,18 +244,13 @@ def blob_layout(data: Any) -> Layout | None:
     return _layout(_MemWindow(data), len(memoryview(data)))
 
 
-class _PieceWindow(_Window):
+class _PieceWindow(_HeldWindow):
     """An item of which only some byte ranges were read: ``view(lo, hi)`` gives bytes
     ``[lo, hi)`` of the item, or raises when they were not read."""
 
     def __init__(self, view: Any, length: int) -> None:
         self._view = view
         super().__init__(-1, 0, length)
-
-    def readinto(self, b: Any) -> int:
-        got = self.read_at(self._pos, b)
-        self._pos += got
-        return got
 
     def read_at(self, at: int, b: Any) -> int:
         mv = memoryview(b).cast("B")
