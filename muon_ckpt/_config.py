@@ -33,7 +33,7 @@ class ManagerConfig:
         interval: ``save(step)`` saves when ``step % interval == 0`` (None: every call).
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
         resume_from: a URL (or ``(url, step)``) to load from while ``url`` has no committed step.
-        io_threads: files written / read in parallel per rank.
+        io_threads: files written in parallel per rank; threads reading in parallel.
         verify: ``"checksum"`` (sizes and checksums of every file read; ``"crc32"``, its
             former name, means the same) or ``"size"`` (sizes only).
         async_save: ``save()`` returns after the snapshot; write and commit run in the

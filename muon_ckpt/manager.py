@@ -102,7 +102,8 @@ class CheckpointManager:
         resume_from: a URL (run root or ``.../step-XXXXXXXX``) or ``(url, step)`` to load from
             while ``url`` has no committed step yet.
         resume_storage_options: fsspec options for ``resume_from`` (default: ``storage_options``).
-        io_threads: files written and read in parallel per rank.
+        io_threads: files written in parallel per rank, and threads reading in parallel (a
+            large local file is read in parts by all of them).
         verify: ``"checksum"`` checks size and checksums (CRC32C) of every file a load reads
             (``"crc32"``, its former name, means the same); ``"size"`` only sizes.
         async_save: ``save()`` returns once the state is snapshotted; the write and the commit

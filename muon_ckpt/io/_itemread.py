@@ -370,13 +370,64 @@ def _narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     return t
 
 
+class ReadBuffers:
+    """The reused buffers of one reading thread: a pageable chunk, a whole-record buffer and
+    two page-locked chunks for copies to the GPU. A thread's ``FileLoad``s share them one
+    after another (each waits for its copies out of them before it ends), so a load split
+    into many parts registers page-locked memory once per thread, not once per part."""
+
+    def __init__(self) -> None:
+        self._chunk: bytearray | None = None
+        self._whole: bytearray | None = None
+        self._pinned: list[tuple[torch.Tensor, memoryview, Any]] = []
+        self._device: torch.device | None = None
+
+    def chunk(self) -> memoryview:
+        if self._chunk is None:
+            self._chunk = bytearray(CHUNK)
+        return memoryview(self._chunk)
+
+    def chunk_tensor(self) -> torch.Tensor:
+        self.chunk()
+        return torch.frombuffer(self._chunk, dtype=torch.uint8)
+
+    def record(self, nbytes: int) -> bytearray:
+        if self._whole is None or len(self._whole) < nbytes:
+            self._whole = bytearray(nbytes)
+        return self._whole
+
+    def pinned(self, i: int, device: torch.device) -> tuple[torch.Tensor, memoryview, Any]:
+        """Page-locked chunk buffer ``i`` (of two), once its last copy to the device is done.
+        Its event belongs to ``device`` (a CUDA event records on one device only)."""
+        if self._device != device:
+            self.drain()
+            if not self._pinned:
+                for _ in range(2):
+                    t = pinned_empty(CHUNK, pin=True)
+                    self._pinned.append((t, tensor_bytes(t), None))
+            self._pinned = [(t, v, torch.cuda.Event()) for t, v, _ in self._pinned]
+            self._device = device
+        buf, view, event = self._pinned[i]
+        event.synchronize()  # returns at once if never recorded
+        return buf, view, event
+
+    def drain(self) -> None:
+        """Wait for the copies out of the page-locked buffers (no-op without any)."""
+        for _, _, event in self._pinned:
+            if event is not None:
+                event.synchronize()
+
+
 class FileLoad:
     """Loads the requested items of one local file; with ``checksum``, also checksums it all.
 
     ``where`` names the file in errors. Call :meth:`run`; it returns ``checksum`` over the
-    whole file when verifying (the caller compares it with the manifest), else None. Without
-    ``checksum``, only the bytes the targets need are read, and checked against ``entry``'s
-    per-chunk checksums when given. ``bytes_read``: what this load read from the file.
+    whole file when verifying (the caller compares it with the manifest), else None. With
+    ``window`` (``lo, hi``: chunk boundaries around the items), the checksum covers just
+    those bytes, from ``lo`` (a ``Checksum.like(entry, start=lo)``): a file split into parts
+    that run on several threads is checked window by window. Without ``checksum``, only the
+    bytes the targets need are read, and checked against ``entry``'s per-chunk checksums when
+    given. ``bytes_read``: what this load read from the file; ``file_size``: its size.
     """
 
     def __init__(
@@ -386,16 +437,18 @@ class FileLoad:
         planner: LoadPlanner,
         checksum: Checksum | None,
         entry: FileEntry | None = None,
+        *,
+        window: tuple[int, int] | None = None,
+        buffers: ReadBuffers | None = None,
     ) -> None:
         self._path, self._where, self._planner = path, where, planner
         self._sum, self._verify = checksum, checksum is not None
-        self._pos = 0
+        self._window = window
+        self._pos = window[0] if window is not None else 0
         self._counted = [0]
         self._spans = SpanReader(where, entry, self._pread)
-        self._chunk: bytearray | None = None
-        self._whole: bytearray | None = None
-        self._pinned_bufs: list[tuple[torch.Tensor, memoryview, Any]] = []
-        self._pinned_device: torch.device | None = None
+        self._bufs = buffers if buffers is not None else ReadBuffers()
+        self.file_size = -1
 
     # ------------------------------------------------------------------ reading
     def _pread(self, fd: int, mv: memoryview, offset: int) -> None:
@@ -424,14 +477,9 @@ class FileLoad:
             self._sum.update(mv)
             self._pos = offset + len(mv)
 
-    def _chunk_buf(self) -> memoryview:
-        if self._chunk is None:
-            self._chunk = bytearray(CHUNK)
-        return memoryview(self._chunk)
-
     def _take_discard(self, fd: int, offset: int, end: int) -> None:
         """Bytes nobody here loads (gaps, other ranks' items): checksum only."""
-        buf = self._chunk_buf()
+        buf = self._bufs.chunk()
         while offset < end:
             n = min(CHUNK, end - offset)
             self._take(fd, buf[:n], offset)
@@ -456,49 +504,26 @@ class FileLoad:
             stream = torch.cuda.current_stream(target.device)
             for i, p in enumerate(range(0, nbytes, CHUNK)):
                 n = min(CHUNK, nbytes - p)
-                buf, view, event = self._pinned(i % 2, target.device)
+                buf, view, event = self._bufs.pinned(i % 2, target.device)
                 self._take(fd, view[:n], offset + p)
                 dst_t[p : p + n].copy_(buf[:n], non_blocking=True)
                 event.record(stream)
             return
-        buf = self._chunk_buf()
-        src = torch.frombuffer(self._chunk, dtype=torch.uint8)
+        buf, src = self._bufs.chunk(), self._bufs.chunk_tensor()
         for p in range(0, nbytes, CHUNK):
             n = min(CHUNK, nbytes - p)
             self._take(fd, buf[:n], offset + p)
             dst_t[p : p + n].copy_(src[:n])  # from pageable memory: done when it returns
 
-    def _pinned(self, i: int, device: torch.device) -> tuple[torch.Tensor, memoryview, Any]:
-        """Page-locked chunk buffer ``i`` (of two), once its last copy to the device is done.
-        Its event belongs to ``device`` (a CUDA event records on one device only)."""
-        if self._pinned_device != device:
-            self._drain()
-            if not self._pinned_bufs:
-                for _ in range(2):
-                    t = pinned_empty(CHUNK, pin=True)
-                    self._pinned_bufs.append((t, tensor_bytes(t), None))
-            self._pinned_bufs = [(t, v, torch.cuda.Event()) for t, v, _ in self._pinned_bufs]
-            self._pinned_device = device
-        buf, view, event = self._pinned_bufs[i]
-        event.synchronize()  # returns at once if never recorded
-        return buf, view, event
-
-    def _drain(self) -> None:
-        """Wait for the copies out of the page-locked buffers (no-op without any)."""
-        for _, _, event in self._pinned_bufs:
-            if event is not None:
-                event.synchronize()
-
     def _record_tensor(self, fd: int, lay: Layout, offset: int) -> torch.Tensor:
         """The whole record read into a reused buffer, viewed as the stored tensor."""
         if lay.nbytes == 0:
             return torch.empty(lay.size, dtype=lay.dtype)
-        if self._whole is None or len(self._whole) < lay.nbytes:
-            self._whole = bytearray(lay.nbytes)
-        mv = memoryview(self._whole)[: lay.nbytes]
+        whole = self._bufs.record(lay.nbytes)
+        mv = memoryview(whole)[: lay.nbytes]
         for p in range(0, lay.nbytes, CHUNK):
             self._take(fd, mv[p : p + CHUNK], offset + p)
-        flat = torch.frombuffer(self._whole, dtype=torch.uint8, count=lay.nbytes)
+        flat = torch.frombuffer(whole, dtype=torch.uint8, count=lay.nbytes)
         return flat.view(lay.dtype).as_strided(lay.size, lay.stride, lay.offset)
 
     # ------------------------------------------------------------------ items
@@ -573,7 +598,7 @@ class FileLoad:
         self._take(fd, memoryview(head), offset)
         if target is not None:
             self._take_chunked(fd, target, offset + lay.start, lay.nbytes)
-            self._drain()  # the target is complete before the planner sees it (as with DCP)
+            self._bufs.drain()  # the target is complete before the planner sees it (as DCP)
             self._planner.commit_tensor(reqs[0], target)
         else:
             src = self._record_tensor(fd, lay, offset + lay.start)
@@ -603,7 +628,7 @@ class FileLoad:
         _counting.cell = self._counted
         capture = capture or {}
         try:
-            size = os.fstat(fd).st_size
+            size = self.file_size = os.fstat(fd).st_size
             for off in sorted({*items, *capture}):
                 length = items[off][0] if off in items else len(capture[off])
                 if off + length > size:  # before any buffer is sized from the metadata
@@ -620,9 +645,9 @@ class FileLoad:
                     self._load_item(fd, off, length, items[off][1])
             if self._sum is None:
                 return None
-            self._take_discard(fd, self._pos, size)
+            self._take_discard(fd, self._pos, size if self._window is None else self._window[1])
             return self._sum
         finally:
             _counting.cell = None
-            self._drain()
+            self._bufs.drain()
             os.close(fd)

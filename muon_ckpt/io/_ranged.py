@@ -18,7 +18,7 @@ from typing import Any
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt.store import FileEntry, check_chunks, chunk_span
 
-__all__ = ["SpanReader"]
+__all__ = ["SpanReader", "corrupt_chunk"]
 
 # (file: an fd or an open file object, into, file offset): all of it, or raise
 Pread = Callable[[Any, memoryview, int], None]
@@ -31,7 +31,6 @@ class SpanReader:
     def __init__(self, where: str, entry: FileEntry | None, pread: Pread) -> None:
         self._where, self._pread = where, pread
         self._entry = entry if entry is not None and entry.chunk_bytes is not None else None
-        self._starts = self._entry.chunk_starts() if self._entry is not None else [0]
         self._buf = bytearray()
         self._spans: list[tuple[int, int, int]] = []  # (file lo, file hi, buffer offset)
 
@@ -72,14 +71,7 @@ class SpanReader:
             raise AssertionError("checking chunks without a chunked manifest entry")
         bad = check_chunks(entry, lo, data, self._where)  # ``lo``: a chunk's start
         if bad:
-            starts = self._starts
-            at = starts[bad[0]]
-            end = starts[bad[0] + 1] if bad[0] + 1 < len(starts) else entry.size
-            raise CheckpointCorruptError(
-                f"{self._where}: file is corrupt: the {entry.algorithm} of its bytes {at}-"
-                f"{end} differs from the manifest's. Load another step (muon-ckpt ls lists "
-                "them) or restore this file"
-            )
+            raise corrupt_chunk(entry, bad[0], self._where)
 
     def view(self, lo: int, hi: int) -> memoryview:
         """Bytes ``[lo, hi)`` of the file, from the last :meth:`read`."""
@@ -87,3 +79,14 @@ class SpanReader:
             if s_lo <= lo and hi <= s_hi:
                 return memoryview(self._buf)[at + lo - s_lo : at + hi - s_lo]
         raise AssertionError(f"bytes {lo}-{hi} were not read")
+
+
+def corrupt_chunk(entry: FileEntry, index: int, where: str) -> CheckpointCorruptError:
+    """The error for chunk ``index`` of ``entry``'s file, whose checksum is not the manifest's."""
+    starts = entry.chunk_starts()
+    at = starts[index]
+    end = starts[index + 1] if index + 1 < len(starts) else entry.size
+    return CheckpointCorruptError(
+        f"{where}: file is corrupt: the {entry.algorithm} of its bytes {at}-{end} differs "
+        "from the manifest's. Load another step (muon-ckpt ls lists them) or restore this file"
+    )

@@ -3,11 +3,12 @@
 Used by the manager's ``load`` and, in one process, by import, export and inspect (through
 ``open_checkpoint``). How files are read depends on where they are:
 
-* local files (``_itemread``): each file this rank needs is one task on ``io_threads``
-  threads; its items are parsed (torch's zip reader, a restricted unpickler) and their tensor
-  bytes read with ``pread`` straight into the targets (through page-locked chunk buffers for
-  CUDA targets), with no ``torch.load``. A file is checksummed on the way when this reader
-  checks it whole (below), every byte once, in order;
+* local files (``_itemread``): the files this rank needs, cut into parts (``_split``), are
+  tasks on ``io_threads`` threads; items are parsed (torch's zip reader, a restricted
+  unpickler) and their tensor bytes read with ``pread`` straight into the targets (through
+  page-locked chunk buffers for CUDA targets), with no ``torch.load``. A file is checksummed
+  on the way when this reader checks it whole (below): each part its window of whole chunks,
+  in order;
 * remote files with ``verify="checksum"`` (``_remote``): a file read completely is streamed
   front to back, chaining the checksum, each stored blob handed to DCP as it arrives; a file
   needed only in part is read by slices;
@@ -23,9 +24,12 @@ the load with a CheckpointCorruptError naming it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,15 +37,27 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt.io._blob import WholeItems
-from muon_ckpt.io._itemread import FileLoad
+from muon_ckpt.io._itemread import FileLoad, ReadBuffers
+from muon_ckpt.io._ranged import corrupt_chunk
 from muon_ckpt.io._remote import ServingFileSystem, read_remote
 from muon_ckpt.io._shared import agree, distribute, plan_shared
 from muon_ckpt.io._tasks import prefer_corruption, run_all
-from muon_ckpt.store import Checksum, FileEntry, Storage, file_checksum
+from muon_ckpt.store import (
+    Checksum,
+    FileEntry,
+    Storage,
+    chunk_span,
+    file_checksum,
+    mismatched_chunks,
+)
 
 __all__ = ["VerifyingReader"]
 
 _RANK_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+# Smallest part of a file that one reading thread takes (``_split``): far above the cost of a
+# task (an open, a few small reads of zip records) and of the chunk two neighbours may share.
+PART_BYTES = 32 << 20
 
 
 class VerifyingReader(FileSystemReader):
@@ -212,10 +228,13 @@ class VerifyingReader(FileSystemReader):
         return done
 
     def _read_local(self, plan: Any, planner: Any) -> None:
-        """Each file one task on ``threads`` threads (``_itemread``): the items this rank needs
-        go straight into their targets, a file to check is checksummed on the way (one that
-        is not read, only checksummed). Items with a DCP storage transform go through DCP's
-        own reader."""
+        """Parts of files as tasks on ``threads`` threads (``_itemread``): the items this rank
+        needs go straight into their targets, a file to check is checksummed on the way (one
+        that is not read, only checksummed). Files are split into parts (``_split``), so that
+        the threads share the work however few and uneven the files are; a checked file is
+        then checked window by window against the manifest's per-chunk checksums. A file with
+        items that need DCP's own reader (a storage transform) is one task, as is a file
+        whose manifest has one checksum for all of it (format 1)."""
         per_file: dict[str, dict[int, tuple[int, list[Any]]]] = {}
         dcp_items: dict[str, list[Any]] = {}
         for item in plan.items:
@@ -227,24 +246,65 @@ class VerifyingReader(FileSystemReader):
             slot.setdefault(info.offset, (info.length, []))[1].append(item)
         captures = self.captures
         check = self.to_check(set(per_file) | set(dcp_items) | set(captures))
-        work = sorted(set(per_file) | set(dcp_items) | set(captures) | check)
-        sizes = {n: (e.size if (e := self.entry(n)) else 0) for n in work}
-        work.sort(key=lambda n: (-sizes[n], n))  # largest first: even finish
+        names = sorted(set(per_file) | set(dcp_items) | set(captures) | check)
+        work = sum(e.size for n in names if (e := self.entry(n)) is not None)
+        part_bytes = max(PART_BYTES, -(-work // (4 * self.threads)))
+        local = threading.local()
 
-        def one(name: str) -> None:
-            # A checked file is checksummed once: on the way by FileLoad, or by its own pass
-            # when DCP's reader is involved or nothing is read from it.
-            loads, caps = per_file.get(name), captures.get(name)
-            separate = name in check and (name in dcp_items or not (loads or caps))
-            if separate:
-                self.fetch_and_check(name)
+        def buffers() -> ReadBuffers:  # one set per thread, reused by all its parts
+            if not hasattr(local, "buffers"):
+                local.buffers = ReadBuffers()
+            return local.buffers
+
+        tasks: list[tuple[int, Callable[[], None]]] = []
+        for name in names:
+            loads, caps, verify = per_file.get(name, {}), captures.get(name, {}), name in check
+            entry = self.entry(name)
+            size = entry.size if entry is not None else 0
             if name in dcp_items:
-                self.read_items(plan, planner, dcp_items[name])
-            if loads or caps:
-                verify = name in check and not separate
-                self._load_file(name, loads or {}, planner, verify, caps)
+                run = partial(self._mixed_file, name, plan, planner, dcp_items[name], verify)
+                tasks.append((size, partial(run, loads, caps, buffers)))
+            elif verify and (entry is None or entry.chunk_bytes is None):
+                tasks.append((size, partial(self._whole_file, name, planner, loads, caps)))
+            else:
+                for offs, window, n in _split(loads, caps, entry if verify else None, part_bytes):
+                    part = {o: loads[o] for o in offs if o in loads}
+                    cap = {o: caps[o] for o in offs if o in caps}
+                    run = partial(self._load_file, name, part, planner, verify, cap)
+                    tasks.append((n, lambda run=run, window=window: run(buffers(), window)))
+        tasks.sort(key=lambda t: -t[0])  # largest first: even finish
+        run_all(self.threads, lambda task: task[1](), tasks)
 
-        run_all(self.threads, one, work)
+    def _mixed_file(
+        self,
+        name: str,
+        plan: Any,
+        planner: Any,
+        dcp_items: list[Any],
+        verify: bool,
+        loads: dict[int, tuple[int, list[Any]]],
+        caps: dict[int, memoryview],
+        buffers: Callable[[], ReadBuffers],
+    ) -> None:
+        """A file with items for DCP's own reader: checked by its own pass."""
+        if verify:
+            self.fetch_and_check(name)
+        self.read_items(plan, planner, dcp_items)
+        if loads or caps:
+            self._load_file(name, loads, planner, False, caps, buffers())
+
+    def _whole_file(
+        self,
+        name: str,
+        planner: Any,
+        loads: dict[int, tuple[int, list[Any]]],
+        caps: dict[int, memoryview],
+    ) -> None:
+        """A file to check whose manifest has one checksum for all of it: front to back."""
+        if loads or caps:
+            self._load_file(name, loads, planner, True, caps)
+        else:
+            self.fetch_and_check(name)
 
     def _load_file(
         self,
@@ -253,12 +313,21 @@ class VerifyingReader(FileSystemReader):
         planner: Any,
         verify: bool,
         capture: dict[int, memoryview] | None = None,
+        buffers: ReadBuffers | None = None,
+        window: tuple[int, int] | None = None,
     ) -> None:
-        where = self.where(name)
-        # Checked whole here, or (another rank checks it whole) only the parts read, by chunk.
-        whole = self.checksum(name) if verify else None
-        part = self.entry(name) if self._verify_crc and not verify else None
-        load = FileLoad(self.step.path(name), where, planner, whole, part)
+        """``items`` of file ``name``; with ``verify``, checksums the whole file on the way, or
+        with ``window``, its bytes ``[lo, hi)`` (whole chunks around the items)."""
+        where, entry = self.where(name), self.entry(name)
+        whole = None
+        if verify:
+            whole = (
+                self.checksum(name) if window is None else Checksum.like(entry, where, window[0])
+            )
+        # Otherwise (another rank checks it whole) only the parts read, by chunk.
+        part = entry if self._verify_crc and not verify else None
+        path = self.step.path(name)
+        load = FileLoad(path, where, planner, whole, part, window=window, buffers=buffers)
 
         def run() -> Checksum | None:
             try:
@@ -280,8 +349,66 @@ class VerifyingReader(FileSystemReader):
             got = prefer_corruption(run, lambda: self.verdict(name))
         finally:
             self.count(load.bytes_read)
-        if got is not None:
+        if got is None or entry is None:
+            return
+        if window is None:
             self.check(name, got)
+            return
+        bad = mismatched_chunks(entry, window[0], got)
+        if bad:
+            raise corrupt_chunk(entry, bad[0], where)
+        if window[1] == entry.size and load.file_size != entry.size:
+            raise CheckpointCorruptError(
+                f"{where}: file is corrupt: it has {load.file_size} bytes, the manifest says "
+                f"{entry.size}. Load another step (muon-ckpt ls lists them) or restore this file"
+            )
+
+
+def _split(
+    loads: dict[int, tuple[int, list[Any]]],
+    caps: dict[int, memoryview],
+    entry: FileEntry | None,
+    part_bytes: int,
+) -> list[tuple[list[int], tuple[int, int] | None, int]]:
+    """A file's work in parts of about ``part_bytes``: (the offsets of its stored items, the
+    bytes to check or None, its size). Without ``entry`` (nothing to check whole) the items
+    are grouped. With ``entry`` (a chunked manifest entry: the file is checked whole) a part
+    starts at an item's first byte or at a chunk start between items, never inside an item,
+    and checks the whole chunks from the one its first byte is in to the one its last byte is
+    in: the windows cover the file, neighbours share at most the chunk at their border, and
+    every byte a part loads is checked by that part."""
+    spans = sorted((o, loads[o][0] if o in loads else len(caps[o])) for o in {*loads, *caps})
+    parts: list[tuple[list[int], tuple[int, int] | None, int]] = []
+    if entry is None:
+        cur: list[int] = []
+        acc = 0
+        for off, n in spans:
+            if cur and acc + n > part_bytes:
+                parts.append((cur, None, acc))
+                cur, acc = [], 0
+            cur.append(off)
+            acc += n
+        if cur:
+            parts.append((cur, None, acc))
+        return parts
+    size = entry.size
+    cands = {off for off, _ in spans}
+    j = 0
+    for s in entry.chunk_starts():  # chunk starts outside every item
+        while j < len(spans) and spans[j][0] + spans[j][1] <= s:
+            j += 1
+        if j == len(spans) or s <= spans[j][0]:
+            cands.add(s)
+    bounds = [0]
+    for c in sorted(cands):
+        if c - bounds[-1] >= part_bytes and size - c >= part_bytes // 2:
+            bounds.append(c)
+    edges = [*bounds, size]
+    for k, (b, e) in enumerate(itertools.pairwise(edges)):
+        lo = chunk_span(entry, b, b + 1)[0] if k else 0
+        hi = chunk_span(entry, e - 1, e)[1] if e < size else size
+        parts.append(([off for off, _ in spans if b <= off < e], (lo, hi), hi - lo))
+    return parts
 
 
 def _brief(digest: str) -> str:

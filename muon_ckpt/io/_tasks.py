@@ -28,11 +28,11 @@ def prefer_corruption(run: Callable[[], T], verdict: Callable[[], BaseException 
         raise
 
 
-def run_all(threads: int, fn: Callable[[str], None], names: list[str]) -> None:
-    """``fn(name)`` for every name on ``threads`` threads; the first failure is raised once
+def run_all(threads: int, fn: Callable[[T], None], tasks: list[T]) -> None:
+    """``fn(task)`` for every task on ``threads`` threads; the first failure is raised once
     every started task has ended (tasks not started yet are cancelled)."""
     with ThreadPoolExecutor(threads, thread_name_prefix="muon_ckpt_read") as ex:
-        futures = [ex.submit(fn, n) for n in names]
+        futures = [ex.submit(fn, t) for t in tasks]
         try:
             for f in futures:
                 f.result()

@@ -20,6 +20,7 @@ from muon_ckpt.store._checksum import (
     chunk_span,
     crc_hex,
     file_checksum,
+    mismatched_chunks,
 )
 from muon_ckpt.store._confirm import CONFIRM_MODES, confirm_files
 from muon_ckpt.store._crc import implementation as crc32c_implementation
@@ -86,6 +87,7 @@ __all__ = [
     "file_checksum",
     "is_file_name",
     "is_storage_failure",
+    "mismatched_chunks",
     "model_key",
     "open_regular",
     "open_storage",

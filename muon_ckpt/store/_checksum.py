@@ -26,6 +26,7 @@ __all__ = [
     "chunk_span",
     "crc_hex",
     "file_checksum",
+    "mismatched_chunks",
     "new_entry",
 ]
 
@@ -182,6 +183,12 @@ def check_chunks(entry: FileEntry, start: int, data: Any, where: str = "") -> li
     ``chunk_span``) whose checksums differ from the manifest's."""
     got = Checksum.like(entry, where, start)
     got.update(data)
+    return mismatched_chunks(entry, start, got)
+
+
+def mismatched_chunks(entry: FileEntry, start: int, got: Checksum) -> list[int]:
+    """Indices of the chunks of ``entry`` that ``got`` (a ``Checksum.like(entry, start=start)``
+    over whole chunks from ``start``, a chunk's start) disagrees with."""
     first = bisect.bisect_right(entry.chunk_starts(), start) - 1 if entry.chunk_bytes else 0
     mine, want = got.hexdigest(), entry.digest[8 * first :]
     return [first + i // 8 for i in range(0, len(mine), 8) if mine[i : i + 8] != want[i : i + 8]]

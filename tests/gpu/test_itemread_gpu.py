@@ -30,16 +30,26 @@ def test_cuda_targets_go_through_the_page_locked_buffers(tmp_path, monkeypatch):
     from tests.test_itemread import _ours, _save, _targets
 
     used: list[int] = []
-    pinned = itemread.FileLoad._pinned
+    pinned = itemread.ReadBuffers.pinned
 
     def spy(self, i, device):
         used.append(i)
         return pinned(self, i, device)
 
-    monkeypatch.setattr(itemread.FileLoad, "_pinned", spy)
+    monkeypatch.setattr(itemread.ReadBuffers, "pinned", spy)
     d, sd = _save(tmp_path)
     got = _targets(sd, "same", "cuda")
     _ours(d, got)
     assert used.count(0) >= 2 and used.count(1) >= 2, used
     big = sd["big"]
     assert torch.equal(got["big"].cpu(), big)
+
+
+def test_cuda_targets_loaded_in_parts(tmp_path, monkeypatch):
+    """A file split into many parts (tests/test_read_parts.py) into CUDA targets: the same
+    bits, and one pair of page-locked buffers per reading thread for all its parts."""
+    import muon_ckpt.io._reader as reader_mod
+    from tests.test_read_parts import check_parts_share_their_threads_buffers
+
+    monkeypatch.setattr(reader_mod, "PART_BYTES", 1)
+    check_parts_share_their_threads_buffers(tmp_path, monkeypatch, "cuda")
