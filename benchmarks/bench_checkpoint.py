@@ -21,6 +21,7 @@ Usage::
     python benchmarks/bench_checkpoint.py --size-gib 1 --device cpu --url /tmp/bench
     python benchmarks/bench_checkpoint.py --size-gib 0.25 --url moto       # local moto S3
     python benchmarks/bench_checkpoint.py --size-gib 8 --device cuda --url /nvme/bench
+    python benchmarks/bench_checkpoint.py --size-gib 4 --save-io-threads 1   # one file per rank
 
 Local loads are served by the page cache unless the machine drops it between runs; the figure
 is then a memory-bandwidth figure, for manager and raw DCP alike.
@@ -139,6 +140,13 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--url", default=None, help="local dir, fsspec URL, or 'moto' (default: tmp)")
     ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument(
+        "--save-io-threads",
+        type=int,
+        default=None,
+        help="the manager saves with this io_threads (files per rank) and loads with "
+        "--io-threads: e.g. 1 for a checkpoint of one file read by several threads",
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds of every variant")
     ap.add_argument("--verify", choices=["checksum", "crc32", "size"], default="checksum")
@@ -163,7 +171,7 @@ def main() -> None:
     T = args.io_threads
     print(
         f"state: {len(tensors)} tensors, {nbytes / GiB:.2f} GiB on {args.device}; url {url}; "
-        f"io_threads={T}; verify={args.verify}; torch {torch.__version__}; checksums: "
+        f"io_threads={T} (saves: {args.save_io_threads or T}); verify={args.verify}; torch {torch.__version__}; checksums: "
         f"{write_algorithm()} (CRC32C implementation: {crc32c_implementation()})"
     )
 
@@ -174,6 +182,11 @@ def main() -> None:
     mgr = CheckpointManager(
         url, model=model, optimizer=opt, storage_options=opts, io_threads=T, verify=args.verify
     )
+    saver = mgr
+    if args.save_io_threads is not None:
+        saver = CheckpointManager(
+            url, model=model, optimizer=opt, storage_options=opts, io_threads=args.save_io_threads
+        )
     counter = iter(range(1, 10**6))
     phases: list[dict[str, float]] = []
     load_phases: list[dict[str, float]] = []
@@ -196,9 +209,9 @@ def main() -> None:
     def mgr_pair() -> tuple[float, float]:
         step = next(counter)
         t = time.perf_counter()
-        mgr.save(step, force=True)
+        saver.save(step, force=True)
         t_save = time.perf_counter() - t
-        phases.append(dict(mgr.last_save_timings))
+        phases.append(dict(saver.last_save_timings))
         t = time.perf_counter()
         mgr.load(step)
         t_load = time.perf_counter() - t
@@ -291,6 +304,8 @@ def main() -> None:
         )
     print(f"  raw dcp load / storage read speed  {gbs['raw dcp load'] / disk_read:.2f}x")
     mgr.close()
+    if saver is not mgr:
+        saver.close()
     if server is not None:
         server.stop()
     elif args.url is None:
