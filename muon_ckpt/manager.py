@@ -739,7 +739,9 @@ class CheckpointManager:
             self._staging.release()
             self._closed = True
             if self._calls > 1:  # every rank is past that handshake (not surely past the last)
-                coll.forget(f"{self._tag}/{self._calls - 1}")
+                # Housekeeping only: the store's host (rank 0's process) may be gone already.
+                with contextlib.suppress(RuntimeError):
+                    coll.forget(f"{self._tag}/{self._calls - 1}")
             if coll.rank() == 0:  # the next job may write at once
                 with contextlib.suppress(CheckpointError):
                     self._catalog.lease.release()

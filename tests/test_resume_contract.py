@@ -596,3 +596,34 @@ def test_tensor_learning_rates_load_in_place_and_survive_a_failed_load(tmp_path)
     with pytest.raises(CheckpointCorruptError):
         mgr.load(step=1)
     assert opt.param_groups[0]["lr"] is held and held.item() == 0.25
+
+
+def body_close_after_rank_0_left(rank, world_size, url):
+    """Rank 0 saves, closes and its process ends (with it the default group's store, which
+    it hosts); the other rank closes afterwards."""
+    import torch.distributed as dist
+
+    model, opt = tiny_run()
+    mgr = CheckpointManager(url, model=model, optimizer=opt)
+    tiny_train(model, opt, 1)
+    mgr.save(1)
+    mgr.save(2)
+    if rank == 0:
+        mgr.close()
+        return "closed"
+    store = dist.distributed_c10d._get_default_store()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until rank 0's process, the store's host, is gone
+        try:
+            store.check(["probe"])
+        except RuntimeError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("rank 0's store still answers after 60 s")
+    mgr.close()  # must not raise: forgetting its handshake keys is housekeeping
+    return "closed"
+
+
+def test_close_after_rank_0_has_left(tmp_path):
+    assert run_on_ranks(body_close_after_rank_0_left, 2, str(tmp_path / "run")) == ["closed"] * 2
