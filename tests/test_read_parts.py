@@ -173,8 +173,23 @@ def test_parts_share_their_threads_buffers(tmp_path, small_parts, monkeypatch):
     assert max(small_parts) >= 4
 
 
-@pytest.mark.parametrize("where", ["item", "gap", "first", "last", "appended"])
-def test_damage_anywhere_is_caught_when_loading_in_parts(tmp_path, small_parts, where):
+def _data_span(d: str, info) -> tuple[int, int]:
+    """File offsets of the tensor bytes of stored item ``info``."""
+    fd = os.open(os.path.join(d, info.relative_path), os.O_RDONLY)
+    try:
+        lay = itemread.item_layout(fd, info.offset, info.length)
+    finally:
+        os.close(fd)
+    assert lay is not None
+    return info.offset + lay.start, info.offset + lay.start + lay.nbytes
+
+
+@pytest.mark.parametrize("where", ["item", "gap", "first", "last", "tail", "appended"])
+def test_damage_anywhere_is_caught_when_loading_in_parts(tmp_path, small_parts, monkeypatch, where):
+    """A flipped tensor byte (in a loaded item, in an item not loaded, in the file's first
+    and last chunks) is caught by the parts' windows alone: the whole-file check that a
+    parser failure calls for is disabled. A flipped zip record at the end (the parser fails
+    first) and an appended byte are caught too."""
     d, sd = _plain_save(tmp_path)
     files = _chunked_manifest(d)
     md = dcp.FileSystemReader(d).read_metadata()
@@ -182,22 +197,57 @@ def test_damage_anywhere_is_caught_when_loading_in_parts(tmp_path, small_parts, 
     name = infos[0].relative_path
     path = os.path.join(d, name)
     keys = [idx.fqn for idx, i in md.storage_data.items() if i is not infos[5]]  # a gap
+    match = "corrupt: the crc32c of its bytes [0-9]+-[0-9]+ differs"
+    if where in ("item", "gap", "first", "last"):
+        monkeypatch.setattr(reader_mod.VerifyingReader, "verdict", lambda self, name: None)
     if where == "appended":
         with open(path, "ab") as f:
             f.write(b"\0")
+        match = "corrupt: it has [0-9]+ bytes, the manifest says"
     else:
+        spans = {k: _data_span(d, infos[i]) for k, i in (("item", 7), ("gap", 5), ("first", 0))}
         at = {
-            "item": infos[7].offset + infos[7].length // 2,
-            "gap": infos[5].offset + infos[5].length // 2,
-            "first": 3,
-            "last": files[name].size - 2,
+            "item": sum(spans["item"]) // 2,
+            "gap": sum(spans["gap"]) // 2,
+            "first": spans["first"][0] + 10,
+            "last": _data_span(d, infos[-1])[1] - 10,
+            "tail": files[name].size - 2,
         }[where]
+        if where == "first":
+            assert at < files[name].chunk_starts()[1]
         flip_byte(path, at, 0x5A)
     got = {k: torch.zeros_like(sd[k]) for k in keys}
-    match = "corrupt: it has .* bytes, the manifest says" if where == "appended" else "corrupt"
     with pytest.raises(CheckpointCorruptError, match=f"{name}: file is {match}"):
         _ours(d, got, files=files)
     assert max(small_parts) >= 4
+
+
+def test_a_part_that_fails_to_parse_checks_its_own_window(tmp_path, small_parts, monkeypatch):
+    """A damaged zip header inside the file: the part that fails to parse it looks for the
+    corruption in its own chunks, not in the whole file."""
+
+    def whole_file(self, name):
+        raise AssertionError("a part checked the whole file")
+
+    monkeypatch.setattr(reader_mod.VerifyingReader, "verdict", whole_file)
+    d, sd = _plain_save(tmp_path)
+    files = _chunked_manifest(d)
+    md = dcp.FileSystemReader(d).read_metadata()
+    info = sorted(md.storage_data.values(), key=lambda i: i.offset)[8]
+    flip_byte(os.path.join(d, info.relative_path), info.offset + 2, 0x5A)  # its zip signature
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with pytest.raises(CheckpointCorruptError, match="the crc32c of its bytes"):
+        _ours(d, got, files=files)
+
+
+def test_an_item_at_the_end_of_the_file_is_not_dropped():
+    """An item at or past the manifest's size (metadata that cannot be right) is still given
+    to a part, whose load then says what is wrong, never silently skipped."""
+    entry = _entry(bytes(5 * CHUNK), [])
+    loads = {0: (CHUNK, []), 3 * CHUNK: (CHUNK, []), 5 * CHUNK: (0, []), 6 * CHUNK: (10, [])}
+    parts = reader_mod._split(loads, {}, entry, CHUNK)
+    assert sorted(o for offs, _, _ in parts for o in offs) == sorted(loads)
+    assert {5 * CHUNK, 6 * CHUNK} <= set(parts[-1][0])
 
 
 def _run(seed: int = 0):

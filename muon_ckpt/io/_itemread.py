@@ -419,10 +419,12 @@ class ReadBuffers:
 
 
 class FileLoad:
-    """Loads the requested items of one local file; with ``checksum``, also checksums it all.
+    """Loads the requested items of one local file; with ``checksum``, also checksums the
+    file (or its ``window``) on the way.
 
     ``where`` names the file in errors. Call :meth:`run`; it returns ``checksum`` over the
-    whole file when verifying (the caller compares it with the manifest), else None. With
+    whole file (or window) when verifying (the caller compares it with the manifest), else
+    None. With
     ``window`` (``lo, hi``: chunk boundaries around the items), the checksum covers just
     those bytes, from ``lo`` (a ``Checksum.like(entry, start=lo)``): a file split into parts
     that run on several threads is checked window by window. Without ``checksum``, only the

@@ -23,6 +23,7 @@ the load with a CheckpointCorruptError naming it.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import re
@@ -55,8 +56,10 @@ __all__ = ["VerifyingReader"]
 
 _RANK_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
-# Smallest part of a file that one reading thread takes (``_split``): far above the cost of a
-# task (an open, a few small reads of zip records) and of the chunk two neighbours may share.
+# The size parts of a file aim at (``_split``), at least: far above the cost of a task (an
+# open, a few small reads of zip records) and of the chunk two neighbours may share. A load
+# aims higher where that leaves more than about 4 parts per reading thread; a file's last
+# part may be half of it, and an item is never cut, so one large item makes a larger part.
 PART_BYTES = 32 << 20
 
 
@@ -92,6 +95,8 @@ class VerifyingReader(FileSystemReader):
         self._check_unread = check_unread
         self._checked: set[str] = set()
         self._lock = threading.Lock()
+        self._verdict_lock = threading.Lock()
+        self._verdicts: dict[str, BaseException | None] = {}
         self._group = group  # with world_size > 1: shared items are read once (_shared)
         self.whole = WholeItems(metadata)  # whether a read item takes its whole stored chunk
         self.captures: dict[str, dict[int, memoryview]] = {}  # read here for other ranks
@@ -178,14 +183,29 @@ class VerifyingReader(FileSystemReader):
         self.check(name, got)
 
     def verdict(self, name: str) -> BaseException | None:
-        """The corruption of ``name`` if its checksum finds one (for ``prefer_corruption``)."""
+        """The corruption of ``name`` if its checksum finds one (for ``prefer_corruption``);
+        found once per file however many of its parts fail."""
         if not self._verify_crc:
             return None
-        try:
-            self.fetch_and_check(name)
-        except CheckpointCorruptError as e:
-            return e
-        return None
+        with self._verdict_lock:
+            if name not in self._verdicts:
+                try:
+                    self.fetch_and_check(name)
+                    self._verdicts[name] = None
+                except CheckpointCorruptError as e:
+                    self._verdicts[name] = e
+            return self._verdicts[name]
+
+    def window_verdict(self, name: str, window: tuple[int, int]) -> BaseException | None:
+        """``verdict`` for the chunks of ``name`` in ``window`` only (one part of a file)."""
+        entry = self.entry(name)
+        if entry is None:
+            return None
+        with self.step.open(name) as f:
+            got = file_checksum(f, entry, where=self.where(name), span=window)
+        self.count(got.size)
+        bad = mismatched_chunks(entry, window[0], got)
+        return corrupt_chunk(entry, bad[0], self.where(name)) if bad else None
 
     # ------------------------------------------------------------------ reading
     def read_items(self, plan: Any, planner: Any, items: list[Any]) -> None:
@@ -345,8 +365,11 @@ class VerifyingReader(FileSystemReader):
                     f"{where}: cannot load it: {type(e).__name__}: {e}{hint}"
                 ) from e
 
+        # A damaged item often fails to parse before the checksum is known: the corruption
+        # is then looked for in this part's window (in the whole file without parts).
+        verdict = partial(self.verdict, name) if window is None or not verify else None
         try:
-            got = prefer_corruption(run, lambda: self.verdict(name))
+            got = prefer_corruption(run, verdict or partial(self.window_verdict, name, window))
         finally:
             self.count(load.bytes_read)
         if got is None or entry is None:
@@ -354,14 +377,17 @@ class VerifyingReader(FileSystemReader):
         if window is None:
             self.check(name, got)
             return
-        bad = mismatched_chunks(entry, window[0], got)
-        if bad:
-            raise corrupt_chunk(entry, bad[0], where)
-        if window[1] == entry.size and load.file_size != entry.size:
+        lo, hi = window
+        if hi == entry.size and load.file_size != entry.size:
             raise CheckpointCorruptError(
                 f"{where}: file is corrupt: it has {load.file_size} bytes, the manifest says "
                 f"{entry.size}. Load another step (muon-ckpt ls lists them) or restore this file"
             )
+        if got.size != hi - lo:
+            raise AssertionError(f"{where}: checksummed {got.size} bytes of window {lo}-{hi}")
+        bad = mismatched_chunks(entry, lo, got)
+        if bad:
+            raise corrupt_chunk(entry, bad[0], where)
 
 
 def _split(
@@ -403,11 +429,14 @@ def _split(
     for c in sorted(cands):
         if c - bounds[-1] >= part_bytes and size - c >= part_bytes // 2:
             bounds.append(c)
+    owned: list[list[int]] = [[] for _ in bounds]
+    for off, _ in spans:  # (an item at or past the end: the last part, which says so)
+        owned[bisect.bisect_right(bounds, off) - 1].append(off)
     edges = [*bounds, size]
     for k, (b, e) in enumerate(itertools.pairwise(edges)):
         lo = chunk_span(entry, b, b + 1)[0] if k else 0
         hi = chunk_span(entry, e - 1, e)[1] if e < size else size
-        parts.append(([off for off, _ in spans if b <= off < e], (lo, hi), hi - lo))
+        parts.append((owned[k], (lo, hi), hi - lo))
     return parts
 
 

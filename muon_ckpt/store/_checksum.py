@@ -153,13 +153,25 @@ def _buffer() -> bytearray:
     return buf
 
 
-def file_checksum(f: Any, like: FileEntry, progress: Any = None, where: str = "") -> Checksum:
+def file_checksum(
+    f: Any,
+    like: FileEntry,
+    progress: Any = None,
+    where: str = "",
+    span: tuple[int, int] | None = None,
+) -> Checksum:
     """The checksum of everything readable from the open binary file ``f``, computed the way
-    ``like``'s was; ``progress(n)`` is called after each block when given."""
+    ``like``'s was; ``progress(n)`` is called after each block when given. ``span``: only
+    bytes ``[lo, hi)`` (``lo`` a chunk start; fewer where the file ends first)."""
     buf = _buffer()
     view = memoryview(buf)
-    c = Checksum.like(like, where)
-    while n := f.readinto(buf):
+    lo, hi = span if span is not None else (0, None)
+    c = Checksum.like(like, where, lo)
+    if span is not None:
+        f.seek(lo)
+    while (left := len(buf) if hi is None else min(len(buf), hi - lo - c.size)) and (
+        n := f.readinto(view[:left])
+    ):
         c.update(view[:n])
         if progress is not None:
             progress(n)
