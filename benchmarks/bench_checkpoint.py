@@ -38,7 +38,6 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -69,19 +68,46 @@ def build_state(size_gib: float, device: str) -> tuple[nn.Module, Muon]:
     return model, opt
 
 
-def start_moto() -> tuple[Any, dict]:
-    import logging
-    import socket
+class MotoProcess:
+    """A moto S3 server in a process of its own on 127.0.0.1, as S3 is: its request handling
+    does not take this process's interpreter lock from the readers and writers measured."""
 
-    from moto.server import ThreadedMotoServer
+    def __init__(self) -> None:
+        import socket
+        import subprocess
+        import sys
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    opts = {"key": "testing", "secret": "testing", "endpoint_url": f"http://127.0.0.1:{port}"}
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("the moto server did not start") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        self._proc.wait(timeout=30)
+
+
+def start_moto() -> tuple[MotoProcess, dict]:
+    server = MotoProcess()
+    opts = {
+        "key": "testing",
+        "secret": "testing",
+        "endpoint_url": f"http://127.0.0.1:{server.port}",
+    }
     return server, opts
 
 
