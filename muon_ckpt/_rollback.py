@@ -10,10 +10,13 @@ rank whose read failed while the others succeeded, a hyperparameter that does no
   devices; tensor hyperparameters are restored in place): cheap;
 - the values of every live tensor the load will write into (model parameters and buffers,
   optimizer states that existed before the load, offloaded states through their host views):
-  one host copy of this rank's share of the state, taken into the manager's reusable host
-  staging buffers (page-locked where CUDA is), so device tensors copy at PCIe speed and no
-  device memory is used. States created by the load itself are not copied: undoing the load
-  removes them again.
+  one host copy of this rank's share of the state, in the manager's reusable host staging
+  buffers (page-locked where CUDA is), so device tensors copy at PCIe speed and no device
+  memory is used. Device tensors are copied before the load starts; a host tensor (CPU
+  training, offloaded states) is copied by ``keep(key)`` when the load is about to write
+  into it first (the load planner calls it, ``SafeLoadPlanner``): on the reading threads,
+  overlapped with the reads, and not at all for a tensor the load never reaches. States
+  created by the load itself are not copied: undoing the load removes them again.
 
 ``restore()`` puts everything back; ``done()`` gives the host copies up. With
 ``max_staging_bytes`` below what the copy needs, no values are kept (the manager warns): a
@@ -23,6 +26,7 @@ failed load then restores the structure and ``extra`` only.
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import torch
@@ -56,13 +60,18 @@ class Rollback:
                 for g in optimizer.param_groups
             ]
         self._extra_sd = {name: _copy(obj.state_dict()) for name, obj in extra.items()}
-        self._pairs: list[tuple[Tensor, Tensor]] = []
+        self._pairs: list[tuple[Tensor, Tensor]] = []  # (live tensor, its copy)
+        # Host tensors not copied yet: key -> (live tensor, its range), and a lock per key
+        self._pending: dict[str, tuple[Tensor, Tensor]] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._pairs_lock = threading.Lock()
         self._extra_touched = False
 
     def keep_values(self, sd: dict[str, Any], skip: set[str], limit: int | None) -> bool:
-        """Copy the values of ``sd``'s tensors (live tensors, or host views of offloaded
-        states), except the keys in ``skip`` (states this load created), before DCP writes.
-        Returns False, copying nothing, when that needs more than ``limit`` bytes."""
+        """Make ready to keep the values of ``sd``'s tensors (live tensors, or host views of
+        offloaded states), except the keys in ``skip`` (states this load created): device
+        tensors are copied now, host tensors by ``keep`` before their first write. Returns
+        False, keeping nothing, when that needs more than ``limit`` bytes."""
         live = {k: v for k, v in sd.items() if isinstance(v, Tensor) and k not in skip}
         self._extra_touched = True  # DCP writes into the tensors of extra's state dicts too
         if (
@@ -70,10 +79,30 @@ class Rollback:
             and self._staging.bytes_needed(live, copy_cpu=True, keep=set()) > limit
         ):
             return False
-        staged = self._staging.stage(live, copy_cpu=True)
+        host = {k for k, v in live.items() if local_tensor(v).device.type == "cpu"}
+        device = {k: v for k, v in live.items() if k not in host}
+        staged = self._staging.stage(device, copy_cpu=True)
         self._staging.finish()  # Sync: every copy has landed before DCP writes into a source
-        self._pairs = [(local_tensor(live[k]), local_tensor(staged[k])) for k in live]
+        self._pairs = [(local_tensor(live[k]), local_tensor(staged[k])) for k in device]
+        self._pending = self._staging.reserve({k: live[k] for k in host}, copy_cpu=True)
+        self._locks = {k: threading.Lock() for k in self._pending}
         return True
+
+    @torch.no_grad()
+    def keep(self, key: str) -> None:
+        """Copy host tensor ``key`` before the load first writes into it (any thread; a
+        thread that comes second waits for the copy); nothing for any other key."""
+        lock = self._locks.get(key)
+        if lock is None:
+            return
+        with lock:
+            pending = self._pending.pop(key, None)
+            if pending is None:
+                return
+            live, copy_ = pending
+            copy_.copy_(live)
+            with self._pairs_lock:
+                self._pairs.append((live, copy_))
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -102,7 +131,7 @@ class Rollback:
         self.done()
 
     def done(self) -> None:
-        self._pairs = []
+        self._pairs, self._pending, self._locks = [], {}, {}
 
 
 def _copy(v: Any) -> Any:

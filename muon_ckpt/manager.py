@@ -28,6 +28,7 @@ import posixpath
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -532,7 +533,8 @@ class CheckpointManager:
             bad = self._agree(error)
             if not bad:
                 try:
-                    self._read(catalog, d, where, flat, report, strict, chosen_parts)
+                    keep = rollback.keep if rollback is not None else None
+                    self._read(catalog, d, where, flat, report, strict, chosen_parts, keep)
                 except Exception as e:
                     error = e
                 bad = self._agree(error)
@@ -639,8 +641,10 @@ class CheckpointManager:
         report: LoadReport,
         strict: bool,
         parts: tuple[str, ...],
+        keep: Callable[[str], None] | None,
     ) -> None:
-        """Read ``d.step`` into the live state and apply what DCP does not write in place."""
+        """Read ``d.step`` into the live state and apply what DCP does not write in place;
+        ``keep(key)`` before the first write into each tensor (``Rollback.keep``)."""
         t0 = time.perf_counter()
         reader = VerifyingReader(
             catalog.storage.child(step_dirname(d.step)),
@@ -656,7 +660,7 @@ class CheckpointManager:
             dcp.load(
                 flat.sd,
                 storage_reader=reader,
-                planner=SafeLoadPlanner(),
+                planner=SafeLoadPlanner(before_write=keep),
                 process_group=self._group,
                 no_dist=not coll.is_dist(),
             )

@@ -627,3 +627,79 @@ def body_close_after_rank_0_left(rank, world_size, url):
 
 def test_close_after_rank_0_has_left(tmp_path):
     assert run_on_ranks(body_close_after_rank_0_left, 2, str(tmp_path / "run")) == ["closed"] * 2
+
+
+class _FailsToApply(Counter):
+    """``extra`` whose load_state_dict() fails: after DCP has written every tensor."""
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise ValueError("cannot take the state")
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["plain", "offload"])
+@pytest.mark.parametrize("verify", ["checksum", "size"])
+def test_every_read_path_keeps_what_it_overwrites(storage_url, verify, offload):
+    """Host tensors are backed up lazily, by the load planner just before their first write
+    (``Rollback.keep``): a load that fails after it wrote everything (here: ``extra`` refuses
+    its state) must still restore every value, on each read path (local parts, remote
+    streamed or by ranges), with offloaded states too."""
+    url, opts = storage_url
+    torch.manual_seed(0)
+    model = TinyNet(vocab=11, dim=64)
+    opt = make_muon(model)
+    train(model, opt, 2)
+    if offload:
+        opt.turn_on_cpu_offload()
+    kw = {"storage_options": opts, "verify": verify}
+    CheckpointManager(url, model=model, optimizer=opt, extra={"d": Counter()}, **kw).save(1)
+    train(model, opt, 1, seed=3)
+    before = muon_state_sd(model, opt) if not offload else None
+    if offload:
+        opt.turn_off_cpu_offload()
+        before = muon_state_sd(model, opt)
+        opt.turn_on_cpu_offload()
+    mgr = CheckpointManager(url, model=model, optimizer=opt, extra={"d": _FailsToApply()}, **kw)
+    with pytest.raises((CheckpointError, ValueError), match="cannot take the state"):
+        mgr.load(step=1)
+    if offload:
+        opt.turn_off_cpu_offload()
+    after = muon_state_sd(model, opt)
+    assert sorted(after) == sorted(before)
+    for k in before:
+        same = (
+            torch.equal(after[k], before[k])
+            if isinstance(before[k], torch.Tensor)
+            else after[k] == before[k]
+        )
+        assert same, k
+
+
+def test_a_host_tensor_is_kept_once_before_its_first_write():
+    """``Rollback.keep`` from many threads at once: one copy, taken before any of them
+    writes; restore() puts back only what was kept (nothing else was written)."""
+    import threading
+
+    from muon_ckpt._rollback import Rollback
+    from muon_ckpt.io import HostStaging
+
+    a, b = torch.arange(1000.0), torch.arange(10.0)
+    rb = Rollback(None, {}, HostStaging())
+    assert rb.keep_values({"a": a, "b": b, "n": 3}, skip=set(), limit=None)
+    go = threading.Barrier(8)
+
+    def writer() -> None:
+        go.wait()
+        rb.keep("a")
+        a.add_(1)  # a write after keep, as the reader's
+
+    ts = [threading.Thread(target=writer) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    rb.keep("missing")  # not a kept tensor: nothing
+    assert torch.equal(a, torch.arange(1000.0) + 8)
+    b.fill_(-1)  # never kept: restore leaves it (the contract: writes come after keep)
+    rb.restore()
+    assert torch.equal(a, torch.arange(1000.0))
+    assert torch.equal(b, torch.full((10,), -1.0))

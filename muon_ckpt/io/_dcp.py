@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,19 @@ DCP_ERRORS = (Exception, CheckpointException)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner that loads non-tensor values with ``weights_only=True``."""
+    """DefaultLoadPlanner that loads non-tensor values with ``weights_only=True``.
+
+    ``before_write(key)``: called before a target tensor is handed out to be written into
+    (every write of a load goes through ``resolve_tensor``), from the reading threads."""
+
+    def __init__(self, before_write: Callable[[str], None] | None = None) -> None:
+        super().__init__()
+        self._before_write = before_write
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        if self._before_write is not None:
+            self._before_write(read_item.dest_index.fqn)
+        return super().resolve_tensor(read_item)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)

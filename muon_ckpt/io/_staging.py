@@ -86,39 +86,55 @@ class HostStaging:
         for dev in [d for d in self._buffers if source is None or d.type == source]:
             del self._buffers[dev]
 
-    def stage(
-        self, sd: dict[str, Any], *, copy_cpu: bool = False, keep: set[str] = frozenset()
-    ) -> dict[str, Any]:
-        """Host copies of ``sd``'s tensors (not of the keys in ``keep``)."""
+    def _ranges(
+        self, sd: dict[str, Any], copy_cpu: bool, keep: set[str]
+    ) -> list[tuple[torch.device, str, Tensor, Tensor]]:
+        """(source device, key, source local tensor, its range of the host buffer) for every
+        tensor ``stage`` copies; the buffers are (re)allocated to fit, nothing is copied."""
         layout, need = self._plan(sd, copy_cpu, keep)
-        self.wait_seconds = 0.0
-        if not layout:
-            return sd
-        out = dict(sd)
+        out = []
         for dev, items in layout.items():
             buf = self._buffers.get(dev)
             if buf is None or buf.numel() < need[dev]:
                 self._buffers.pop(dev, None)  # free (and unpin) the old one first
                 buf = self._buffers[dev] = pinned_empty(need[dev], pin=dev.type == "cuda")
             flat = buf.numpy()
-            stream = self._stream(dev)
             for key, src, off in items:
                 # Storage == exactly this range (a numpy slice), so DCP does not clone it.
                 dst = torch.from_numpy(flat[off : off + _nbytes(src)])
-                dst = dst.view(src.dtype).view(src.shape)
-                if stream is None:
-                    dst.copy_(src)
-                else:
-                    with torch.cuda.stream(stream):
-                        dst.copy_(src, non_blocking=True)
-                        ev = torch.cuda.Event()
-                        ev.record(stream)
-                    # Sync: a source that only the state dict held (a hook's temporary) must
-                    # not be handed to another tensor before the side stream has read it.
-                    src.record_stream(stream)
-                    self._events[key] = ev
-                v = sd[key]
-                out[key] = DTensor(dst, v._spec, requires_grad=False) if v is not src else dst
+                out.append((dev, key, src, dst.view(src.dtype).view(src.shape)))
+        return out
+
+    def reserve(self, sd: dict[str, Any], *, copy_cpu: bool = False) -> dict[str, Any]:
+        """``key -> (source local tensor, its host range)`` for the tensors ``stage`` would
+        copy, copying nothing: the caller copies each when it needs to."""
+        return {key: (src, dst) for _, key, src, dst in self._ranges(sd, copy_cpu, set())}
+
+    def stage(
+        self, sd: dict[str, Any], *, copy_cpu: bool = False, keep: set[str] = frozenset()
+    ) -> dict[str, Any]:
+        """Host copies of ``sd``'s tensors (not of the keys in ``keep``)."""
+        ranges = self._ranges(sd, copy_cpu, keep)
+        self.wait_seconds = 0.0
+        if not ranges:
+            return sd
+        out = dict(sd)
+        streams = {dev: self._stream(dev) for dev in {r[0] for r in ranges}}
+        for dev, key, src, dst in ranges:
+            stream = streams[dev]
+            if stream is None:
+                dst.copy_(src)
+            else:
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                # Sync: a source that only the state dict held (a hook's temporary) must
+                # not be handed to another tensor before the side stream has read it.
+                src.record_stream(stream)
+                self._events[key] = ev
+            v = sd[key]
+            out[key] = DTensor(dst, v._spec, requires_grad=False) if v is not src else dst
         return out
 
     def _stream(self, dev: torch.device) -> Any:
