@@ -540,9 +540,11 @@ class CheckpointManager:
                 bad = self._agree(error)
             if not bad:
                 break
-            if rollback is not None:
-                rollback.restore()
-            self._staging.release("cpu")
+            try:
+                if rollback is not None:
+                    rollback.restore()
+            finally:
+                self._staging.release("cpu")
             corrupt = all(kind == "corrupt" for kind, _ in bad.values())
             if step is not None or not corrupt:
                 if error is not None:

@@ -630,10 +630,49 @@ def test_close_after_rank_0_has_left(tmp_path):
 
 
 class _FailsToApply(Counter):
-    """``extra`` whose load_state_dict() fails: after DCP has written every tensor."""
+    """``extra`` whose first load_state_dict() fails: after DCP has written every tensor
+    (the second, restore()'s, succeeds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
 
     def load_state_dict(self, sd: dict) -> None:
-        raise ValueError("cannot take the state")
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("cannot take the state")
+        super().load_state_dict(sd)
+
+
+class _Tied(nn.Module):
+    """An embedding and an output layer that share their weight (one tensor, two keys)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 16)
+        self.head = nn.Linear(16, 40, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.ones(8))
+        self.register_buffer("scale_view", self.scale[2:6])  # a buffer inside another
+
+
+def test_failed_load_restores_tied_and_overlapping_host_tensors(tmp_path):
+    """Host tensors that share memory are kept before the load writes any of them: the
+    second key of a tied weight must not back up what the first key's write left."""
+    url = str(tmp_path / "run")
+    torch.manual_seed(0)
+    model = _Tied()
+    CheckpointManager(url, model=model, extra={"d": Counter()}).save(1)
+    with torch.no_grad():
+        model.emb.weight.add_(1.0)
+        model.scale.mul_(3.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mgr = CheckpointManager(url, model=model, extra={"d": _FailsToApply()}, io_threads=4)
+    with pytest.raises((CheckpointError, ValueError), match="cannot take the state"):
+        mgr.load(step=1)
+    assert model.head.weight is model.emb.weight
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["plain", "offload"])
@@ -687,19 +726,38 @@ def test_a_host_tensor_is_kept_once_before_its_first_write():
     assert rb.keep_values({"a": a, "b": b, "n": 3}, skip=set(), limit=None)
     go = threading.Barrier(8)
 
-    def writer() -> None:
+    def writer(i: int) -> None:
         go.wait()
         rb.keep("a")
-        a.add_(1)  # a write after keep, as the reader's
+        a[i::8] += 1  # a write after keep, as the reader's (each its own rows)
 
-    ts = [threading.Thread(target=writer) for _ in range(8)]
+    ts = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
     rb.keep("missing")  # not a kept tensor: nothing
-    assert torch.equal(a, torch.arange(1000.0) + 8)
+    assert torch.equal(a, torch.arange(1000.0) + 1)
     b.fill_(-1)  # never kept: restore leaves it (the contract: writes come after keep)
     rb.restore()
     assert torch.equal(a, torch.arange(1000.0))
     assert torch.equal(b, torch.full((10,), -1.0))
+
+
+def test_overlapping_host_tensors_are_found():
+    from muon_ckpt._rollback import _overlapping
+
+    base = torch.zeros(100)
+    w = torch.zeros(4, 4)
+    found = _overlapping(
+        {
+            "a": base[:50],
+            "b": base[40:60],  # overlaps a
+            "c": base[60:70],  # touches b, overlaps nothing
+            "e": base[70:],
+            "w": w,
+            "wt": w.t(),  # the same memory, transposed
+            "d": torch.zeros(3),
+        }
+    )
+    assert found == {"a", "b", "w", "wt"}
