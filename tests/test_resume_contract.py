@@ -761,3 +761,30 @@ def test_overlapping_host_tensors_are_found():
         }
     )
     assert found == {"a", "b", "w", "wt"}
+
+
+def test_load_over_max_staging_bytes_warns_and_keeps_no_values(tmp_path):
+    """A backup larger than max_staging_bytes is not taken (one WARNING): the load itself
+    works; a failed one restores structure, hyperparameters and extra, not tensor values
+    (README, Resume semantics)."""
+    url = str(tmp_path / "run")
+    model, opt = tiny_run()
+    tiny_train(model, opt, 1)
+    CheckpointManager(url, model=model, optimizer=opt, extra={"d": Counter(3)}).save(1)
+    saved = tiny_snapshot(model, opt)
+    tiny_train(model, opt, 1, seed=4)
+    opt.param_groups[0]["lr"] = 0.5
+    bad = _FailsToApply()
+    bad.pos = 5
+    mgr = CheckpointManager(url, model=model, optimizer=opt, extra={"d": bad}, max_staging_bytes=1)
+    with Records(logging.WARNING) as logs:
+        with pytest.raises((CheckpointError, ValueError), match="cannot take the state"):
+            mgr.load(step=1)
+        # no values kept: the tensors hold what was read; the rest is as it was
+        assert_same(tiny_snapshot(model, opt), saved)
+        assert opt.param_groups[0]["lr"] == 0.5 and bad.pos == 5
+        assert mgr.load(step=1) == 1  # extra takes it the second time
+    warned = [m for m in logs.at(logging.WARNING) if "max_staging_bytes=1" in m]
+    assert len(warned) == 1, logs.messages
+    assert_same(tiny_snapshot(model, opt), saved)
+    assert bad.pos == 3
