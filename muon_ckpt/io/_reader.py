@@ -366,10 +366,13 @@ class VerifyingReader(FileSystemReader):
                 ) from e
 
         # A damaged item often fails to parse before the checksum is known: the corruption
-        # is then looked for in this part's window (in the whole file without parts).
-        verdict = partial(self.verdict, name) if window is None or not verify else None
+        # is then looked for in this part's window (in the whole file without one).
+        if window is None:
+            find = partial(self.verdict, name)
+        else:
+            find = partial(self.window_verdict, name, window)
         try:
-            got = prefer_corruption(run, verdict or partial(self.window_verdict, name, window))
+            got = prefer_corruption(run, find)
         finally:
             self.count(load.bytes_read)
         if got is None or entry is None:
