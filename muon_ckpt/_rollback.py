@@ -12,11 +12,15 @@ rank whose read failed while the others succeeded, a hyperparameter that does no
   optimizer states that existed before the load, offloaded states through their host views):
   one host copy of this rank's share of the state, in the manager's reusable host staging
   buffers (page-locked where CUDA is), so device tensors copy at PCIe speed and no device
-  memory is used. Device tensors are copied before the load starts; a host tensor (CPU
-  training, offloaded states) is copied by ``keep(key)`` when the load is about to write
-  into it first (the load planner calls it, ``SafeLoadPlanner``): on the reading threads,
-  overlapped with the reads, and not at all for a tensor the load never reaches. States
-  created by the load itself are not copied: undoing the load removes them again.
+  memory is used. Device tensors are copied before the load starts. Host tensors (CPU
+  training, offloaded states) are copied while the load reads: a thread of the rollback's
+  own copies them one after another from the start, and ``keep(key)``, called when the load
+  is about to write into a tensor first (the load planner calls it, ``SafeLoadPlanner``),
+  copies it there and then if that thread has not reached it yet (the copy is taken once,
+  by whichever comes first; the other waits for it). A load that waits on storage (a remote
+  read) thus finds its tensors copied already, and one that reads at memory speed shares
+  the copies out over its reading threads. States created by the load itself are not
+  copied: undoing the load removes them again.
 
 ``restore()`` puts everything back; ``done()`` gives the host copies up. With
 ``max_staging_bytes`` below what the copy needs, no values are kept (the manager warns): a
@@ -66,12 +70,15 @@ class Rollback:
         self._locks: dict[str, threading.Lock] = {}
         self._pairs_lock = threading.Lock()
         self._extra_touched = False
+        self._copier: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def keep_values(self, sd: dict[str, Any], skip: set[str], limit: int | None) -> bool:
         """Make ready to keep the values of ``sd``'s tensors (live tensors, or host views of
         offloaded states), except the keys in ``skip`` (states this load created): device
-        tensors are copied now, host tensors by ``keep`` before their first write. Returns
-        False, keeping nothing, when that needs more than ``limit`` bytes."""
+        tensors are copied now, host tensors by the copier thread started here or by
+        ``keep`` before their first write, whichever comes first. Returns False, keeping
+        nothing, when that needs more than ``limit`` bytes."""
         live = {k: v for k, v in sd.items() if isinstance(v, Tensor) and k not in skip}
         self._extra_touched = True  # DCP writes into the tensors of extra's state dicts too
         if (
@@ -90,7 +97,30 @@ class Rollback:
         # names): the load writes them under either key, so they are copied now.
         for k in _overlapping({k: src for k, (src, _) in self._pending.items()}):
             self.keep(k)
+        if self._pending:
+            order = list(self._pending)
+            self._copier = threading.Thread(
+                target=self._keep_all, args=(order,), name="muon_ckpt_keep", daemon=True
+            )
+            self._copier.start()
         return True
+
+    def _keep_all(self, keys: list[str]) -> None:
+        """The copier thread: ``keep`` every host tensor, until stopped. A copy that fails
+        here is left to ``keep`` on the reading thread (which then raises it)."""
+        try:
+            for k in keys:
+                if self._stop.is_set():
+                    return
+                self.keep(k)
+        except Exception:  # (kept pending: the reading thread copies it, or fails the load)
+            return
+
+    def _stop_copier(self) -> None:
+        if self._copier is not None:
+            self._stop.set()
+            self._copier.join()
+            self._copier = None
 
     @torch.no_grad()
     def keep(self, key: str) -> None:
@@ -100,17 +130,19 @@ class Rollback:
         if lock is None:
             return
         with lock:
-            pending = self._pending.pop(key, None)
+            pending = self._pending.get(key)
             if pending is None:
                 return
             live, copy_ = pending
             copy_.copy_(live)
             with self._pairs_lock:
                 self._pairs.append((live, copy_))
+            del self._pending[key]  # only once copied: a failed copy is tried again
 
     @torch.no_grad()
     def restore(self) -> None:
         """Undo the load: values, optimizer structure and hyperparameters, extra state."""
+        self._stop_copier()
         for dst, src in self._pairs:
             dst.copy_(src)
         opt = self._optimizer
@@ -135,6 +167,7 @@ class Rollback:
         self.done()
 
     def done(self) -> None:
+        self._stop_copier()
         self._pairs, self._pending, self._locks = [], {}, {}
 
 

@@ -714,8 +714,8 @@ def test_every_read_path_keeps_what_it_overwrites(storage_url, verify, offload):
 
 
 def test_a_host_tensor_is_kept_once_before_its_first_write():
-    """``Rollback.keep`` from many threads at once: one copy, taken before any of them
-    writes; restore() puts back only what was kept (nothing else was written)."""
+    """``Rollback.keep`` from many threads at once (and the copier thread): one copy, taken
+    before any of them writes; restore() puts it back."""
     import threading
 
     from muon_ckpt._rollback import Rollback
@@ -738,10 +738,31 @@ def test_a_host_tensor_is_kept_once_before_its_first_write():
         t.join()
     rb.keep("missing")  # not a kept tensor: nothing
     assert torch.equal(a, torch.arange(1000.0) + 1)
-    b.fill_(-1)  # never kept: restore leaves it (the contract: writes come after keep)
+    rb.keep("b")
+    b.fill_(-1)
     rb.restore()
     assert torch.equal(a, torch.arange(1000.0))
-    assert torch.equal(b, torch.full((10,), -1.0))
+    assert torch.equal(b, torch.arange(10.0))
+
+
+def test_host_tensors_are_copied_ahead_of_the_reads():
+    """The rollback's copier thread copies every host tensor from the start, so that a load
+    waiting on storage finds them copied when it writes (``keep`` is then free); a tensor
+    it has copied is not copied again by ``keep``, and restore() puts all of them back."""
+    from muon_ckpt._rollback import Rollback
+    from muon_ckpt.io import HostStaging
+
+    ts = {f"t{i}": torch.full((1000,), float(i)) for i in range(20)}
+    rb = Rollback(None, {}, HostStaging())
+    assert rb.keep_values(dict(ts), skip=set(), limit=None)
+    rb._copier.join()  # (the load goes on meanwhile; here: wait for it)
+    assert rb._pending == {}, "the copier left tensors uncopied"
+    for i, t in enumerate(ts.values()):
+        rb.keep(f"t{i}")  # copied already: nothing
+        t.fill_(-1)
+    rb.restore()
+    for i, t in enumerate(ts.values()):
+        assert torch.equal(t, torch.full((1000,), float(i)))
 
 
 def test_overlapping_host_tensors_are_found():
