@@ -521,30 +521,10 @@ class CheckpointManager:
             chosen, skipped = d.step, d.skipped
             catalog = self._resume[0] if d.from_resume and self._resume else self._catalog
             where = catalog.storage.url_of(step_dirname(chosen))
-            # Two agreement points: every rank is ready before any starts DCP's collectives,
-            # and every rank has read and applied before any keeps what it read.
-            error: Exception | None = None
-            rollback: Rollback | None = None
-            try:
-                rollback = Rollback(self._optimizer, self._extra | self._rank_extra, self._staging)
-                flat, report = self._prepare(d, where, strict, chosen_parts, rollback)
-            except Exception as e:
-                error = e
-            bad = self._agree(error)
-            if not bad:
-                try:
-                    keep = rollback.keep if rollback is not None else None
-                    self._read(catalog, d, where, flat, report, strict, chosen_parts, keep)
-                except Exception as e:
-                    error = e
-                bad = self._agree(error)
+            bad, error, report, rollback = self._attempt(catalog, d, where, strict, chosen_parts)
             if not bad:
                 break
-            try:
-                if rollback is not None:
-                    rollback.restore()
-            finally:
-                self._staging.release("cpu")
+            self._undo(rollback)
             corrupt = all(kind == "corrupt" for kind, _ in bad.values())
             if step is not None or not corrupt:
                 if error is not None:
@@ -559,7 +539,8 @@ class CheckpointManager:
                     "skipping step %d (%s): %s; trying the next older step", chosen, where, why
                 )
             skipped = [*skipped, _Skip(d.from_resume, chosen, why)]
-        rollback.done()
+        if rollback is not None:
+            rollback.done()
         # The backup of host tensors is not kept (saves copy fewer of them, or none); the
         # buffers of device tensors (page-locked) are what every later save stages into.
         self._staging.release("cpu")
@@ -582,6 +563,47 @@ class CheckpointManager:
         _log.info("loaded step %d from %s in %.3f s", chosen, where, t["total"])
         _log.debug("loaded step %d: %s", chosen, _fmt(t))
         return chosen
+
+    def _attempt(
+        self,
+        catalog: Catalog,
+        d: _Decision,
+        where: str,
+        strict: bool,
+        parts: tuple[str, ...],
+    ) -> tuple[dict[int, tuple[str, str]], Exception | None, Any, Rollback | None]:
+        """One try at loading ``d.step``: (every rank's failure, this rank's error, the
+        report, the rollback). Two agreement points: every rank is ready before any starts
+        DCP's collectives, and every rank has read and applied before any keeps what it
+        read. An agreement that fails (a rank gone) or an interrupt undoes this rank's part
+        before it propagates (and stops the rollback's copier)."""
+        error: Exception | None = None
+        report = rollback = None
+        try:
+            try:
+                rollback = Rollback(self._optimizer, self._extra | self._rank_extra, self._staging)
+                flat, report = self._prepare(d, where, strict, parts, rollback)
+            except Exception as e:
+                error = e
+            bad = self._agree(error)
+            if not bad:
+                try:
+                    self._read(catalog, d, where, flat, report, strict, parts, rollback.keep)
+                except Exception as e:
+                    error = e
+                bad = self._agree(error)
+        except BaseException:
+            self._undo(rollback)
+            raise
+        return bad, error, report, rollback
+
+    def _undo(self, rollback: Rollback | None) -> None:
+        """Put back what a failed load changed on this rank; free the host backup."""
+        try:
+            if rollback is not None:
+                rollback.restore()
+        finally:
+            self._staging.release("cpu")
 
     def _check_parts(self, parts: Any) -> tuple[str, ...]:
         if parts is None:

@@ -677,11 +677,15 @@ def test_failed_load_restores_tied_and_overlapping_host_tensors(tmp_path):
 
 @pytest.mark.parametrize("offload", [False, True], ids=["plain", "offload"])
 @pytest.mark.parametrize("verify", ["checksum", "size"])
-def test_every_read_path_keeps_what_it_overwrites(storage_url, verify, offload):
-    """Host tensors are backed up lazily, by the load planner just before their first write
-    (``Rollback.keep``): a load that fails after it wrote everything (here: ``extra`` refuses
-    its state) must still restore every value, on each read path (local parts, remote
-    streamed or by ranges), with offloaded states too."""
+def test_every_read_path_keeps_what_it_overwrites(storage_url, verify, offload, monkeypatch):
+    """Host tensors are backed up by the load planner just before their first write
+    (``Rollback.keep``) when the rollback's copier thread has not copied them yet; here the
+    copier is off, so that every copy goes through the planner: a load that fails after it
+    wrote everything (here: ``extra`` refuses its state) must still restore every value, on
+    each read path (local parts, remote streamed or by ranges), with offloaded states too."""
+    from muon_ckpt._rollback import Rollback
+
+    monkeypatch.setattr(Rollback, "_keep_all", lambda self, keys: None)
     url, opts = storage_url
     torch.manual_seed(0)
     model = TinyNet(vocab=11, dim=64)
@@ -760,6 +764,7 @@ def test_host_tensors_are_copied_ahead_of_the_reads():
     for i, t in enumerate(ts.values()):
         rb.keep(f"t{i}")  # copied already: nothing
         t.fill_(-1)
+    assert len(rb._pairs) == len(ts)  # one copy each
     rb.restore()
     for i, t in enumerate(ts.values()):
         assert torch.equal(t, torch.full((1000,), float(i)))
@@ -809,3 +814,56 @@ def test_load_over_max_staging_bytes_warns_and_keeps_no_values(tmp_path):
     assert len(warned) == 1, logs.messages
     assert_same(tiny_snapshot(model, opt), saved)
     assert bad.pos == 3
+
+
+@pytest.mark.parametrize("how", ["interrupt", "agreement"])
+def test_a_load_cut_short_after_its_reads_undoes_them_and_leaves_nothing_running(
+    tmp_path, monkeypatch, how
+):
+    """Ctrl-C after the reads (or the ranks' agreement failing: a rank gone) raises out of
+    load(): this rank's values are put back, the rollback's copier thread has stopped and the
+    host backup is freed (a copier left running would write into the staging buffer that the
+    next asynchronous save reuses)."""
+    import threading
+
+    torch.manual_seed(0)
+    model = TinyNet(vocab=11, dim=64)
+    opt = make_muon(model)
+    train(model, opt, 2)
+    url = str(tmp_path / "run")
+    CheckpointManager(url, model=model, optimizer=opt).save(1)
+    train(model, opt, 1, seed=3)
+    before = muon_state_sd(model, opt)
+    mgr = CheckpointManager(url, model=model, optimizer=opt)
+    read, agree = CheckpointManager._read, CheckpointManager._agree
+    calls = []
+
+    def read_then_interrupt(self, *args, **kwargs):
+        read(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    def agree_then_fail(self, error):
+        calls.append(error)
+        if len(calls) == 2:  # after the reads
+            raise CheckpointError("rank 1 stopped answering")
+        return agree(self, error)
+
+    if how == "interrupt":
+        monkeypatch.setattr(CheckpointManager, "_read", read_then_interrupt)
+        expected = KeyboardInterrupt
+    else:
+        monkeypatch.setattr(CheckpointManager, "_agree", agree_then_fail)
+        expected = CheckpointError
+    with pytest.raises(expected):
+        mgr.load(step=1)
+    assert not [t for t in threading.enumerate() if t.name == "muon_ckpt_keep"]
+    assert not [d for d in mgr._staging._buffers if d.type == "cpu"]
+    after = muon_state_sd(model, opt)
+    assert sorted(after) == sorted(before)
+    for k in before:
+        same = (
+            torch.equal(after[k], before[k])
+            if isinstance(before[k], torch.Tensor)
+            else after[k] == before[k]
+        )
+        assert same, k
