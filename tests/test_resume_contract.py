@@ -706,15 +706,7 @@ def test_every_read_path_keeps_what_it_overwrites(storage_url, verify, offload, 
         mgr.load(step=1)
     if offload:
         opt.turn_off_cpu_offload()
-    after = muon_state_sd(model, opt)
-    assert sorted(after) == sorted(before)
-    for k in before:
-        same = (
-            torch.equal(after[k], before[k])
-            if isinstance(before[k], torch.Tensor)
-            else after[k] == before[k]
-        )
-        assert same, k
+    assert_same(muon_state_sd(model, opt), before)
 
 
 def test_a_host_tensor_is_kept_once_before_its_first_write():
@@ -858,12 +850,4 @@ def test_a_load_cut_short_after_its_reads_undoes_them_and_leaves_nothing_running
         mgr.load(step=1)
     assert not [t for t in threading.enumerate() if t.name == "muon_ckpt_keep"]
     assert not [d for d in mgr._staging._buffers if d.type == "cpu"]
-    after = muon_state_sd(model, opt)
-    assert sorted(after) == sorted(before)
-    for k in before:
-        same = (
-            torch.equal(after[k], before[k])
-            if isinstance(before[k], torch.Tensor)
-            else after[k] == before[k]
-        )
-        assert same, k
+    assert_same(muon_state_sd(model, opt), before)
