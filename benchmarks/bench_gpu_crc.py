@@ -33,24 +33,13 @@ import time
 
 import torch
 
-from muon_ckpt.store._crc import crc_function, implementation
+from muon_ckpt.store._crc import _table, crc_function, implementation
 
 MiB = 1 << 20
-_POLY = 0x82F63B78  # CRC32C, reflected
 _ALL = 0xFFFFFFFF
 
 
-def _byte_table() -> list[int]:
-    out = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ _POLY if c & 1 else c >> 1
-        out.append(c)
-    return out
-
-
-_T = _byte_table()
+_T = _table()  # the CRC32C register after one byte, from 0
 
 # A linear map of 32 bits as the images of its 32 unit vectors.
 Map = list[int]
