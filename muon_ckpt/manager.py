@@ -553,6 +553,8 @@ class CheckpointManager:
                 chosen,
                 newer,
             )
+        if report is None:  # (set whenever no rank failed)
+            raise AssertionError("a load that succeeded without a report")
         self.last_load_report = report
         if report:
             _log.warning("loaded step %d from %s partially: %s", chosen, where, report.summary())
@@ -571,14 +573,15 @@ class CheckpointManager:
         where: str,
         strict: bool,
         parts: tuple[str, ...],
-    ) -> tuple[dict[int, tuple[str, str]], Exception | None, Any, Rollback | None]:
+    ) -> tuple[dict[int, tuple[str, str]], Exception | None, LoadReport | None, Rollback | None]:
         """One try at loading ``d.step``: (every rank's failure, this rank's error, the
         report, the rollback). Two agreement points: every rank is ready before any starts
         DCP's collectives, and every rank has read and applied before any keeps what it
         read. An agreement that fails (a rank gone) or an interrupt undoes this rank's part
         before it propagates (and stops the rollback's copier)."""
         error: Exception | None = None
-        report = rollback = None
+        report: LoadReport | None = None
+        rollback: Rollback | None = None
         try:
             try:
                 rollback = Rollback(self._optimizer, self._extra | self._rank_extra, self._staging)
@@ -587,6 +590,8 @@ class CheckpointManager:
                 error = e
             bad = self._agree(error)
             if not bad:
+                if rollback is None or report is None:  # (set whenever no rank failed)
+                    raise AssertionError("an agreed load without its rollback or report")
                 try:
                     self._read(catalog, d, where, flat, report, strict, parts, rollback.keep)
                 except Exception as e:
