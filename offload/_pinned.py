@@ -22,10 +22,16 @@ __all__ = ["pinned_empty"]
 
 
 def pinned_empty(
-    numel: int, dtype: torch.dtype = torch.uint8, *, pin: bool | None = None
+    numel: int,
+    dtype: torch.dtype = torch.uint8,
+    *,
+    pin: bool | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """A flat CPU tensor of ``numel`` elements, page-locked when ``pin`` (default: when CUDA
-    is available). Contents are uninitialised."""
+    is available) for copies to and from CUDA ``device`` (default: the current one; a thread
+    other than the one that set it starts on device 0, so threads pass it). Contents are
+    uninitialised."""
     buf = torch.empty(numel, dtype=dtype)
     if pin is None:
         pin = torch.cuda.is_available()
@@ -33,7 +39,12 @@ def pinned_empty(
     if pin and nbytes > 0:
         cudart = torch.cuda.cudart()
         ptr = buf.data_ptr()
-        if int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:
+        if device is not None and device.type == "cuda":
+            with torch.cuda.device(device):
+                err = cudart.cudaHostRegister(ptr, nbytes, 0)
+        else:
+            err = cudart.cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
             raise RuntimeError(
                 f"cudaHostRegister of {nbytes} bytes of host memory failed; the machine may "
                 "be out of page-lockable memory (ulimit -l) or out of RAM"

@@ -154,7 +154,7 @@ class CPUOffloadPool(HostViews):
 
     # ------------------------------------------------------------------ layout
     def _pinned(self, key: tuple[torch.dtype, torch.device], numel: int) -> Tensor:
-        return pinned_empty(numel, key[0], pin=self._pin and key[1].type == "cuda")
+        return pinned_empty(numel, key[0], pin=self._pin and key[1].type == "cuda", device=key[1])
 
     def _ensure_initialized(self) -> None:
         if self._initialized:

@@ -97,7 +97,9 @@ class HostStaging:
             buf = self._buffers.get(dev)
             if buf is None or buf.numel() < need[dev]:
                 self._buffers.pop(dev, None)  # free (and unpin) the old one first
-                buf = self._buffers[dev] = pinned_empty(need[dev], pin=dev.type == "cuda")
+                buf = self._buffers[dev] = pinned_empty(
+                    need[dev], pin=dev.type == "cuda", device=dev
+                )
             flat = buf.numpy()
             for key, src, off in items:
                 # Storage == exactly this range (a numpy slice), so DCP does not clone it.
