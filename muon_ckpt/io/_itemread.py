@@ -25,6 +25,7 @@ bytes through ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import math
 import os
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._tensors import tensor_bytes
+from muon_ckpt.io._mapped import MappedFile, Unmappable, mapped_reads
 from muon_ckpt.io._ranged import SpanReader
 from muon_ckpt.store import Checksum, FileEntry, open_regular
 from offload import pinned_empty
@@ -403,7 +405,7 @@ class ReadBuffers:
             self.drain()
             if not self._pinned:
                 for _ in range(2):
-                    t = pinned_empty(CHUNK, pin=True)
+                    t = pinned_empty(CHUNK, pin=True, device=device)
                     self._pinned.append((t, tensor_bytes(t), None))
             self._pinned = [(t, v, torch.cuda.Event()) for t, v, _ in self._pinned]
             self._device = device
@@ -450,6 +452,9 @@ class FileLoad:
         self._counted = [0]
         self._spans = SpanReader(where, entry, self._pread)
         self._bufs = buffers if buffers is not None else ReadBuffers()
+        self._map: MappedFile | None = None  # for copies to CUDA targets (_take_mapped)
+        self._map_tried = False
+        self._end = 0  # the end of the last byte this load reads (run)
         self.file_size = -1
 
     # ------------------------------------------------------------------ reading
@@ -473,6 +478,10 @@ class FileLoad:
     def _take(self, fd: int, mv: memoryview, offset: int) -> None:
         """Read ``mv`` from ``offset``; checksum it when verifying (offsets come in order)."""
         self._pread(fd, mv, offset)
+        self._check(mv, offset)
+
+    def _check(self, mv: Any, offset: int) -> None:
+        """Checksum the bytes of the file from ``offset`` held in ``mv`` when verifying."""
         if self._sum is not None:
             if offset != self._pos:
                 raise AssertionError(f"crc out of order: at {self._pos}, read at {offset}")
@@ -504,7 +513,8 @@ class FileLoad:
         dst_t = target.reshape(-1).view(torch.uint8)
         if target.device.type == "cuda":
             stream = torch.cuda.current_stream(target.device)
-            for i, p in enumerate(range(0, nbytes, CHUNK)):
+            done = self._take_mapped(fd, dst_t, offset, nbytes, stream)
+            for i, p in enumerate(range(done, nbytes, CHUNK)):
                 n = min(CHUNK, nbytes - p)
                 buf, view, event = self._bufs.pinned(i % 2, target.device)
                 self._take(fd, view[:n], offset + p)
@@ -516,6 +526,42 @@ class FileLoad:
             n = min(CHUNK, nbytes - p)
             self._take(fd, buf[:n], offset + p)
             dst_t[p : p + n].copy_(src[:n])  # from pageable memory: done when it returns
+
+    def _take_mapped(
+        self, fd: int, dst: torch.Tensor, offset: int, nbytes: int, stream: torch.cuda.Stream
+    ) -> int:
+        """Copy what it can of the record at ``offset`` into the CUDA bytes ``dst`` straight
+        from the mapped file (``_mapped``), each piece checksummed while its copy runs;
+        returns the bytes done (all, or as far as the mapping went: the chunk path does the
+        rest)."""
+        done = 0
+        while done < nbytes and (m := self._mapping(fd, dst.device, offset)) is not None:
+            at = offset + done
+            try:
+                n = m.reach(at, nbytes - done)
+            except Unmappable:
+                self._unmap()
+                break
+            dst[done : done + n].copy_(m.host(at, n), non_blocking=True)
+            m.copied(at, stream)
+            self._counted[0] += n
+            self._check(m.view(at, n), at)
+            done += n
+        return done
+
+    def _mapping(self, fd: int, device: torch.device, offset: int) -> MappedFile | None:
+        """The file mapped from ``offset`` to the end of what this load reads, once."""
+        if self._map is None and not self._map_tried:
+            self._map_tried = True
+            if mapped_reads(fd):
+                with contextlib.suppress(Unmappable):  # (it said why, once)
+                    self._map = MappedFile(fd, offset, self._end, device)
+        return self._map
+
+    def _unmap(self) -> None:
+        m, self._map = self._map, None
+        if m is not None:
+            m.close()
 
     def _record_tensor(self, fd: int, lay: Layout, offset: int) -> torch.Tensor:
         """The whole record read into a reused buffer, viewed as the stored tensor."""
@@ -600,7 +646,10 @@ class FileLoad:
         self._take(fd, memoryview(head), offset)
         if target is not None:
             self._take_chunked(fd, target, offset + lay.start, lay.nbytes)
-            self._bufs.drain()  # the target is complete before the planner sees it (as DCP)
+            # The target is complete before the planner sees it (as DCP), but for copies out
+            # of the mapped file: they are on the target's stream, and this load waits for
+            # them before it returns.
+            self._bufs.drain()
             self._planner.commit_tensor(reqs[0], target)
         else:
             src = self._record_tensor(fd, lay, offset + lay.start)
@@ -631,6 +680,8 @@ class FileLoad:
         capture = capture or {}
         try:
             size = self.file_size = os.fstat(fd).st_size
+            ends = [o + n for o, (n, _) in items.items()] + [o + len(b) for o, b in capture.items()]
+            self._end = min(size, max(ends, default=0))
             for off in sorted({*items, *capture}):
                 length = items[off][0] if off in items else len(capture[off])
                 if off + length > size:  # before any buffer is sized from the metadata
@@ -651,5 +702,8 @@ class FileLoad:
             return self._sum
         finally:
             _counting.cell = None
-            self._bufs.drain()
-            os.close(fd)
+            try:
+                self._bufs.drain()
+                self._unmap()
+            finally:
+                os.close(fd)

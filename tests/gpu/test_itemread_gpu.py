@@ -3,16 +3,32 @@
     python3 -m pytest tests/gpu/test_itemread_gpu.py     (needs a CUDA device)
 
 Same state and checks as tests/test_itemread.py, with the targets on the GPU: contiguous
-targets of the stored dtype go through the two page-locked chunk buffers (the 3-chunk tensor
+targets of the stored dtype are copied straight out of the mapped file (``_mapped``), or
+through the two page-locked chunk buffers where that is off or refused (the 3-chunk tensor
 reuses both), the others through the whole-record host buffer and ``copy_``.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from tests.test_itemread import check_same_bits_as_dcp_reader
+import muon_ckpt.io._mapped as mapped
+from muon_ckpt import CheckpointCorruptError
+from tests._ckpt import flip_byte
+from tests.test_itemread import (
+    _bits,
+    _manifest,
+    _ours,
+    _save,
+    _targets,
+    check_same_bits_as_dcp_reader,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -23,12 +39,19 @@ def test_cuda_targets_same_bits_as_dcp_reader(tmp_path, kind, verify):
     check_same_bits_as_dcp_reader(tmp_path, kind, verify, "cuda")
 
 
-def test_cuda_targets_go_through_the_page_locked_buffers(tmp_path, monkeypatch):
-    """Contiguous CUDA targets of the stored dtype take the pinned double-buffer path (and
-    the 3-chunk tensor cycles through both buffers)."""
-    import muon_ckpt.io._itemread as itemread
-    from tests.test_itemread import _ours, _save, _targets
+@pytest.mark.parametrize("kind", ["same", "strided"])
+@pytest.mark.parametrize("verify", [True, False], ids=["crc32", "size"])
+def test_cuda_targets_same_bits_with_mapped_reads_off(tmp_path, monkeypatch, kind, verify):
+    monkeypatch.setenv("MUON_CKPT_MAPPED_READS", "0")
+    check_same_bits_as_dcp_reader(tmp_path, kind, verify, "cuda")
 
+
+def test_cuda_targets_go_through_the_page_locked_buffers(tmp_path, monkeypatch):
+    """With mapped reads off, contiguous CUDA targets of the stored dtype take the pinned
+    double-buffer path (and the 3-chunk tensor cycles through both buffers)."""
+    import muon_ckpt.io._itemread as itemread
+
+    monkeypatch.setenv("MUON_CKPT_MAPPED_READS", "0")
     used: list[int] = []
     pinned = itemread.ReadBuffers.pinned
 
@@ -53,3 +76,115 @@ def test_cuda_targets_loaded_in_parts(tmp_path, monkeypatch):
 
     monkeypatch.setattr(reader_mod, "PART_BYTES", 1)
     check_parts_share_their_threads_buffers(tmp_path, monkeypatch, "cuda")
+
+
+class _Pins:
+    """Counts the registrations of mapped pieces: made, given back, alive."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.made, self.freed, self.live = 0, 0, set()
+        self._lock = threading.Lock()
+        register, unregister = mapped._register, mapped._unregister
+
+        def spy_register(device, addr, n):
+            register(device, addr, n)
+            with self._lock:
+                self.made += 1
+                self.live.add(addr)
+
+        def spy_unregister(addr, events):
+            unregister(addr, events)
+            with self._lock:
+                self.freed += 1
+                self.live.discard(addr)
+
+        monkeypatch.setattr(mapped, "_register", spy_register)
+        monkeypatch.setattr(mapped, "_unregister", spy_unregister)
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces of two pages: the 3-chunk tensor spans hundreds of them."""
+    monkeypatch.setattr(mapped, "PIECE", 2 * mapped._PAGE)
+    return mapped.PIECE
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["crc32", "size"])
+def test_cuda_targets_copy_from_the_mapped_file(tmp_path, monkeypatch, small_pieces, verify):
+    """Contiguous CUDA targets are copied out of the mapped file, not through the page-locked
+    chunk buffers: same bits as the saved tensors, every piece given back after the load."""
+    import muon_ckpt.io._itemread as itemread
+
+    pins = _Pins(monkeypatch)
+    chunked: list[int] = []
+    pinned = itemread.ReadBuffers.pinned
+    monkeypatch.setattr(
+        itemread.ReadBuffers,
+        "pinned",
+        lambda self, i, dev: chunked.append(i) or pinned(self, i, dev),
+    )
+    d, sd = _save(tmp_path)
+    got = _targets(sd, "same", "cuda")
+    _ours(d, got, verify=verify)  # 2 threads
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert _bits(got[k]) == _bits(v), k
+    assert chunked == []
+    big = sd["big"].numel() * 4
+    assert pins.made >= big // small_pieces, (pins.made, big // small_pieces)
+    assert pins.freed == pins.made and not pins.live, vars(pins)
+
+
+@pytest.mark.usefixtures("small_pieces")
+@pytest.mark.parametrize("where", ["head", "record", "tail"])
+def test_damage_in_a_mapped_item_is_caught_and_nothing_stays_registered(
+    tmp_path, monkeypatch, where
+):
+    pins = _Pins(monkeypatch)
+    d, sd = _save(tmp_path)
+    files = _manifest(d)
+    md = dcp.FileSystemReader(d).read_metadata()
+    info = next(i for idx, i in md.storage_data.items() if idx.fqn == "big")
+    at = {
+        "head": info.offset + 40,
+        "record": info.offset + info.length // 2,
+        "tail": info.offset + info.length - 30,
+    }[where]
+    flip_byte(os.path.join(d, info.relative_path), at, 0x5A)
+    with pytest.raises(CheckpointCorruptError, match=info.relative_path):
+        _ours(d, _targets(sd, "same", "cuda"), files=files)
+    assert pins.freed == pins.made and not pins.live, vars(pins)
+
+
+@pytest.mark.usefixtures("small_pieces")
+def test_truncated_file_into_cuda_targets_is_corruption(tmp_path, monkeypatch):
+    """The mapping never reaches past the end of a short file (that would be SIGBUS)."""
+    pins = _Pins(monkeypatch)
+    d, sd = _save(tmp_path)
+    files = _manifest(d)
+    name = max(files, key=lambda n: files[n].size)
+    with open(os.path.join(d, name), "r+b") as f:
+        f.truncate(files[name].size - 100)
+    for verify in (False, True):
+        with pytest.raises(CheckpointCorruptError, match=name):
+            _ours(d, _targets(sd, "same", "cuda"), files=files, verify=verify)
+    assert pins.freed == pins.made and not pins.live, vars(pins)
+
+
+def test_a_file_system_that_refuses_page_locking_falls_back_to_the_chunks(
+    tmp_path, monkeypatch, caplog
+):
+    """A registration CUDA refuses (here: a flag it does not know) makes the load use the
+    page-locked chunk buffers for that file system, after one warning: the same bits, and the
+    refused call's CUDA error never reaches the reading threads' later kernel launches (the
+    strided targets' loads launch copy kernels on them)."""
+    monkeypatch.setattr(mapped, "_REGISTER_FLAGS", 0x8000)
+    monkeypatch.setattr(mapped, "_refused", set())
+    with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
+        check_same_bits_as_dcp_reader(tmp_path / "a", "same", True, "cuda")
+        check_same_bits_as_dcp_reader(tmp_path / "b", "strided", True, "cuda")
+    warned = [r for r in caplog.records if "cannot page-lock" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert os.stat(tmp_path).st_dev in mapped._refused
+    torch.cuda.synchronize()
+    assert torch.ones(3, device="cuda").add(1).sum().item() == 6.0
