@@ -20,6 +20,8 @@ import torch
 
 __all__ = ["pinned_empty"]
 
+_PORTABLE = 0x01  # cudaHostRegisterPortable
+
 
 def pinned_empty(
     numel: int,
@@ -39,11 +41,12 @@ def pinned_empty(
     if pin and nbytes > 0:
         cudart = torch.cuda.cudart()
         ptr = buf.data_ptr()
+        # Portable: page-locked for every device's context, not just the one current here.
         if device is not None and device.type == "cuda":
             with torch.cuda.device(device):
-                err = cudart.cudaHostRegister(ptr, nbytes, 0)
+                err = cudart.cudaHostRegister(ptr, nbytes, _PORTABLE)
         else:
-            err = cudart.cudaHostRegister(ptr, nbytes, 0)
+            err = cudart.cudaHostRegister(ptr, nbytes, _PORTABLE)
         if int(err) != 0:
             raise RuntimeError(
                 f"cudaHostRegister of {nbytes} bytes of host memory failed; the machine may "

@@ -34,6 +34,7 @@ import pickletools
 import struct
 import sys
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -376,13 +377,17 @@ class ReadBuffers:
     """The reused buffers of one reading thread: a pageable chunk, a whole-record buffer and
     two page-locked chunks for copies to the GPU. A thread's ``FileLoad``s share them one
     after another (each waits for its copies out of them before it ends), so a load split
-    into many parts registers page-locked memory once per thread, not once per part."""
+    into many parts registers page-locked memory once per thread, not once per part.
+
+    Also the mapped files its ``FileLoad``s let go of, still being released (``_mapped``):
+    whoever made the buffers calls :meth:`settle` before the load returns."""
 
     def __init__(self) -> None:
         self._chunk: bytearray | None = None
         self._whole: bytearray | None = None
         self._pinned: list[tuple[torch.Tensor, memoryview, Any]] = []
         self._device: torch.device | None = None
+        self.releasing: list[Future[None]] = []
 
     def chunk(self) -> memoryview:
         if self._chunk is None:
@@ -419,6 +424,14 @@ class ReadBuffers:
             if event is not None:
                 event.synchronize()
 
+    def settle(self) -> None:
+        """Wait until every mapped file let go of is released: its copies done, unregistered,
+        unmapped (raises the first failure, after all of them)."""
+        releasing, self.releasing = self.releasing, []
+        failed = [e for f in releasing if (e := f.exception()) is not None]
+        if failed:
+            raise failed[0]
+
 
 class FileLoad:
     """Loads the requested items of one local file; with ``checksum``, also checksums the
@@ -451,6 +464,7 @@ class FileLoad:
         self._pos = window[0] if window is not None else 0
         self._counted = [0]
         self._spans = SpanReader(where, entry, self._pread)
+        self._own_bufs = buffers is None  # else the caller settles them
         self._bufs = buffers if buffers is not None else ReadBuffers()
         self._map: MappedFile | None = None  # for copies to CUDA targets (_take_mapped)
         self._map_tried = False
@@ -559,9 +573,10 @@ class FileLoad:
         return self._map
 
     def _unmap(self) -> None:
+        """Let go of the mapping: released once its copies are done (``ReadBuffers.settle``)."""
         m, self._map = self._map, None
         if m is not None:
-            m.close()
+            self._bufs.releasing.append(m.close_later())
 
     def _record_tensor(self, fd: int, lay: Layout, offset: int) -> torch.Tensor:
         """The whole record read into a reused buffer, viewed as the stored tensor."""
@@ -647,8 +662,9 @@ class FileLoad:
         if target is not None:
             self._take_chunked(fd, target, offset + lay.start, lay.nbytes)
             # The target is complete before the planner sees it (as DCP), but for copies out
-            # of the mapped file: they are on the target's stream, and this load waits for
-            # them before it returns.
+            # of a mapped file: they are queued on this thread's current stream of the
+            # target's device, and the reader waits for them before the load returns
+            # (SafeLoadPlanner.commit_tensor does nothing with the target).
             self._bufs.drain()
             self._planner.commit_tensor(reqs[0], target)
         else:
@@ -704,6 +720,10 @@ class FileLoad:
             _counting.cell = None
             try:
                 self._bufs.drain()
-                self._unmap()
             finally:
-                os.close(fd)
+                try:
+                    self._unmap()
+                    if self._own_bufs:
+                        self._bufs.settle()
+                finally:
+                    os.close(fd)

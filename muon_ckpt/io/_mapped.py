@@ -8,13 +8,16 @@ page-locked with CUDA (``cudaHostRegister``, read-only: the page cache's own pag
 a piece at a time, and the copy to the device reads them where they are. The checksum reads
 the same mapped pages.
 
-Page-locking costs about as much host time per byte as the checksum, so pieces of ``PIECE``
-bytes are registered on registrar threads (``_registrar``), the next piece while the current
-one is copied and checked, and unregistered once the copies out of them are done. The
+Page-locking costs about as much host time per byte as the checksum, so pieces (growing
+from ``FIRST`` to ``PIECE`` bytes) are registered on registrar threads (``_registrar``), the
+next piece while the current one is copied and checked, and unregistered once the copies out
+of them are done; a file load hands its mapping to those threads when it ends
+(``close_later``), and the reader waits for all of them before the load returns. The
 registrar threads also keep a failed registration's CUDA error away from the reading threads
 (the runtime reports it to the next kernel launch of the thread that made the call): when
-registration fails (a file system whose pages cannot be locked, out of memory), loads of
-files on that file system use the page-locked chunks instead, after one log line.
+registration fails (a file system whose pages cannot be locked, out of memory), the load
+copies the rest of that file through the page-locked chunks, after one warning per file
+system; after ``_REFUSE_AFTER`` failures on a file system, its files are not mapped again.
 
 A file must not be truncated while it is mapped: reading a mapped page past the end of a
 file kills the process (SIGBUS) where ``pread`` would return short. The files of a committed
@@ -24,6 +27,7 @@ step are never written again; the caller checks each file's size before it maps 
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import mmap
@@ -38,14 +42,17 @@ __all__ = ["ENV", "MappedFile", "Unmappable", "mapped_reads"]
 
 log = logging.getLogger("muon_ckpt")
 
-PIECE = 128 << 20  # bytes page-locked per registration (a multiple of the page size)
+PIECE = 128 << 20  # bytes page-locked per registration at most (a multiple of the page size)
+FIRST = 8 << 20  # the first piece of a mapping: the size the reads wait for
 _PAGE = mmap.PAGESIZE
 _REGISTER_FLAGS = 0x01 | 0x08  # cudaHostRegisterPortable | cudaHostRegisterReadOnly
 ENV = "MUON_CKPT_MAPPED_READS"
 
+_REFUSE_AFTER = 3  # failed mappings on one file system before its files are read in chunks
+
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
-_refused: set[int] = set()  # file systems (st_dev) whose pages could not be page-locked
+_failures: dict[int, int] = {}  # file system (st_dev) -> mappings that failed on it
 
 
 class Unmappable(Exception):
@@ -75,7 +82,7 @@ def mapped_reads(fd: int) -> bool:
     """Whether copies from the file ``fd`` to CUDA tensors go through a mapping."""
     if _LIBC is None or os.environ.get(ENV, "1") == "0":
         return False
-    return os.fstat(fd).st_dev not in _refused
+    return _failures.get(os.fstat(fd).st_dev, 0) < _REFUSE_AFTER
 
 
 def _registrar() -> ThreadPoolExecutor:
@@ -94,10 +101,43 @@ def _register(device: torch.device, addr: int, n: int) -> None:
         raise Unmappable(f"cudaHostRegister: {cudart.cudaGetErrorString(err)}")
 
 
-def _unregister(addr: int, events: list[torch.cuda.Event]) -> None:
-    for event in events:
-        event.synchronize()  # the copies out of the piece are done
-    torch.cuda.cudart().cudaHostUnregister(addr)
+def _unregister(device: torch.device, addr: int, events: list[torch.cuda.Event] | None) -> None:
+    """Unregister the piece at ``addr`` once the copies out of it are done: after ``events``
+    (None: after everything queued on ``device``)."""
+    cudart = torch.cuda.cudart()
+    with torch.cuda.device(device):  # (as _register: no context on device 0 from here)
+        if events is None:
+            torch.cuda.synchronize(device)
+        for event in events or ():
+            event.synchronize()
+        err = cudart.cudaHostUnregister(addr)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostUnregister: {cudart.cudaGetErrorString(err)}")
+
+
+def _finish(
+    device: torch.device,
+    addr: int,
+    length: int,
+    pieces: list[tuple[int, Future[None], list[torch.cuda.Event] | None]],
+    released: list[Future[None]],
+) -> None:
+    """On a registrar thread: unregister each piece once its copies are done, then unmap.
+    Every future waited for here was submitted before this task, so it has started. A piece
+    that could not be unregistered keeps the mapping (leaked rather than unmapped under a
+    registration that a later mapping of the same addresses would run into)."""
+    assert _LIBC is not None
+    failed: list[BaseException] = []
+    for at, fut, events in pieces:
+        if fut.exception() is None:  # (waits for its registration to end)
+            try:
+                _unregister(device, addr + at, events)
+            except Exception as e:
+                failed.append(e)
+    failed += [e for f in released if (e := f.exception()) is not None]
+    if failed:
+        raise failed[0]
+    _LIBC.munmap(addr, length)
 
 
 class MappedFile:
@@ -105,8 +145,11 @@ class MappedFile:
 
     Use :meth:`reach` for the bytes available from an offset (their piece registered by then,
     the next one on its way), :meth:`host` / :meth:`view` for a tensor / buffer over them,
-    :meth:`copied` after each copy out of them, and :meth:`close` (always: it waits for the
-    copies, unregisters and unmaps)."""
+    :meth:`copied` after each copy out of them, and :meth:`close` or :meth:`close_later`
+    (always: it waits for the copies, unregisters and unmaps).
+
+    Pieces grow from ``FIRST`` bytes to ``PIECE``: the first registration, which the reads
+    wait for, is short; the later ones are made while the reads run."""
 
     def __init__(self, fd: int, lo: int, hi: int, device: torch.device) -> None:
         assert _LIBC is not None
@@ -114,6 +157,11 @@ class MappedFile:
         self._dev = os.fstat(fd).st_dev
         self._lo = lo - lo % _PAGE
         self._len = hi - self._lo
+        self._starts = [0]  # piece k: [starts[k], starts[k + 1]) from lo (the last: to len)
+        size = FIRST
+        while self._starts[-1] + size < self._len:
+            self._starts.append(self._starts[-1] + size)
+            size = min(2 * size, PIECE)
         addr = _LIBC.mmap(None, self._len, mmap.PROT_READ, mmap.MAP_SHARED, fd, self._lo)
         if addr is None or addr == _MAP_FAILED:
             self._refuse(os.strerror(ctypes.get_errno()))
@@ -123,32 +171,37 @@ class MappedFile:
         self._released: list[Future[None]] = []
 
     def _refuse(self, why: str) -> None:
+        """Count a failure on this file system, warn the first time, raise Unmappable."""
         with _lock:
-            first = self._dev not in _refused
-            _refused.add(self._dev)
-        if first:
+            n = _failures[self._dev] = _failures.get(self._dev, 0) + 1
+        if n == 1:
             log.warning(
-                "muon_ckpt: cannot page-lock mapped checkpoint files on this file system "
-                "(device %d: %s); loads into CUDA tensors copy through page-locked buffers "
-                "instead (slower)",
+                "muon_ckpt: cannot page-lock a mapped checkpoint file on this file system "
+                "(device %d: %s); the load copies it to the GPU through page-locked buffers "
+                "instead (slower), as it will every file there after %d such failures",
                 self._dev,
                 why,
+                _REFUSE_AFTER,
             )
         raise Unmappable(why)
 
+    def _span(self, k: int) -> tuple[int, int]:
+        """Piece ``k``'s bytes from ``lo``; its end rounded up to a page (the last page of
+        the file is mapped whole)."""
+        a = self._starts[k]
+        b = self._starts[k + 1] if k + 1 < len(self._starts) else self._len
+        return a, b + -b % _PAGE
+
     def _submit(self, k: int) -> None:
-        start = k * PIECE
-        if start < self._len and k not in self._pieces:
-            n = min(PIECE, self._len - start)
-            n += -n % _PAGE  # the last page of the file is mapped whole
-            addr = self._addr + start
-            self._pieces[k] = _registrar().submit(_register, self._device, addr, n)
+        if k < len(self._starts) and k not in self._pieces:
+            a, b = self._span(k)
+            self._pieces[k] = _registrar().submit(_register, self._device, self._addr + a, b - a)
 
     def reach(self, at: int, n: int) -> int:
         """How many of the ``n`` bytes from file offset ``at`` lie in one piece, that piece
         registered (raises Unmappable if it cannot be)."""
         rel = at - self._lo
-        k = rel // PIECE
+        k = bisect.bisect_right(self._starts, rel) - 1
         self._submit(k)
         try:
             self._pieces[k].result()
@@ -157,16 +210,28 @@ class MappedFile:
         self._submit(k + 1)  # registered while this one is copied
         for j in [j for j in self._pieces if j < k - 1]:  # behind the reads: let go
             self._release(j)
-        return min(n, (k + 1) * PIECE - rel)
+        return min(n, self._span(k)[1] - rel)
+
+    def _events(self, k: int) -> list[torch.cuda.Event] | None:
+        """Events after the copies queued out of piece ``k`` (one per stream); None when
+        they cannot be recorded (a CUDA error): then the whole device is waited for."""
+        try:
+            events = []
+            for stream in self._streams.get(k, ()):
+                events.append(torch.cuda.Event())
+                events[-1].record(stream)
+            return events
+        except Exception:
+            return None
 
     def _release(self, k: int) -> None:
+        events = self._events(k)
         fut = self._pieces.pop(k)
-        events = []
-        for stream in self._streams.pop(k, ()):  # after the copies queued out of the piece
-            events.append(torch.cuda.Event())
-            events[-1].record(stream)
+        self._streams.pop(k, None)
         if fut.exception() is None:
-            self._released.append(_registrar().submit(_unregister, self._addr + k * PIECE, events))
+            addr = self._addr + self._starts[k]
+            unregister = _registrar().submit(_unregister, self._device, addr, events)
+            self._released.append(unregister)
 
     def host(self, at: int, n: int) -> torch.Tensor:
         """A uint8 CPU tensor over the ``n`` mapped bytes from file offset ``at``."""
@@ -179,17 +244,17 @@ class MappedFile:
     def copied(self, at: int, stream: torch.cuda.Stream) -> None:
         """A copy out of the piece that holds file offset ``at`` was queued on ``stream`` (an
         event is recorded there when the piece is let go: one per piece, not per copy)."""
-        self._streams.setdefault((at - self._lo) // PIECE, set()).add(stream)
+        k = bisect.bisect_right(self._starts, at - self._lo) - 1
+        self._streams.setdefault(k, set()).add(stream)
+
+    def close_later(self) -> Future[None]:
+        """Let go of the mapping without waiting: a registrar thread waits for the copies,
+        unregisters and unmaps; the future says when that is done (and raises its error).
+        Use nothing of the mapping after this."""
+        pieces = [(self._starts[k], fut, self._events(k)) for k, fut in self._pieces.items()]
+        released, self._pieces, self._released = self._released, {}, []
+        return _registrar().submit(_finish, self._device, self._addr, self._len, pieces, released)
 
     def close(self) -> None:
-        """Wait for the copies, unregister every piece and unmap (also after a failure)."""
-        assert _LIBC is not None
-        try:
-            for k in list(self._pieces):  # each waits for its registration first
-                self._release(k)
-        finally:
-            failed = [e for f in self._released if (e := f.exception()) is not None]
-            self._released.clear()
-            _LIBC.munmap(self._addr, self._len)
-        if failed:
-            raise failed[0]
+        """``close_later`` and wait for it."""
+        self.close_later().result()

@@ -270,10 +270,12 @@ class VerifyingReader(FileSystemReader):
         work = sum(e.size for n in names if (e := self.entry(n)) is not None)
         part_bytes = max(PART_BYTES, -(-work // (4 * self.threads)))
         local = threading.local()
+        made: list[ReadBuffers] = []
 
         def buffers() -> ReadBuffers:  # one set per thread, reused by all its parts
             if not hasattr(local, "buffers"):
                 local.buffers = ReadBuffers()
+                made.append(local.buffers)
             return local.buffers
 
         tasks: list[tuple[int, Callable[[], None]]] = []
@@ -293,7 +295,14 @@ class VerifyingReader(FileSystemReader):
                     run = partial(self._load_file, name, part, planner, verify, cap)
                     tasks.append((n, lambda run=run, window=window: run(buffers(), window)))
         tasks.sort(key=lambda t: -t[0])  # largest first: even finish
-        run_all(self.threads, lambda task: task[1](), tasks)
+        # No copy out of a mapped file is left running, nor its pages page-locked, when the
+        # load returns or fails (a failed load's undo writes into the same targets).
+        try:
+            run_all(self.threads, lambda task: task[1](), tasks)
+        except BaseException:
+            _settle(made, quiet=True)
+            raise
+        _settle(made)
 
     def _mixed_file(
         self,
@@ -391,6 +400,19 @@ class VerifyingReader(FileSystemReader):
         bad = mismatched_chunks(entry, lo, got)
         if bad:
             raise corrupt_chunk(entry, bad[0], where)
+
+
+def _settle(buffers: list[ReadBuffers], quiet: bool = False) -> None:
+    """``settle`` every thread's buffers; the first failure is raised (unless ``quiet``: a
+    failure is already on its way) after all of them are settled."""
+    failed = None
+    for b in buffers:
+        try:
+            b.settle()
+        except Exception as e:
+            failed = failed or e
+    if failed is not None and not quiet:
+        raise failed
 
 
 def _split(

@@ -92,8 +92,8 @@ class _Pins:
                 self.made += 1
                 self.live.add(addr)
 
-        def spy_unregister(addr, events):
-            unregister(addr, events)
+        def spy_unregister(device, addr, events):
+            unregister(device, addr, events)
             with self._lock:
                 self.freed += 1
                 self.live.discard(addr)
@@ -104,7 +104,8 @@ class _Pins:
 
 @pytest.fixture
 def small_pieces(monkeypatch):
-    """Pieces of two pages: the 3-chunk tensor spans hundreds of them."""
+    """Pieces of one, then two pages: the 3-chunk tensor spans hundreds of them."""
+    monkeypatch.setattr(mapped, "FIRST", mapped._PAGE)
     monkeypatch.setattr(mapped, "PIECE", 2 * mapped._PAGE)
     return mapped.PIECE
 
@@ -158,33 +159,68 @@ def test_damage_in_a_mapped_item_is_caught_and_nothing_stays_registered(
 
 @pytest.mark.usefixtures("small_pieces")
 def test_truncated_file_into_cuda_targets_is_corruption(tmp_path, monkeypatch):
-    """The mapping never reaches past the end of a short file (that would be SIGBUS)."""
+    """The mapping never reaches past the end of a short file (reading there would be
+    SIGBUS; registering it fails, which would count as a failure of the file system)."""
     pins = _Pins(monkeypatch)
     d, sd = _save(tmp_path)
     files = _manifest(d)
     name = max(files, key=lambda n: files[n].size)
     with open(os.path.join(d, name), "r+b") as f:
-        f.truncate(files[name].size - 100)
+        f.truncate(files[name].size - 4 * mapped._PAGE - 100)  # pages wholly past the end
+    monkeypatch.setattr(mapped, "_failures", {})
     for verify in (False, True):
         with pytest.raises(CheckpointCorruptError, match=name):
             _ours(d, _targets(sd, "same", "cuda"), files=files, verify=verify)
     assert pins.freed == pins.made and not pins.live, vars(pins)
+    assert mapped._failures == {}  # nothing past the end was mapped or registered
 
 
 def test_a_file_system_that_refuses_page_locking_falls_back_to_the_chunks(
     tmp_path, monkeypatch, caplog
 ):
-    """A registration CUDA refuses (here: a flag it does not know) makes the load use the
-    page-locked chunk buffers for that file system, after one warning: the same bits, and the
-    refused call's CUDA error never reaches the reading threads' later kernel launches (the
+    """A registration CUDA refuses (here: a flag it does not know) makes the load copy that
+    file through the page-locked chunk buffers, after one warning per file system, and after
+    a few such failures the file system's files are not mapped again: the same bits, and the
+    refused calls' CUDA errors never reach the reading threads' later kernel launches (the
     strided targets' loads launch copy kernels on them)."""
     monkeypatch.setattr(mapped, "_REGISTER_FLAGS", 0x8000)
-    monkeypatch.setattr(mapped, "_refused", set())
+    monkeypatch.setattr(mapped, "_failures", {})
     with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
-        check_same_bits_as_dcp_reader(tmp_path / "a", "same", True, "cuda")
-        check_same_bits_as_dcp_reader(tmp_path / "b", "strided", True, "cuda")
+        for name in "abc":  # two files each: tried until refused
+            check_same_bits_as_dcp_reader(tmp_path / name, "same", True, "cuda")
+        refused = mapped._failures[os.stat(tmp_path).st_dev]
+        assert refused >= mapped._REFUSE_AFTER
+        check_same_bits_as_dcp_reader(tmp_path / "d", "same", True, "cuda")
+        check_same_bits_as_dcp_reader(tmp_path / "e", "strided", True, "cuda")
+    assert mapped._failures[os.stat(tmp_path).st_dev] == refused  # not tried again
     warned = [r for r in caplog.records if "cannot page-lock" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
-    assert os.stat(tmp_path).st_dev in mapped._refused
     torch.cuda.synchronize()
     assert torch.ones(3, device="cuda").add(1).sum().item() == 6.0
+
+
+@pytest.mark.usefixtures("small_pieces")
+def test_pieces_are_unregistered_only_after_their_copies(tmp_path, monkeypatch):
+    """A sleep kernel queued before the load holds the stream, so the copies wait behind it:
+    no piece may be unregistered (nor unmapped) before it has ended."""
+    pins = _Pins(monkeypatch)
+    early: list[int] = []
+    spy = mapped._unregister  # (the counting spy, which calls the real one)
+
+    def check(device, addr, events):
+        spy(device, addr, events)
+        if not slept.query():
+            early.append(addr)
+
+    monkeypatch.setattr(mapped, "_unregister", check)
+    d, sd = _save(tmp_path)
+    got = _targets(sd, "same", "cuda")
+    torch.cuda._sleep(1 << 30)  # about half a second
+    slept = torch.cuda.Event()
+    slept.record()
+    _ours(d, got)
+    assert slept.query(), "the load returned before its copies were done"
+    assert pins.made > 0 and pins.freed == pins.made and early == [], (vars(pins), early)
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            assert _bits(got[k]) == _bits(v), k
