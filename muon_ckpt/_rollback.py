@@ -12,9 +12,11 @@ rank whose read failed while the others succeeded, a hyperparameter that does no
   optimizer states that existed before the load, offloaded states through their host views):
   one host copy of this rank's share of the state, in the manager's reusable host staging
   buffers (page-locked where CUDA is), so device tensors copy at PCIe speed and no device
-  memory is used. Device tensors are copied before the load starts. Host tensors (CPU
-  training, offloaded states) are copied while the load reads: a thread of the rollback's
-  own copies them one after another from the start, and ``keep(key)``, called when the load
+  memory is used. Device tensors' copies are queued before the load starts, and the load's
+  writes into them are queued after them on the GPU (the host does not wait: it reads
+  meanwhile). Host tensors (CPU training, offloaded states) are copied while the load
+  reads: a thread of the rollback's own copies them one after another from the start, and
+  ``keep(key)``, called when the load
   is about to write into a tensor first (the load planner calls it, ``SafeLoadPlanner``),
   copies it there and then if that thread has not reached it yet (the copy is taken once,
   by whichever comes first; the other waits for it). A load that waits on storage (a remote
@@ -89,7 +91,10 @@ class Rollback:
         host = {k for k, v in live.items() if local_tensor(v).device.type == "cpu"}
         device = {k: v for k, v in live.items() if k not in host}
         staged = self._staging.stage(device, copy_cpu=True)
-        self._staging.finish()  # Sync: every copy has landed before DCP writes into a source
+        # Sync, on the GPU: the load's copies into these tensors come after their backup's;
+        # the host goes on to read while the backup runs (restore() and the staging buffers'
+        # release wait for it on the host).
+        self._staging.fence()
         self._pairs = [(local_tensor(live[k]), local_tensor(staged[k])) for k in device]
         self._pending = self._staging.reserve({k: live[k] for k in host}, copy_cpu=True)
         self._locks = {k: threading.Lock() for k in self._pending}
@@ -143,6 +148,7 @@ class Rollback:
     def restore(self) -> None:
         """Undo the load: values, optimizer structure and hyperparameters, extra state."""
         self._stop_copier()
+        self._staging.finish()  # the backup of device tensors has landed
         for dst, src in self._pairs:
             dst.copy_(src)
         opt = self._optimizer

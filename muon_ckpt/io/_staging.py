@@ -158,6 +158,16 @@ class HostStaging:
             with self._lock:
                 self.wait_seconds += time.perf_counter() - t0
 
+    def fence(self) -> None:
+        """Order whatever is queued next on each device's current and default streams after
+        every copy queued so far, without waiting on the host (a load's reading threads copy
+        on the default stream, the calling thread on its current one); ``finish`` still
+        waits for them on the host."""
+        for dev, side in self._streams.items():
+            later = {torch.cuda.current_stream(dev), torch.cuda.default_stream(dev)}
+            for stream in {s.cuda_stream: s for s in later}.values():
+                stream.wait_stream(side)
+
     def finish(self) -> None:
         """Wait for every queued copy (before save() returns when it is asynchronous, after
         the writes when it is not, and on error before the buffers are reused or freed)."""

@@ -121,7 +121,7 @@ def _values(model, opt):
     return out
 
 
-def body_failed_load(rank, world_size, url):
+def body_failed_load(rank, world_size, url, late_backup=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     from muon_ckpt import CheckpointCorruptError, CheckpointManager
@@ -147,6 +147,12 @@ def body_failed_load(rank, world_size, url):
     before = _values(model, opt)
     torch.cuda.synchronize()
     mem = torch.cuda.memory_allocated()
+    if late_backup:
+        # Half a second of GPU work before the load: the backup of the GPU tensors (a side
+        # stream that waits for it) and the load's writes into them (queued behind it on the
+        # default stream) are let go at the same time; only the load's ordering on the GPU
+        # keeps the writes behind the backup.
+        torch.cuda._sleep(1 << 30)
     try:
         mgr.load(step=3)
         return ["the load did not fail"], 0
@@ -161,7 +167,13 @@ def body_failed_load(rank, world_size, url):
     return bad, grown
 
 
-def test_failed_load_with_offload_on_changes_nothing_on_gpu(tmp_path):
-    bad, grown = run_on_ranks(body_failed_load, 1, str(tmp_path / "run"))[0]
+def body_failed_load_late_backup(rank, world_size, url):
+    return body_failed_load(rank, world_size, url, late_backup=True)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["", "late_backup"])
+def test_failed_load_with_offload_on_changes_nothing_on_gpu(tmp_path, late):
+    body = body_failed_load_late_backup if late else body_failed_load
+    bad, grown = run_on_ranks(body, 1, str(tmp_path / "run"))[0]
     assert bad == []
     assert grown <= 4 * 2**20, f"a failed load left {grown} bytes allocated on the GPU"
