@@ -8,9 +8,11 @@ Here, for a local file:
 * each item's zip (DCP stores one ``torch.save`` per item) is parsed with torch's own zip
   reader (record offsets) and a restricted unpickler (dtype, size, stride, storage offset);
 * the tensor record is read with ``pread`` straight into the target when the target is a
-  contiguous CPU tensor of the stored dtype that takes the whole item, in chunks through one
-  reused host buffer when it is on another device, and through a reused buffer holding the
-  whole record otherwise (slices of it for resharding, dtype casts, odd strides);
+  contiguous CPU tensor of the stored dtype that takes the whole item; on CUDA it is copied
+  straight out of the mapped file (``_mapped``: the page cache's pages, page-locked), or in
+  chunks through page-locked buffers where that is off or refused; in chunks through one
+  reused host buffer on other devices, and through a reused buffer holding the whole record
+  otherwise (slices of it for resharding, dtype casts, odd strides);
 * when this rank verifies the file, every byte of it, gaps and other ranks' items included,
   goes through the checksum in file order right after it is read, while it is still in cache;
 * otherwise (another rank checks the file whole) only the bytes the targets need are read
@@ -512,9 +514,10 @@ class FileLoad:
 
     def _take_chunked(self, fd: int, target: torch.Tensor, offset: int, nbytes: int) -> None:
         """The record into ``target`` (contiguous, the stored dtype, all of it), chunk by chunk:
-        straight into its memory on CPU; on CUDA through two page-locked chunk buffers, each
-        chunk's copy to the device running while the next chunk is read; through one
-        pageable buffer on other devices."""
+        straight into its memory on CPU; on CUDA out of the mapped file (``_take_mapped``),
+        and what that does not take through two page-locked chunk buffers, each chunk's copy
+        to the device running while the next chunk is read; through one pageable buffer on
+        other devices."""
         if target.device.type == "cpu":
             dst = tensor_bytes(target)
             for p in range(0, nbytes, CHUNK):
