@@ -539,11 +539,14 @@ class CheckpointManager:
                     "skipping step %d (%s): %s; trying the next older step", chosen, where, why
                 )
             skipped = [*skipped, _Skip(d.from_resume, chosen, why)]
-        if rollback is not None:
-            rollback.done()
-        # The backup of host tensors is not kept (saves copy fewer of them, or none); the
-        # buffers of device tensors (page-locked) are what every later save stages into.
-        self._staging.release("cpu")
+        try:
+            if rollback is not None:
+                rollback.done()
+        finally:
+            # The backup of host tensors is not kept (saves copy fewer of them, or none); the
+            # buffers of device tensors (page-locked) are what every later save stages into.
+            # Also on an interrupt: release waits for the backup's copies into them.
+            self._staging.release("cpu")
         self._abandoned = newer = d.newer
         if newer and coll.rank() == 0:
             _log.warning(

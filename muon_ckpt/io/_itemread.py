@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import io
+import logging
 import math
 import os
 import pickle
@@ -49,6 +50,8 @@ from muon_ckpt.io._mapped import MappedFile, Unmappable, mapped_reads
 from muon_ckpt.io._ranged import SpanReader
 from muon_ckpt.store import Checksum, FileEntry, open_regular
 from offload import pinned_empty
+
+log = logging.getLogger("muon_ckpt")
 
 # Bytes per pread (and per crc32 call): big enough that syscalls cost nothing, small enough
 # that the bytes are still in cache when the checksum runs over them.
@@ -428,11 +431,12 @@ class ReadBuffers:
 
     def settle(self) -> None:
         """Wait until every mapped file let go of is released: its copies done, unregistered,
-        unmapped (raises the first failure, after all of them)."""
+        unmapped. A release that failed (a CUDA error) is logged, not raised: the load's bytes
+        all arrived, or its own error is on its way; the mapping is then left in place."""
         releasing, self.releasing = self.releasing, []
-        failed = [e for f in releasing if (e := f.exception()) is not None]
-        if failed:
-            raise failed[0]
+        for f in releasing:
+            if (e := f.exception()) is not None:
+                log.warning("muon_ckpt: could not release a mapped checkpoint file: %s", e)
 
 
 class FileLoad:

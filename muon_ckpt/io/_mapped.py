@@ -11,13 +11,16 @@ the same mapped pages.
 Page-locking costs about as much host time per byte as the checksum, so pieces (growing
 from ``FIRST`` to ``PIECE`` bytes) are registered on registrar threads (``_registrar``), the
 next piece while the current one is copied and checked, and unregistered once the copies out
-of them are done; a file load hands its mapping to those threads when it ends
-(``close_later``), and the reader waits for all of them before the load returns. The
+of them are done, on releaser threads (``_releaser``: they wait for copies, which may queue
+behind other GPU work, and must not hold up a registration); a file load hands its mapping to
+those threads when it ends (``close_later``), and the reader waits for all of them before
+the load returns. The
 registrar threads also keep a failed registration's CUDA error away from the reading threads
 (the runtime reports it to the next kernel launch of the thread that made the call): when
 registration fails (a file system whose pages cannot be locked, out of memory), the load
 copies the rest of that file through the page-locked chunks, after one warning per file
-system; after ``_REFUSE_AFTER`` failures on a file system, its files are not mapped again.
+system; after ``_REFUSE_AFTER`` failures in a row on a file system, its files are not mapped
+again.
 
 A file must not be truncated while it is mapped: reading a mapped page past the end of a
 file kills the process (SIGBUS) where ``pread`` would return short. The files of a committed
@@ -51,7 +54,7 @@ ENV = "MUON_CKPT_MAPPED_READS"
 _REFUSE_AFTER = 3  # failed mappings on one file system before its files are read in chunks
 
 _lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
+_pools: dict[str, ThreadPoolExecutor] = {}
 _failures: dict[int, int] = {}  # file system (st_dev) -> mappings that failed on it
 
 
@@ -86,11 +89,21 @@ def mapped_reads(fd: int) -> bool:
 
 
 def _registrar() -> ThreadPoolExecutor:
-    global _pool
+    """The threads that page-lock pieces (they wait for nothing but the call)."""
+    return _threads("pin", 8)
+
+
+def _releaser() -> ThreadPoolExecutor:
+    """The threads that unregister pieces and unmap files: each waits for copies first (which
+    may queue behind other GPU work), so they never hold up a registration."""
+    return _threads("unpin", 4)
+
+
+def _threads(name: str, n: int) -> ThreadPoolExecutor:
     with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(8, thread_name_prefix="muon_ckpt-pin")
-        return _pool
+        if name not in _pools:
+            _pools[name] = ThreadPoolExecutor(n, thread_name_prefix=f"muon_ckpt-{name}")
+        return _pools[name]
 
 
 def _register(device: torch.device, addr: int, n: int) -> None:
@@ -122,8 +135,10 @@ def _finish(
     pieces: list[tuple[int, Future[None], list[torch.cuda.Event] | None]],
     released: list[Future[None]],
 ) -> None:
-    """On a registrar thread: unregister each piece once its copies are done, then unmap.
-    Every future waited for here was submitted before this task, so it has started. A piece
+    """On a releaser thread: unregister each piece once its copies are done, then unmap.
+    The registrations waited for here run on the registrar threads, which wait for nothing;
+    the unregistrations were submitted to the releaser threads before this task, so they have
+    started. A piece
     that could not be unregistered keeps the mapping (leaked rather than unmapped under a
     registration that a later mapping of the same addresses would run into)."""
     assert _LIBC is not None
@@ -207,6 +222,9 @@ class MappedFile:
             self._pieces[k].result()
         except Unmappable as e:
             self._refuse(str(e))
+        if self._dev in _failures:  # refused after that many failures in a row
+            with _lock:
+                _failures.pop(self._dev, None)
         self._submit(k + 1)  # registered while this one is copied
         for j in [j for j in self._pieces if j < k - 1]:  # behind the reads: let go
             self._release(j)
@@ -218,7 +236,7 @@ class MappedFile:
         try:
             events = []
             for stream in self._streams.get(k, ()):
-                events.append(torch.cuda.Event())
+                events.append(torch.cuda.Event(blocking=True))  # waited for without spinning
                 events[-1].record(stream)
             return events
         except Exception:
@@ -230,7 +248,7 @@ class MappedFile:
         self._streams.pop(k, None)
         if fut.exception() is None:
             addr = self._addr + self._starts[k]
-            unregister = _registrar().submit(_unregister, self._device, addr, events)
+            unregister = _releaser().submit(_unregister, self._device, addr, events)
             self._released.append(unregister)
 
     def host(self, at: int, n: int) -> torch.Tensor:
@@ -248,12 +266,12 @@ class MappedFile:
         self._streams.setdefault(k, set()).add(stream)
 
     def close_later(self) -> Future[None]:
-        """Let go of the mapping without waiting: a registrar thread waits for the copies,
+        """Let go of the mapping without waiting: a releaser thread waits for the copies,
         unregisters and unmaps; the future says when that is done (and raises its error).
         Use nothing of the mapping after this."""
         pieces = [(self._starts[k], fut, self._events(k)) for k, fut in self._pieces.items()]
         released, self._pieces, self._released = self._released, {}, []
-        return _registrar().submit(_finish, self._device, self._addr, self._len, pieces, released)
+        return _releaser().submit(_finish, self._device, self._addr, self._len, pieces, released)
 
     def close(self) -> None:
         """``close_later`` and wait for it."""

@@ -299,10 +299,9 @@ class VerifyingReader(FileSystemReader):
         # load returns or fails (a failed load's undo writes into the same targets).
         try:
             run_all(self.threads, lambda task: task[1](), tasks)
-        except BaseException:
-            _settle(made, quiet=True)
-            raise
-        _settle(made)
+        finally:
+            for b in made:
+                b.settle()
 
     def _mixed_file(
         self,
@@ -400,19 +399,6 @@ class VerifyingReader(FileSystemReader):
         bad = mismatched_chunks(entry, lo, got)
         if bad:
             raise corrupt_chunk(entry, bad[0], where)
-
-
-def _settle(buffers: list[ReadBuffers], quiet: bool = False) -> None:
-    """``settle`` every thread's buffers; the first failure is raised (unless ``quiet``: a
-    failure is already on its way) after all of them are settled."""
-    failed = None
-    for b in buffers:
-        try:
-            b.settle()
-        except Exception as e:
-            failed = failed or e
-    if failed is not None and not quiet:
-        raise failed
 
 
 def _split(

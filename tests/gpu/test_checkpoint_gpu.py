@@ -121,7 +121,7 @@ def _values(model, opt):
     return out
 
 
-def body_failed_load(rank, world_size, url, late_backup=False):
+def body_failed_load(rank, world_size, url, late_backup=False, held_backup=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     from muon_ckpt import CheckpointCorruptError, CheckpointManager
@@ -153,6 +153,15 @@ def body_failed_load(rank, world_size, url, late_backup=False):
         # default stream) are let go at the same time; only the load's ordering on the GPU
         # keeps the writes behind the backup.
         torch.cuda._sleep(1 << 30)
+    if held_backup:
+        # Only the backup held back: the staging side stream (made by the save above) waits
+        # for half a second of work on a stream of its own; nothing else does. The load's
+        # writes on the default stream would run first but for the load's ordering.
+        (side,) = mgr._staging._streams.values()
+        hold = torch.cuda.Stream()
+        with torch.cuda.stream(hold):
+            torch.cuda._sleep(1 << 30)
+        side.wait_stream(hold)
     try:
         mgr.load(step=3)
         return ["the load did not fail"], 0
@@ -171,9 +180,17 @@ def body_failed_load_late_backup(rank, world_size, url):
     return body_failed_load(rank, world_size, url, late_backup=True)
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["", "late_backup"])
-def test_failed_load_with_offload_on_changes_nothing_on_gpu(tmp_path, late):
-    body = body_failed_load_late_backup if late else body_failed_load
+def body_failed_load_held_backup(rank, world_size, url):
+    return body_failed_load(rank, world_size, url, held_backup=True)
+
+
+@pytest.mark.parametrize("backup", ["", "late", "held"])
+def test_failed_load_with_offload_on_changes_nothing_on_gpu(tmp_path, backup):
+    body = {
+        "": body_failed_load,
+        "late": body_failed_load_late_backup,
+        "held": body_failed_load_held_backup,
+    }[backup]
     bad, grown = run_on_ranks(body, 1, str(tmp_path / "run"))[0]
     assert bad == []
     assert grown <= 4 * 2**20, f"a failed load left {grown} bytes allocated on the GPU"
