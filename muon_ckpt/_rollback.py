@@ -16,12 +16,11 @@ rank whose read failed while the others succeeded, a hyperparameter that does no
   writes into them are queued after them on the GPU (the host does not wait: it reads
   meanwhile). Host tensors (CPU training, offloaded states) are copied while the load
   reads: a thread of the rollback's own copies them one after another from the start, and
-  ``keep(key)``, called when the load
-  is about to write into a tensor first (the load planner calls it, ``SafeLoadPlanner``),
-  copies it there and then if that thread has not reached it yet (the copy is taken once,
-  by whichever comes first; the other waits for it). A load that waits on storage (a remote
-  read) thus finds its tensors copied already, and one that reads at memory speed shares
-  the copies out over its reading threads. States created by the load itself are not
+  ``keep(key)``, called when the load is about to write into a tensor first (the load
+  planner calls it, ``SafeLoadPlanner``), copies it there and then if that thread has not
+  reached it yet (the copy is taken once, by whichever comes first; the other waits for it).
+  A load that waits on storage (a remote read) thus finds its tensors copied already, and
+  one that reads at memory speed shares the copies out over its reading threads. States created by the load itself are not
   copied: undoing the load removes them again.
 
 ``restore()`` puts everything back; ``done()`` gives the host copies up. With
