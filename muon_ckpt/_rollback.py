@@ -126,14 +126,14 @@ class Rollback:
             self._copier.join()
             self._copier = None
 
-    @torch.no_grad()
     def keep(self, key: str) -> None:
         """Copy host tensor ``key`` before the load first writes into it (any thread; a
-        thread that comes second waits for the copy); nothing for any other key."""
+        thread that comes second waits for the copy); nothing for any other key (called
+        before every write of a load: that case costs one lookup)."""
         lock = self._locks.get(key)
         if lock is None:
             return
-        with lock:
+        with lock, torch.no_grad():
             pending = self._pending.get(key)
             if pending is None:
                 return

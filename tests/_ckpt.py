@@ -27,6 +27,24 @@ def flip_byte(path: str, at: int, mask: int = 0x01) -> None:
         f.write(bytes([b[0] ^ mask]))
 
 
+def file_layout(path: str, offset: int = 0, length: int | None = None) -> Any:
+    """The layout the local reader parses for the stored item at ``[offset, offset + length)``
+    of ``path`` (the whole file without ``length``), or None."""
+    import os
+
+    from muon_ckpt.io import _itemread
+
+    def pread(fd: int, mv: memoryview, at: int) -> None:
+        assert os.preadv(fd, [mv], at) == len(mv)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = os.fstat(fd).st_size - offset if length is None else length
+        return _itemread.item_layout(_itemread._Edges(fd, offset, n, pread))
+    finally:
+        os.close(fd)
+
+
 def write_step(
     url: str,
     step: int,

@@ -21,8 +21,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 import muon_ckpt.io._itemread as itemread
 from muon_ckpt import CheckpointCorruptError, CheckpointError
 from muon_ckpt.io import VerifyingReader, dcp_failure
+from muon_ckpt.io._itemzip import parse_tensor_pickle
 from muon_ckpt.store import FileEntry, Storage, crc_hex
-from tests._ckpt import flip_byte
+from tests._ckpt import file_layout, flip_byte
 
 
 def _stored() -> dict[str, object]:
@@ -152,10 +153,10 @@ def test_each_item_takes_the_path_it_should(tmp_path, monkeypatch):
     layout, chunked, record = itemread.item_layout, itemread.FileLoad._take_chunked, None
     record = itemread.FileLoad._record_tensor
 
-    def spy_layout(fd, offset, length):
-        lay = layout(fd, offset, length)
+    def spy_layout(edges):
+        lay = layout(edges)
         if lay is None:
-            paths["torch.load"].append(offset)
+            paths["torch.load"].append(edges.offset)
         return lay
 
     def spy_chunked(self, fd, target, offset, nbytes):
@@ -198,8 +199,8 @@ def test_fallback_to_torch_load_gives_same_bits(tmp_path, monkeypatch):
     d, sd = _save(tmp_path)
     seen = []
 
-    def unknown(fd, offset, length):
-        seen.append(offset)
+    def unknown(edges):
+        seen.append(edges.offset)
         return None
 
     monkeypatch.setattr(itemread, "item_layout", unknown)
@@ -224,18 +225,10 @@ def test_layout_parser_declines_what_it_does_not_know(tmp_path):
     for i, obj in enumerate(cases):
         p = tmp_path / f"obj{i}.pt"
         torch.save(obj, str(p))
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            assert itemread.item_layout(fd, 0, os.fstat(fd).st_size) is None, obj
-        finally:
-            os.close(fd)
+        assert file_layout(str(p)) is None, obj
     p = tmp_path / "t.pt"
     torch.save(torch.arange(12, dtype=torch.int16).view(3, 4).t(), str(p))
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        lay = itemread.item_layout(fd, 0, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
+    lay = file_layout(str(p))
     assert lay is not None
     assert (lay.dtype, lay.size, lay.stride, lay.offset, lay.nbytes) == (
         torch.int16,
@@ -248,11 +241,7 @@ def test_layout_parser_declines_what_it_does_not_know(tmp_path):
     if hasattr(torch, "float8_e5m2"):  # untyped storage + dtype (_rebuild_tensor_v3)
         p = tmp_path / "f8.pt"
         torch.save(torch.zeros(2, 5).to(torch.float8_e5m2), str(p))
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            lay = itemread.item_layout(fd, 0, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
+        lay = file_layout(str(p))
         assert lay is not None and (lay.dtype, lay.size, lay.nbytes) == (
             torch.float8_e5m2,
             (2, 5),
@@ -265,9 +254,9 @@ def test_layout_parser_rejects_pickles_torch_save_does_not_write():
     """Opcodes outside torch.save's repertoire are declined before unpickling: a byte string
     whose length field claims 2**62 bytes allocates nothing."""
     huge = b"\x80\x05\x96" + (2**62).to_bytes(8, "little") + b"x."
-    assert itemread._parse_tensor_pickle(huge) is None
-    assert itemread._parse_tensor_pickle(pickle.dumps([1, 2, 3])) is None  # EMPTY_LIST etc.
-    assert itemread._parse_tensor_pickle(b"\x80\x02c") is None  # truncated
+    assert parse_tensor_pickle(huge) is None
+    assert parse_tensor_pickle(pickle.dumps([1, 2, 3])) is None  # EMPTY_LIST etc.
+    assert parse_tensor_pickle(b"\x80\x02c") is None  # truncated
 
 
 @pytest.mark.parametrize("where", ["head", "record", "tail"])

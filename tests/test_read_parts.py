@@ -21,7 +21,7 @@ import muon_ckpt.io._itemread as itemread
 import muon_ckpt.io._reader as reader_mod
 from muon_ckpt import CheckpointCorruptError, CheckpointManager
 from muon_ckpt.store import Checksum, FileEntry, Storage, chunk_span
-from tests._ckpt import TinyNet, flip_byte, make_muon, muon_state_sd, train
+from tests._ckpt import TinyNet, file_layout, flip_byte, make_muon, muon_state_sd, train
 from tests.test_itemread import _bits, _ours
 
 CHUNK = 64 << 10  # the manifests' chunk size here: many chunks in a small file
@@ -175,11 +175,7 @@ def test_parts_share_their_threads_buffers(tmp_path, small_parts, monkeypatch):
 
 def _data_span(d: str, info) -> tuple[int, int]:
     """File offsets of the tensor bytes of stored item ``info``."""
-    fd = os.open(os.path.join(d, info.relative_path), os.O_RDONLY)
-    try:
-        lay = itemread.item_layout(fd, info.offset, info.length)
-    finally:
-        os.close(fd)
+    lay = file_layout(os.path.join(d, info.relative_path), info.offset, info.length)
     assert lay is not None
     return info.offset + lay.start, info.offset + lay.start + lay.nbytes
 

@@ -1,8 +1,7 @@
 """One stored item already in memory (a remote read) into its targets, without ``torch.load``.
 
 DCP's reader ``torch.load``s every item into fresh memory and copies it into the target. Here
-the item's zip records are parsed in memory (``_itemread.blob_layout``: torch's zip reader and
-the restricted unpickler) and its tensor bytes viewed in place and copied into each target
+the item's zip records are parsed in memory (``_itemzip``) and its tensor bytes viewed in place and copied into each target
 (narrowed to the part a resharded target takes). An item that is not a plain dense tensor
 goes through ``torch.load(weights_only=True)``, as in DCP; a non-tensor item to the planner.
 """
@@ -17,22 +16,12 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from muon_ckpt._errors import CheckpointCorruptError
-from muon_ckpt.io._itemread import (
-    _narrow,
-    blob_layout,
-    commit_part,
-    commit_slices,
-    pieces_layout,
-    slice_spans,
-)
+from muon_ckpt.io._itemread import _narrow, commit_part, commit_slices, slice_spans
+from muon_ckpt.io._itemzip import EDGE, parse_layout
 from muon_ckpt.io._ranged import SpanReader
 from muon_ckpt.store import FileEntry, check_chunks, chunk_span
 
 __all__ = ["Capture", "WholeItems", "fetch_items", "load_blob"]
-
-# Bytes read at each end of an item taken in part, for its zip records (header, pickle,
-# directory: well under 1 KiB each in a torch.save file); parsing needs nothing else.
-EDGE_BYTES = 4096
 
 
 class WholeItems:
@@ -74,7 +63,8 @@ def load_blob(data: Any, reqs: list[ReadItem] | Capture, planner: LoadPlanner, w
         for req in reqs:
             planner.load_bytes(req, io.BytesIO(data))
         return
-    lay = blob_layout(data)
+    view = memoryview(data).cast("B")
+    lay = parse_layout(lambda lo, hi: view[lo:hi], len(view))
     if lay is None:
         src = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     elif lay.nbytes == 0:
@@ -150,9 +140,9 @@ def _fetch_slices(
         count[0] += len(mv)
 
     spans = SpanReader(where, entry, pread)
-    edge = min(length, EDGE_BYTES)
+    edge = min(length, EDGE)
     spans.read(f, [(off, off + edge), (off + length - edge, off + length)])
-    lay = pieces_layout(lambda a, b: spans.view(off + a, off + b), length)
+    lay = parse_layout(lambda a, b: spans.view(off + a, off + b), length)
     if lay is None:
         return False, count[0]
     parts, lo, hi = slice_spans(lay, reqs)

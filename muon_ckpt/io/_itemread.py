@@ -5,8 +5,8 @@ DCP's ``FileSystemReader`` turns every stored tensor into a fresh CPU tensor wit
 (page-faulted) memory, copied once more, and a checksum needs a second pass over the file.
 Here, for a local file:
 
-* each item's zip (DCP stores one ``torch.save`` per item) is parsed with torch's own zip
-  reader (record offsets) and a restricted unpickler (dtype, size, stride, storage offset);
+* each item's zip (DCP stores one ``torch.save`` per item) is parsed from its first and last
+  bytes (``_itemzip``: record offsets; dtype, size, stride and storage offset from the pickle);
 * the tensor record is read with ``pread`` straight into the target when the target is a
   contiguous CPU tensor of the stored dtype that takes the whole item; on CUDA it is copied
   straight out of the mapped file (``_mapped``: the page cache's pages, page-locked), or in
@@ -26,19 +26,11 @@ bytes through ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import io
 import logging
-import math
 import os
-import pickle
-import pickletools
-import struct
-import sys
-import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +38,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._tensors import tensor_bytes
+from muon_ckpt.io._itemzip import EDGE, Layout, parse_layout
 from muon_ckpt.io._mapped import MappedFile, Unmappable, mapped_reads
 from muon_ckpt.io._ranged import SpanReader
 from muon_ckpt.store import Checksum, FileEntry, open_regular
@@ -58,263 +51,49 @@ log = logging.getLogger("muon_ckpt")
 CHUNK = 4 << 20
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where an item's tensor bytes are, relative to the item's first byte, and their shape."""
+class _Edges:
+    """The bytes of one stored item of a local file, read as the layout parser asks for them:
+    its last ``EDGE`` bytes and its first ``EDGE`` bytes with one read each (a small item
+    whole with one), anything outside them with a read of its own (``read``). ``pread`` is
+    the ``FileLoad``'s (counted, truncation reported)."""
 
-    start: int
-    nbytes: int
-    dtype: torch.dtype
-    offset: int  # storage offset, in elements
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
+    def __init__(self, fd: int, offset: int, length: int, pread: Any) -> None:
+        self._fd, self.offset, self.length, self._pread = fd, offset, length, pread
+        self._held: list[tuple[int, memoryview]] = []  # (from, bytes) read so far
 
-    @property
-    def whole_and_contiguous(self) -> bool:
-        """The record holds exactly this tensor, row-major, from its first byte."""
-        numel = math.prod(self.size)
-        if self.offset != 0 or numel * self.dtype.itemsize != self.nbytes:
-            return False
-        expect = 1
-        for n, s in zip(reversed(self.size), reversed(self.stride)):
-            if n != 1 and s != expect:
-                return False
-            expect *= n
-        return True
+    def _fetch(self, lo: int, hi: int) -> memoryview:
+        buf = memoryview(bytearray(hi - lo))
+        self._pread(self._fd, buf, self.offset + lo)
+        self._held.append((lo, buf))
+        return buf
 
-
-# The byte count of the FileLoad running in this thread (``[n]``): the layout parser's reads
-# add to it, so that bytes_read is everything read from the file.
-_counting = threading.local()
-
-
-class _Window(io.RawIOBase):
-    """Seekable read-only view of ``length`` bytes of ``fd`` from ``offset`` (pread)."""
-
-    def __init__(self, fd: int, offset: int, length: int) -> None:
-        super().__init__()
-        self._fd, self._off, self._len, self._pos = fd, offset, length, 0
-        self._counted: list[int] | None = getattr(_counting, "cell", None)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = base + pos
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        n = min(len(mv), self._len - self._pos)
-        if n <= 0:
-            return 0
-        got = os.preadv(self._fd, [mv[:n]], self._off + self._pos)
-        self._pos += got
-        if self._counted is not None:
-            self._counted[0] += got
-        return got
-
-    def read_at(self, at: int, b: bytearray) -> int:
-        return os.preadv(self._fd, [b], self._off + at)
-
-
-class _HeldWindow(_Window):
-    """A window whose bytes are already in memory: ``read_at`` says how to get them."""
-
-    def readinto(self, b: Any) -> int:
-        got = self.read_at(self._pos, b)
-        self._pos += got
-        return got
-
-
-class _MemWindow(_HeldWindow):
-    """The same view of bytes already in memory."""
-
-    def __init__(self, data: Any) -> None:
-        self._data = memoryview(data).cast("B")
-        super().__init__(-1, 0, len(self._data))
-
-    def read_at(self, at: int, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        part = self._data[at : at + len(mv)]
-        mv[: len(part)] = part
-        return len(part)
-
-
-class _StorageName:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-class _TensorRecord:
-    def __init__(self, storage: tuple, offset: Any, size: Any, stride: Any, dtype: Any) -> None:
-        self.storage, self.offset, self.dtype = storage, offset, dtype
-        self.size, self.stride = tuple(size), tuple(stride)
-
-
-def _rebuild_tensor_v2(
-    storage: Any, offset: Any, size: Any, stride: Any, grad: Any, hooks: Any, meta: Any = None
-) -> Any:
-    if meta:  # conj / neg bits (torch applies them on load): not a plain view of the bytes
-        raise pickle.UnpicklingError(f"tensor metadata {meta!r}")
-    return _TensorRecord(storage, offset, size, stride, None)
-
-
-def _rebuild_tensor_v3(
-    storage: Any,
-    offset: Any,
-    size: Any,
-    stride: Any,
-    grad: Any,
-    hooks: Any,
-    dtype: Any,
-    meta: Any = None,
-) -> Any:
-    """torch.save's form for dtypes without a typed storage class (float8, uint16, ...):
-    an untyped (byte) storage and the tensor's dtype."""
-    if meta or not isinstance(dtype, torch.dtype):
-        raise pickle.UnpicklingError(f"tensor metadata {meta!r}, dtype {dtype!r}")
-    return _TensorRecord(storage, offset, size, stride, dtype)
-
-
-# The opcodes torch.save's pickle of one dense tensor uses. Anything else (large byte strings
-# above all: the C unpickler would allocate what their length field claims) is torch.load's.
-# fmt: off
-_OPCODES = frozenset({
-    "PROTO", "FRAME", "GLOBAL", "STACK_GLOBAL", "BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET",
-    "LONG_BINGET", "MARK", "BINUNICODE", "SHORT_BINUNICODE", "TUPLE", "TUPLE1", "TUPLE2",
-    "TUPLE3", "EMPTY_TUPLE", "BINPERSID", "BININT", "BININT1", "BININT2", "LONG1", "NEWFALSE",
-    "NEWTRUE", "NONE", "REDUCE", "EMPTY_DICT", "SETITEM", "SETITEMS", "STOP",
-})
-# fmt: on
-_MAX_PICKLE = 64 << 10
-
-
-class _LayoutUnpickler(pickle.Unpickler):
-    """Reads what ``torch.save(dense_tensor)`` pickles without building anything: the
-    storage's dtype and record key, storage offset, size and stride. Any other global
-    makes it give up (the caller then uses torch.load)."""
-
-    _ALLOWED = {
-        ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-        ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
-        ("collections", "OrderedDict"): collections.OrderedDict,
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._ALLOWED:
-            return self._ALLOWED[(module, name)]
-        if (module, name) == ("torch.storage", "UntypedStorage"):
-            return _StorageName(name)
-        if module == "torch" and name.endswith("Storage") and name != "UntypedStorage":
-            return _StorageName(name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        kind, storage_type, key, _location, numel = pid
-        if kind != "storage" or not isinstance(storage_type, _StorageName):
-            raise pickle.UnpicklingError(f"storage {pid!r}")
-        if storage_type.name == "UntypedStorage":
-            return (torch.uint8, str(key), int(numel))  # numel counts bytes
-        dtype = torch.storage._get_dtype_from_pickle_storage_type(storage_type.name)
-        return (dtype, str(key), int(numel))
-
-
-def _parse_tensor_pickle(data: bytes) -> _TensorRecord | None:
-    if len(data) > _MAX_PICKLE:
+    def held(self, lo: int, hi: int) -> memoryview | None:
+        """Bytes ``[lo, hi)`` of the item if already read, else None."""
+        for at, buf in self._held:
+            if at <= lo and hi <= at + len(buf):
+                return buf[lo - at : hi - at]
         return None
-    try:
-        if any(op.name not in _OPCODES for op, _, _ in pickletools.genops(data)):
-            return None
-    except ValueError:  # truncated or malformed opcode stream
-        return None
-    rec = _LayoutUnpickler(io.BytesIO(data)).load()
-    return rec if isinstance(rec, _TensorRecord) else None
+
+    def read(self, lo: int, hi: int) -> memoryview:
+        """Bytes ``[lo, hi)`` of the item."""
+        if lo < 0 or hi > self.length or lo > hi:
+            raise ValueError(f"bytes {lo}-{hi} of an item of {self.length}")
+        if (got := self.held(lo, hi)) is not None:
+            return got
+        if self.length <= 2 * EDGE:
+            return self._fetch(0, self.length)[lo:hi]
+        if hi <= EDGE:
+            return self._fetch(0, EDGE)[lo:hi]
+        if lo >= self.length - EDGE:
+            start = self.length - EDGE
+            return self._fetch(start, self.length)[lo - start : hi - start]
+        return self._fetch(lo, hi)
 
 
-def item_layout(fd: int, offset: int, length: int) -> Layout | None:
-    """The layout of the dense tensor stored at ``[offset, offset + length)``, or None when
-    the item is anything else (or damaged: torch.load then says what is wrong)."""
-    return _layout(_Window(fd, offset, length), length)
-
-
-def blob_layout(data: Any) -> Layout | None:
-    """``item_layout`` of one stored item held in memory (a remote read)."""
-    return _layout(_MemWindow(data), len(memoryview(data)))
-
-
-class _PieceWindow(_HeldWindow):
-    """An item of which only some byte ranges were read: ``view(lo, hi)`` gives bytes
-    ``[lo, hi)`` of the item, or raises when they were not read."""
-
-    def __init__(self, view: Any, length: int) -> None:
-        self._view = view
-        super().__init__(-1, 0, length)
-
-    def read_at(self, at: int, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        n = min(len(mv), self._len - at)
-        if n <= 0:
-            return 0
-        mv[:n] = self._view(at, at + n)
-        return n
-
-
-def pieces_layout(view: Any, length: int) -> Layout | None:
-    """``item_layout`` of an item of ``length`` bytes from the pieces of it that were read
-    (``view``: see ``_PieceWindow``); None when parsing needs bytes outside them."""
-    return _layout(_PieceWindow(view, length), length)
-
-
-def _layout(win: Any, length: int) -> Layout | None:
-    if sys.byteorder != "little":
-        return None
-    try:
-        reader = torch._C.PyTorchFileReader(win)
-        records = reader.get_all_records()
-        data = [r for r in records if r.startswith("data/")]
-        if "data.pkl" not in records or len(data) != 1:
-            return None
-        if reader.has_record("byteorder") and bytes(reader.get_record("byteorder")) != b"little":
-            return None
-        rec = _parse_tensor_pickle(reader.get_record("data.pkl"))
-        if rec is None:
-            return None
-        storage_dtype, key, storage_numel = rec.storage
-        name = f"data/{key}"
-        if name != data[0]:
-            return None
-        dtype = rec.dtype or storage_dtype
-        start, nbytes = reader.get_record_offset(name), storage_numel * storage_dtype.itemsize
-        if hasattr(reader, "get_record_size") and reader.get_record_size(name) != nbytes:
-            return None  # (torch 2.11 cannot tell; the checksum covers every byte anyway)
-        # torch.save stores records uncompressed (torch.load(mmap=True) maps them in place);
-        # check it where this torch can say where the record's zip header is.
-        if hasattr(reader, "get_record_header_offset"):
-            method = bytearray(2)
-            at = reader.get_record_header_offset(name) + 8
-            if win.read_at(at, method) != 2 or struct.unpack("<H", method)[0] != 0:
-                return None
-        if start + nbytes > length or nbytes % dtype.itemsize:
-            return None
-        numel = nbytes // dtype.itemsize  # storage size in elements of the tensor's dtype
-        size, stride, soff = rec.size, rec.stride, int(rec.offset)
-        if len(size) != len(stride) or soff < 0 or any(n < 0 for n in size):
-            return None
-        if math.prod(size) and soff + sum((n - 1) * s for n, s in zip(size, stride)) >= numel:
-            return None
-        return Layout(start, nbytes, dtype, soff, size, stride)
-    except Exception:
-        return None
+def item_layout(edges: _Edges) -> Layout | None:
+    """The layout of the dense tensor stored in an item of a local file (``_itemzip``), or
+    None (torch.load's turn)."""
+    return parse_layout(edges.read, edges.length)
 
 
 def commit_part(planner: LoadPlanner, req: ReadItem, src: torch.Tensor, where: str) -> None:
@@ -516,6 +295,17 @@ class FileLoad:
             self._take(fd, buf[:n], offset)
             offset += n
 
+    def _take_edge(self, fd: int, edges: _Edges, lo: int, hi: int) -> None:
+        """Bytes ``[lo, hi)`` of an item around its tensor's record: checksummed out of what
+        its layout was parsed from when they are there, else read (the checksum needs them;
+        without one they are not read)."""
+        held = edges.held(lo, hi)
+        if held is None:
+            if self._verify:
+                self._take_discard(fd, edges.offset + lo, edges.offset + hi)
+            return
+        self._check(held, edges.offset + lo)
+
     def _take_chunked(self, fd: int, target: torch.Tensor, offset: int, nbytes: int) -> None:
         """The record into ``target`` (contiguous, the stored dtype, all of it), chunk by chunk:
         straight into its memory on CPU; on CUDA out of the mapped file (``_take_mapped``),
@@ -653,7 +443,8 @@ class FileLoad:
             for req in reqs:
                 self._planner.load_bytes(req, io.BytesIO(data))
             return
-        lay = item_layout(fd, offset, length)
+        edges = _Edges(fd, offset, length, self._pread)
+        lay = item_layout(edges)
         if lay is None:  # not a plain dense tensor: DCP's way, torch.load of the item
             data = self._whole_item(fd, offset, length)
             src = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -664,8 +455,7 @@ class FileLoad:
         if not self._verify and (target is None or self._spans.verifies):
             self._load_ranged(fd, offset, length, lay, reqs)
             return
-        head = bytearray(lay.start)
-        self._take(fd, memoryview(head), offset)
+        self._take_edge(fd, edges, 0, lay.start)
         if target is not None:
             self._take_chunked(fd, target, offset + lay.start, lay.nbytes)
             # The target is complete before the planner sees it (as DCP), but for copies out
@@ -678,9 +468,8 @@ class FileLoad:
             src = self._record_tensor(fd, lay, offset + lay.start)
             for req in reqs:
                 self._deliver(req, src)
-        tail_at = offset + lay.start + lay.nbytes
         if self._verify:
-            self._take_discard(fd, tail_at, offset + length)
+            self._take_edge(fd, edges, lay.start + lay.nbytes, length)
 
     def _capture(self, fd: int, offset: int, buf: memoryview) -> None:
         """A stored item's raw bytes into ``buf`` (read once here, sent to the other ranks
@@ -699,7 +488,6 @@ class FileLoad:
         """``items``: stored item offset -> (its length, the read items it serves);
         ``capture``: stored item offset -> a buffer of its length, filled with its bytes."""
         fd = open_regular(self._path, self._where)  # no FIFO, device or symlink
-        _counting.cell = self._counted
         capture = capture or {}
         try:
             size = self.file_size = os.fstat(fd).st_size
@@ -724,7 +512,6 @@ class FileLoad:
             self._take_discard(fd, self._pos, size if self._window is None else self._window[1])
             return self._sum
         finally:
-            _counting.cell = None
             try:
                 self._bufs.drain()
             finally:

@@ -1,0 +1,219 @@
+"""The item layout parser (muon_ckpt/io/_itemzip.py) against torch's own zip reader.
+
+A ``torch.save`` of one tensor is parsed from its two ends; the reference is torch: the
+record offset from ``PyTorchFileReader`` and the values from ``torch.load``, which the bytes
+at the parsed layout must reproduce bit for bit. Zip64 fields (what a record over 4 GiB
+gets) are written into real items by rebuilding their central directory. Damaged and foreign
+items must give None (torch.load's turn) or a layout inside the item, never an exception.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import zipfile
+
+import pytest
+import torch
+
+from muon_ckpt.io import _itemread
+from muon_ckpt.io._itemzip import EDGE, Layout, parse_layout
+from tests._ckpt import file_layout
+
+
+def _cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(100, generator=g)
+    cases = {
+        "f32": torch.randn(64, 48, generator=g),
+        "bf16": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+        "i64": torch.randint(-(2**40), 2**40, (17,), generator=g),
+        "bool": torch.rand(11, generator=g) > 0.5,
+        "c64": torch.randn(6, generator=g, dtype=torch.complex64),
+        "u16": torch.arange(9, dtype=torch.int32).to(torch.uint16),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.zeros(0, 5),
+        "view": base[10:50],  # a storage offset
+        "transposed": torch.arange(12, dtype=torch.int16).view(3, 4).t(),
+        "permuted": torch.randn(3, 4, 5, generator=g).permute(2, 0, 1),
+        "big": torch.randn(3 * EDGE, generator=g),  # bytes outside both edges
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        cases["f8"] = torch.randn(4, 6, generator=g).to(torch.float8_e4m3fn)
+    return cases
+
+
+def _saved(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def _parse(data: bytes) -> Layout | None:
+    return parse_layout(lambda lo, hi: data[lo:hi], len(data))
+
+
+def _check_against_torch(data: bytes, lay: Layout | None) -> None:
+    assert lay is not None
+    want = torch.load(io.BytesIO(data), weights_only=True)
+    reader = torch._C.PyTorchFileReader(io.BytesIO(data))
+    [record] = [r for r in reader.get_all_records() if r.startswith("data/")]
+    assert lay.start == reader.get_record_offset(record)
+    assert (lay.dtype, lay.size, lay.stride, lay.offset) == (
+        want.dtype,
+        tuple(want.shape),
+        want.stride(),
+        want.storage_offset(),
+    )
+    assert lay.nbytes == want.untyped_storage().nbytes()
+    if not want.numel():
+        return
+    raw = torch.frombuffer(bytearray(data[lay.start : lay.start + lay.nbytes]), dtype=torch.uint8)
+    got = raw.view(lay.dtype).as_strided(lay.size, lay.stride, lay.offset)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).contiguous().view(torch.uint8)
+
+    assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_same_layout_as_torch(name):
+    data = _saved(_cases()[name])
+    _check_against_torch(data, _parse(data))
+
+
+@pytest.mark.parametrize("name", ["f32", "big", "scalar"])
+def test_item_inside_a_file_reads_only_its_edges(tmp_path, name):
+    """An item at an offset in a larger file (as DCP stores them) parses to the same layout,
+    from at most two reads of EDGE bytes (one for a small item)."""
+    data = _saved(_cases()[name])
+    path = str(tmp_path / "f")
+    with open(path, "wb") as f:
+        f.write(os.urandom(1000) + data + os.urandom(333))
+    reads: list[int] = []
+
+    def pread(fd, mv, at):
+        reads.append(len(mv))
+        assert os.preadv(fd, [mv], at) == len(mv)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        lay = _itemread.item_layout(_itemread._Edges(fd, 1000, len(data), pread))
+    finally:
+        os.close(fd)
+    _check_against_torch(data, lay)
+    assert file_layout(path, 1000, len(data)) == lay
+    assert len(reads) <= 2 and sum(reads) <= 2 * EDGE, reads
+
+
+def _with_zip64(data: bytes, fields: bool, end_records: bool) -> bytes:
+    """``data`` (a torch.save zip) with its central directory rewritten: sizes and offsets
+    in zip64 extra fields (``fields``), and with or without the zip64 end records."""
+    zf = zipfile.ZipFile(io.BytesIO(data))
+    infos = zf.infolist()
+    cd_off = zf.start_dir  # where the central directory starts
+    body, cd = data[:cd_off], b""
+    for info in infos:
+        name = info.filename.encode()
+        sizes = (info.file_size, info.compress_size, info.header_offset)
+        extra = b""
+        if fields:
+            extra = struct.pack("<2H3Q", 1, 24, *sizes)
+            sizes = (0xFFFFFFFF,) * 3
+        cd += struct.pack(
+            "<4s6H3L5H2L",
+            b"PK\x01\x02",
+            45,
+            45,
+            0,
+            0,
+            0,
+            0,
+            info.CRC,
+            sizes[1],
+            sizes[0],
+            len(name),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            sizes[2],
+        )
+        cd += name + extra
+    n = len(infos)
+    tail = b""
+    if end_records:
+        eocd64_at = cd_off + len(cd)
+        tail += struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(cd), cd_off)
+        tail += struct.pack("<4sLQL", b"PK\x06\x07", 0, eocd64_at, 1)
+        tail += struct.pack(
+            "<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0
+        )
+    else:
+        tail += struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, n, n, len(cd), cd_off, 0)
+    return body + cd + tail
+
+
+@pytest.mark.parametrize(
+    "fields,end_records", [(True, True), (False, False), (True, False)], ids=str
+)
+def test_zip64_fields_and_plain_end_records(fields, end_records):
+    """What torch writes for records over 4 GiB (sizes and offsets in zip64 extra fields),
+    and an end of directory without the zip64 records: the same layout."""
+    data = _with_zip64(_saved(_cases()["big"]), fields, end_records)
+    if end_records:  # torch's own reader is the reference where it reads such a file
+        _check_against_torch(data, _parse(data))
+    else:
+        assert _parse(data) == _parse(_saved(_cases()["big"]))
+
+
+def _inside(lay: Layout | None, length: int) -> bool:
+    if lay is None:
+        return True
+    if lay.start < 0 or lay.start + lay.nbytes > length:
+        return False
+    if not all(lay.size):
+        return True
+    last = lay.offset + sum((n - 1) * s for n, s in zip(lay.size, lay.stride))
+    return lay.offset >= 0 and last < lay.nbytes // lay.dtype.itemsize
+
+
+def test_damaged_records_give_none_or_a_layout_inside_the_item():
+    """Every byte of the zip records (not the tensor's bytes) flipped in turn, and the item
+    cut at every length: never an exception, never a layout reaching outside the item. (A
+    flipped byte can still give another valid layout, e.g. a different shape: the checksum
+    is what catches that.)"""
+    data = _saved(_cases()["f32"])
+    good = _parse(data)
+    assert good is not None
+    record = range(good.start, good.start + good.nbytes)
+    for at in range(len(data)):
+        if at in record:
+            continue
+        for mask in (0x01, 0x80, 0xFF):
+            bad = bytearray(data)
+            bad[at] ^= mask
+            assert _inside(_parse(bytes(bad)), len(bad)), (at, mask)
+    for n in range(0, len(data), 7):
+        cut = data[:n]
+        assert _inside(_parse(cut), n), n
+
+
+def test_other_files_are_declined():
+    """A compressed zip of the same records, two archive names, a pickle of something else,
+    random bytes, nothing: None."""
+    data = _saved(_cases()["f32"])
+    src = zipfile.ZipFile(io.BytesIO(data))
+    deflated = io.BytesIO()
+    with zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as z:
+        for info in src.infolist():
+            z.writestr(info.filename, src.read(info))
+    two = io.BytesIO()
+    with zipfile.ZipFile(two, "w") as z:
+        for i, info in enumerate(src.infolist()):
+            z.writestr(("a/" if i % 2 else "b/") + info.filename.partition("/")[2], src.read(info))
+    for other in (deflated.getvalue(), two.getvalue(), _saved({"a": 1}), os.urandom(5000), b""):
+        assert _parse(other) is None
