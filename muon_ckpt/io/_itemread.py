@@ -49,6 +49,11 @@ log = logging.getLogger("muon_ckpt")
 # Bytes per pread (and per crc32 call): big enough that syscalls cost nothing, small enough
 # that the bytes are still in cache when the checksum runs over them.
 CHUNK = 4 << 20
+# Records at least this long are copied to a CUDA target out of the mapped file (``_mapped``),
+# shorter ones through the page-locked chunks: while pieces are being page-locked, each copy
+# out of the mapping waits about a millisecond to start (the driver's lock), which a short
+# record does not win back.
+MAPPED_MIN = 8 << 20
 
 
 class _Edges:
@@ -324,7 +329,9 @@ class FileLoad:
         dst_t = target.reshape(-1).view(torch.uint8)
         if target.device.type == "cuda":
             stream = torch.cuda.current_stream(target.device)
-            done = self._take_mapped(fd, dst_t, offset, nbytes, stream)
+            done = (
+                self._take_mapped(fd, dst_t, offset, nbytes, stream) if nbytes >= MAPPED_MIN else 0
+            )
             for i, p in enumerate(range(done, nbytes, CHUNK)):
                 n = min(CHUNK, nbytes - p)
                 buf, view, event = self._bufs.pinned(i % 2, target.device)

@@ -26,6 +26,7 @@ from tests.test_itemread import (
     _manifest,
     _ours,
     _save,
+    _stored,
     _targets,
     check_same_bits_as_dcp_reader,
 )
@@ -104,10 +105,40 @@ class _Pins:
 
 @pytest.fixture
 def small_pieces(monkeypatch):
-    """Pieces of one, then two pages: the 3-chunk tensor spans hundreds of them."""
+    """Pieces of one, then two pages: the 3-chunk tensor spans hundreds of them; records of
+    any length are copied out of the mapping."""
+    import muon_ckpt.io._itemread as itemread
+
     monkeypatch.setattr(mapped, "FIRST", mapped._PAGE)
     monkeypatch.setattr(mapped, "PIECE", 2 * mapped._PAGE)
+    monkeypatch.setattr(itemread, "MAPPED_MIN", 0)
     return mapped.PIECE
+
+
+def test_short_records_go_through_the_chunks(tmp_path, monkeypatch):
+    """Only records of at least MAPPED_MIN bytes are copied out of the mapping (the 3-chunk
+    tensor); the short ones go through the page-locked chunk buffers. Same bits."""
+    import muon_ckpt.io._itemread as itemread
+
+    mapped_bytes: list[int] = []
+    take = itemread.FileLoad._take_mapped
+
+    def spy(self, fd, dst, offset, nbytes, stream):
+        mapped_bytes.append(nbytes)
+        return take(self, fd, dst, offset, nbytes, stream)
+
+    monkeypatch.setattr(itemread.FileLoad, "_take_mapped", spy)
+    chunked: list[int] = []
+    pinned = itemread.ReadBuffers.pinned
+    monkeypatch.setattr(
+        itemread.ReadBuffers,
+        "pinned",
+        lambda self, i, dev: chunked.append(i) or pinned(self, i, dev),
+    )
+    check_same_bits_as_dcp_reader(tmp_path, "same", True, "cuda")
+    big = _stored()["big"]
+    assert mapped_bytes == [big.numel() * 4] and mapped_bytes[0] >= itemread.MAPPED_MIN
+    assert chunked, "the short records did not go through the chunk buffers"
 
 
 @pytest.mark.parametrize("verify", [True, False], ids=["crc32", "size"])
