@@ -57,9 +57,10 @@ from optim.muon import Muon
 GiB = 1 << 30
 
 
-def build_state(size_gib: float, device: str) -> tuple[nn.Module, Muon]:
-    """Square fp32 matrices: half the bytes in parameters, half in Muon momentum."""
-    side = 2048
+def build_state(size_gib: float, device: str, tensor_mib: int = 16) -> tuple[nn.Module, Muon]:
+    """Square fp32 matrices of about ``tensor_mib`` MiB each (2048 x 2048 by default): half
+    the bytes in parameters, half in Muon momentum."""
+    side = max(1, round((tensor_mib * (1 << 20) / 4) ** 0.5))
     per = side * side * 4
     n = max(1, round(size_gib * GiB / 2 / per))
     model = nn.Module()
