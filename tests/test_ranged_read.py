@@ -47,10 +47,12 @@ class _SlicePlanner:
         pass
 
 
-def _save(tmp_path) -> tuple[str, dict[str, torch.Tensor], dict[str, FileEntry]]:
+def _save(
+    tmp_path, names: tuple[str, ...] = NAMES
+) -> tuple[str, dict[str, torch.Tensor], dict[str, FileEntry]]:
     d = str(tmp_path / "step")
     g = torch.Generator().manual_seed(0)
-    sd = {n: torch.randn(ROWS, COLS, generator=g) for n in NAMES}
+    sd = {n: torch.randn(ROWS, COLS, generator=g) for n in names}
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(d, thread_count=1), no_dist=True)
     files = {}
     for name in sorted(os.listdir(d)):
@@ -68,11 +70,12 @@ def _load_rows(
     url: str | None = None,
     names: tuple[str, ...] = NAMES,
     verify: bool = True,
+    options: dict | None = None,
 ) -> tuple[dict, VerifyingReader]:
     """Rows ``SLICE`` of ``names``, read as ``rank`` of 2 from ``url`` (default: ``d``)."""
     md = dcp.FileSystemReader(d).read_metadata()
     reader = VerifyingReader(
-        Storage(url or d),
+        Storage(url or d, options or {}),
         files,
         metadata=md,
         rank=rank,
@@ -225,6 +228,60 @@ def test_a_remote_rank_reads_only_the_rows_it_needs(tmp_path, verify):
     d, sd, files = _save(tmp_path)
     got, reader = _load_rows(d, files, rank=1, url=_to_memory(d), verify=verify)
     _check_rows_only(got, sd, reader)
+
+
+def _to_s3(d: str, bucket: str, opts: dict) -> str:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**opts)
+    for name in sorted(os.listdir(d)):
+        fs.put_file(os.path.join(d, name), f"{bucket}/step/{name}")
+    return f"s3://{bucket}/step"
+
+
+def _count_requests(monkeypatch) -> list[tuple[str, int]]:
+    """Every ranged GET s3fs makes from here on: (object key, bytes)."""
+    import s3fs
+
+    requests: list[tuple[str, int]] = []
+    fetch = s3fs.core.S3File._fetch_range
+
+    def spy(self, start, end):
+        requests.append((self.path.rsplit("/", 1)[-1], end - start))
+        return fetch(self, start, end)
+
+    monkeypatch.setattr(s3fs.core.S3File, "_fetch_range", spy)
+    return requests
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_rank_reading_rows_from_s3_fetches_only_them(tmp_path, s3_bucket, monkeypatch, verify):
+    """What crosses the network, counted where s3fs makes its requests: the rows and the
+    zip records of each item (whole chunks when checking), not a read-ahead block after each
+    (fsspec's default would fetch 50 MiB after every read)."""
+    d, sd, files = _save(tmp_path)
+    bucket, opts = s3_bucket
+    url = _to_s3(d, bucket, opts)
+    requests = _count_requests(monkeypatch)
+    got, reader = _load_rows(d, files, rank=1, url=url, verify=verify, options=opts)
+    _check_rows_only(got, sd, reader)
+    assert sum(n for _, n in requests) == reader.bytes_read, requests
+
+
+def test_a_file_read_whole_from_s3_is_one_request(tmp_path, s3_bucket, monkeypatch):
+    """The owner of a file checks it whole, streaming it front to back: one request for the
+    whole file (under STREAM_BLOCK), not one per fsspec block (two for this file of 80 MiB
+    with s3fs's 50 MiB: a read-ahead block after the first item, then the rest)."""
+    names = (*NAMES, "d", "e")
+    d, sd, files = _save(tmp_path, names)
+    bucket, opts = s3_bucket
+    url = _to_s3(d, bucket, opts)
+    requests = _count_requests(monkeypatch)
+    got, _ = _load_rows(d, files, rank=0, url=url, names=names, options=opts)
+    lo, hi = SLICE
+    assert torch.equal(got["b"], sd["b"][lo:hi])
+    name = _data_file(files)
+    assert [n for f, n in requests if f == name] == [files[name].size], requests
 
 
 def test_remote_part_reads_load_items_without_torch_load_and_check_their_chunks(

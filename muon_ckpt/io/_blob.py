@@ -96,11 +96,20 @@ def fetch_items(
     records at both ends, then the span of the slices' elements. Returns the bytes read."""
     chunked = entry is not None and entry.chunk_bytes is not None
     entry = entry if chunked else None
-    # One open file, items in file order: the filesystem's read-ahead serves neighbours (one
-    # cat_file per item: 2.6x slower against S3 on moto, 4.0 s against 1.5 s for 0.25 GiB).
+    # One open file, items in file order. Items that follow each other with no gap are one
+    # span, fetched in a few large requests (one cat_file per item: 2.6x slower against S3
+    # on moto, 4.0 s against 1.5 s for 0.25 GiB); otherwise (gaps: other ranks' items, or
+    # items read in part) every read fetches exactly its bytes, not a read-ahead block after
+    # each slice's rows.
+    offs = sorted(items)
+    span = offs[-1] + items[offs[-1]][0] - offs[0]
+    gaps = sum(items[o][0] for o in offs) != span
+    sliced = whole is not None and any(
+        isinstance(reqs, list) and not any(map(whole, reqs)) for _, reqs in items.values()
+    )
     read = 0
-    with step.open(name) as f:
-        for off in sorted(items):
+    with step.open(name, ranged=True) if gaps or sliced else step.open(name, size=span) as f:
+        for off in offs:
             length, reqs = items[off]
             if whole is not None and isinstance(reqs, list) and not any(map(whole, reqs)):
                 done, got = _fetch_slices(f, off, length, reqs, planner, where, entry)

@@ -144,7 +144,8 @@ def _stream_files(
     def produce(name: str) -> None:
         try:
             got = r.checksum(name)
-            with r.step.open(name) as f:
+            entry = r.entry(name)
+            with r.step.open(name, size=entry.size if entry is not None else None) as f:
                 for off in sorted(slices[name]):
                     if stop.is_set():
                         return
