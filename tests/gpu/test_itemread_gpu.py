@@ -115,6 +115,20 @@ def small_pieces(monkeypatch):
     return mapped.PIECE
 
 
+def _count_chunk_buffers(monkeypatch) -> list[int]:
+    """Which page-locked chunk buffer each copy through them took, from here on."""
+    import muon_ckpt.io._itemread as itemread
+
+    chunked: list[int] = []
+    pinned = itemread.ReadBuffers.pinned
+    monkeypatch.setattr(
+        itemread.ReadBuffers,
+        "pinned",
+        lambda self, i, dev: chunked.append(i) or pinned(self, i, dev),
+    )
+    return chunked
+
+
 def test_short_records_go_through_the_chunks(tmp_path, monkeypatch):
     """Only records of at least MAPPED_MIN bytes are copied out of the mapping (the 3-chunk
     tensor); the short ones go through the page-locked chunk buffers. Same bits."""
@@ -128,13 +142,7 @@ def test_short_records_go_through_the_chunks(tmp_path, monkeypatch):
         return take(self, fd, dst, offset, nbytes, stream)
 
     monkeypatch.setattr(itemread.FileLoad, "_take_mapped", spy)
-    chunked: list[int] = []
-    pinned = itemread.ReadBuffers.pinned
-    monkeypatch.setattr(
-        itemread.ReadBuffers,
-        "pinned",
-        lambda self, i, dev: chunked.append(i) or pinned(self, i, dev),
-    )
+    chunked = _count_chunk_buffers(monkeypatch)
     check_same_bits_as_dcp_reader(tmp_path, "same", True, "cuda")
     big = _stored()["big"]
     assert mapped_bytes == [big.numel() * 4] and mapped_bytes[0] >= itemread.MAPPED_MIN
@@ -145,16 +153,9 @@ def test_short_records_go_through_the_chunks(tmp_path, monkeypatch):
 def test_cuda_targets_copy_from_the_mapped_file(tmp_path, monkeypatch, small_pieces, verify):
     """Contiguous CUDA targets are copied out of the mapped file, not through the page-locked
     chunk buffers: same bits as the saved tensors, every piece given back after the load."""
-    import muon_ckpt.io._itemread as itemread
 
     pins = _Pins(monkeypatch)
-    chunked: list[int] = []
-    pinned = itemread.ReadBuffers.pinned
-    monkeypatch.setattr(
-        itemread.ReadBuffers,
-        "pinned",
-        lambda self, i, dev: chunked.append(i) or pinned(self, i, dev),
-    )
+    chunked = _count_chunk_buffers(monkeypatch)
     d, sd = _save(tmp_path)
     got = _targets(sd, "same", "cuda")
     _ours(d, got, verify=verify)  # 2 threads
