@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import struct
+import time
 import zipfile
 
 import pytest
@@ -171,14 +172,18 @@ def test_zip64_fields_and_plain_end_records(fields, end_records):
 
 
 def _inside(lay: Layout | None, length: int) -> bool:
+    """No layout, or one whose record lies in the item and whose elements lie in the record
+    (the lowest and the highest reached, whatever the strides' signs)."""
     if lay is None:
         return True
     if lay.start < 0 or lay.start + lay.nbytes > length:
         return False
     if not all(lay.size):
         return True
-    last = lay.offset + sum((n - 1) * s for n, s in zip(lay.size, lay.stride))
-    return lay.offset >= 0 and last < lay.nbytes // lay.dtype.itemsize
+    steps = [(n - 1) * s for n, s in zip(lay.size, lay.stride)]
+    lowest = lay.offset + sum(x for x in steps if x < 0)
+    highest = lay.offset + sum(x for x in steps if x > 0)
+    return lowest >= 0 and highest < lay.nbytes // lay.dtype.itemsize
 
 
 def test_damaged_records_give_none_or_a_layout_inside_the_item():
@@ -217,3 +222,59 @@ def test_other_files_are_declined():
             z.writestr(("a/" if i % 2 else "b/") + info.filename.partition("/")[2], src.read(info))
     for other in (deflated.getvalue(), two.getvalue(), _saved({"a": 1}), os.urandom(5000), b""):
         assert _parse(other) is None
+
+
+def _int_op(v: int) -> bytes:
+    """A pickle opcode pushing ``v``."""
+    if 0 <= v < 256:
+        return b"K" + bytes([v])
+    raw = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw  # LONG1
+
+
+def _crafted(size: list[bytes], stride: list[bytes], byteorder: bytes = b"little") -> bytes:
+    """A zip shaped like torch.save's of 4 float32 elements, with a hand-written pickle of
+    ``_rebuild_tensor_v2`` whose size and stride tuples are the given opcodes."""
+
+    def tup(ops: list[bytes]) -> bytes:
+        return b"(" + b"".join(ops) + b"t"
+
+    persid = [b"X\x07\x00\x00\x00storage", b"ctorch\nFloatStorage\n", b"X\x01\x00\x00\x000"]
+    persid += [b"X\x03\x00\x00\x00cpu", _int_op(4)]
+    pkl = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(" + tup(persid) + b"Q" + _int_op(0)
+    pkl += tup(size) + tup(stride) + b"\x89" + b"ccollections\nOrderedDict\n)R" + b"tR."
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("archive/data.pkl", pkl)
+        z.writestr("archive/byteorder", byteorder)
+        z.writestr("archive/data/0", bytes(16))
+    return buf.getvalue()
+
+
+def test_crafted_pickles_are_declined_at_once():
+    """A hand-written item of the same form parses; a negative stride (elements before the
+    record) gives None, and so do sizes that are huge integers: thousands of references to
+    one 255-byte integer, whose product alone took minutes, give None at once."""
+    ok = _parse(_crafted([_int_op(4)], [_int_op(1)]))
+    assert ok is not None and ok.size == (4,)
+    assert _parse(_crafted([_int_op(4)], [_int_op(-1)])) is None
+    assert _parse(_crafted([_int_op(5)], [_int_op(1)])) is None  # past the record
+    huge = b"\x8a\xff" + b"\x7f" * 255 + b"q\x01"  # LONG1 of 255 bytes, memoized
+    item = _crafted([huge] + [b"h\x01"] * 8000, [_int_op(1)] * 8001)
+    t = time.perf_counter()
+    assert _parse(item) is None
+    assert time.perf_counter() - t < 10.0  # (about two minutes when the product was taken)
+
+
+def test_a_record_that_claims_to_be_large_is_not_read():
+    """A byte-order record of 1 MiB is declined without reading it: the parser reads the
+    item's ends and small records only."""
+    item = _crafted([_int_op(4)], [_int_op(1)], byteorder=b"x" * (1 << 20))
+    sizes: list[int] = []
+
+    def read(lo: int, hi: int) -> bytes:
+        sizes.append(hi - lo)
+        return item[lo:hi]
+
+    assert parse_layout(read, len(item)) is None
+    assert max(sizes) <= EDGE, sizes

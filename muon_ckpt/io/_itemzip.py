@@ -46,6 +46,9 @@ _CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory file header
 _LOCAL = struct.Struct("<4s5H3L2H")  # local file header
 _MAX_RECORDS = 64  # torch.save of one tensor writes 7
 _MAX_PICKLE = 64 << 10
+_CACHED_PICKLE = 4 << 10
+_MAX_DIRECTORY = 1 << 20  # bytes of central directory (torch.save's: well under 1 KiB)
+_MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
 
 
 @dataclass(frozen=True)
@@ -165,19 +168,23 @@ def parse_tensor_pickle(data: Any) -> _TensorRecord | None:
     result is shared: read it only)."""
     if len(data) > _MAX_PICKLE:
         return None
-    return _parse_pickle(bytes(data))
+    data = bytes(data)
+    if len(data) > _CACHED_PICKLE:
+        return _parse_pickle.__wrapped__(data)
+    return _parse_pickle(data)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)
 def _parse_pickle(data: bytes) -> _TensorRecord | None:
-    # Cached: the items of tensors of one dtype and shape have the same pickle, and scanning
-    # its opcodes is most of the cost of parsing an item.
+    # Cached (short pickles only: torch.save's are a few hundred bytes): the items of tensors
+    # of one dtype and shape have the same pickle, and scanning its opcodes is most of the
+    # cost of parsing an item.
     try:
         if any(op.name not in _OPCODES for op, _, _ in pickletools.genops(data)):
             return None
-    except ValueError:  # truncated or malformed opcode stream
+        rec = _LayoutUnpickler(io.BytesIO(data)).load()
+    except Exception:  # truncated or malformed opcode stream, anything the unpickler refuses
         return None
-    rec = _LayoutUnpickler(io.BytesIO(data)).load()
     return rec if isinstance(rec, _TensorRecord) else None
 
 
@@ -204,7 +211,7 @@ def _directory(read: Read, length: int) -> tuple[int, int, int] | None:
         if sig != b"PK\x06\x06" or disk or cd_disk:
             return None
         end = eocd64
-    if count > _MAX_RECORDS or cd_off + cd_size > end:
+    if count > _MAX_RECORDS or cd_size > _MAX_DIRECTORY or cd_off + cd_size > end:
         return None
     return count, cd_off, cd_size
 
@@ -285,7 +292,7 @@ def parse_layout(read: Read, length: int) -> Layout | None:
         if "byteorder" in records:
             rec = records["byteorder"]
             at = _data_at(read, rec, length)
-            if at is None or bytes(read(at, at + rec.size)) != b"little":
+            if at is None or rec.size != len(b"little") or bytes(read(at, at + 6)) != b"little":
                 return None
         pkl = records["data.pkl"]
         at = _data_at(read, pkl, length)
@@ -304,8 +311,13 @@ def parse_layout(read: Read, length: int) -> Layout | None:
         if start is None or rec.size != nbytes or nbytes % dtype.itemsize:
             return None
         numel = nbytes // dtype.itemsize  # storage size in elements of the tensor's dtype
-        size, stride, soff = trec.size, trec.stride, int(trec.offset)
-        if len(size) != len(stride) or soff < 0 or any(n < 0 for n in size):
+        size, stride, soff = trec.size, trec.stride, trec.offset
+        # Plain non-negative integers below 2**63 before any arithmetic (a crafted pickle's
+        # sizes could be huge integers whose product takes minutes), and no negative stride
+        # (elements before the storage's first one).
+        if len(size) != len(stride) or len(size) > _MAX_DIMS:
+            return None
+        if not all(type(v) is int and 0 <= v < 1 << 63 for v in (*size, *stride, soff)):
             return None
         if math.prod(size) and soff + sum((n - 1) * s for n, s in zip(size, stride)) >= numel:
             return None
