@@ -9,6 +9,7 @@ rank's planner asks for), as rank 1 of 2: the file belongs to rank 0, which chec
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
@@ -307,3 +308,104 @@ def test_remote_part_reads_load_items_without_torch_load_and_check_their_chunks(
     flip_byte(os.path.join(d, name), info.offset + 4096 + lo * COLS * 4)
     with pytest.raises(CheckpointCorruptError, match=rf"{name}: file is corrupt: the crc32c"):
         _load_rows(d, files, rank=1, url=_to_memory(d), names=("a", "b"))
+
+
+def test_whole_items_beside_sliced_ones_are_read_ahead_together(tmp_path, s3_bucket, monkeypatch):
+    """A file with items read in part and 64 small items read whole: the whole ones are
+    fetched together (one request for their run), not one request each, and nothing is
+    fetched that the load does not read."""
+    d = str(tmp_path / "step")
+    g = torch.Generator().manual_seed(1)
+    sd = {n: torch.randn(ROWS, COLS, generator=g) for n in NAMES}
+    small = {f"s{i:03d}": torch.randn(1024, generator=g) for i in range(64)}
+    dcp.save({**sd, **small}, storage_writer=dcp.FileSystemWriter(d, thread_count=1), no_dist=True)
+    files = {}
+    for name in sorted(os.listdir(d)):
+        c = Checksum("crc32c", 1 << 20)
+        with open(os.path.join(d, name), "rb") as f:
+            c.update(f.read())
+        files[name] = c.entry()
+    bucket, opts = s3_bucket
+    url = _to_s3(d, bucket, opts)
+    requests = _count_requests(monkeypatch)
+    md = dcp.FileSystemReader(d).read_metadata()
+    reader = VerifyingReader(
+        Storage(url, opts),
+        files,
+        metadata=md,
+        rank=1,
+        world_size=2,
+        io_threads=1,
+        check_unread=False,
+    )
+    reader.set_up_storage_reader(md, is_coordinator=True)
+    lo, hi = SLICE
+    targets = {n: torch.full((hi - lo, COLS), float("nan")) for n in NAMES}
+    targets |= {k: torch.full_like(v, float("nan")) for k, v in small.items()}
+    rows = ChunkStorageMetadata(offsets=torch.Size([lo, 0]), sizes=torch.Size([hi - lo, COLS]))
+    items = []
+    for n in NAMES:
+        items += create_read_items_for_chunk_list(n, md.state_dict_metadata[n], [rows])
+    for k in small:
+        whole = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([1024]))
+        items += create_read_items_for_chunk_list(k, md.state_dict_metadata[k], [whole])
+    reader.read_data(LoadPlan(items), _SlicePlanner(targets)).wait()
+    for n in NAMES:
+        assert torch.equal(targets[n], sd[n][lo:hi]), n
+    for k, v in small.items():
+        assert torch.equal(targets[k], v), k
+    data = _data_file(files)
+    fetched = [n for f, n in requests if f == data]
+    # each sliced item: its two ends and its rows (at most 3 requests); the small ones: one
+    assert len(fetched) <= 3 * len(NAMES) + 1, fetched
+    # No more than the rows and the small items, widened to whole 1 MiB chunks (the small
+    # items share chunks, each read again out of the one fetch: bytes_read counts each).
+    needed = len(NAMES) * (hi - lo) * COLS * 4 + sum(v.numel() * 4 for v in small.values())
+    assert sum(fetched) <= min(reader.bytes_read, needed + 4 * len(NAMES) * (1 << 20) + (2 << 20))
+
+
+def test_read_ahead_through_a_caching_wrapper(tmp_path, s3_bucket):
+    """A chained URL whose caching layer sets fsspec's cache itself (``blockcache::s3://``)
+    reads the same bytes with and without ``ahead`` (the wrapper refuses ``cache_type``)."""
+    bucket, opts = s3_bucket
+    payload = os.urandom(3 << 20)
+    url = f"blockcache::s3://{bucket}/run"
+    st = Storage(url, {"s3": opts, "blockcache": {"cache_storage": str(tmp_path / "cache")}})
+    st.write_bytes(payload, "f")
+    for ahead in (None, [(0, len(payload))], []):
+        with st.open("f", ahead=ahead) as f:
+            f.seek(1000)
+            assert f.read(5000) == payload[1000:6000], ahead
+            assert f.read() == payload[6000:], ahead
+
+
+def test_read_ahead_fetches_inside_its_spans_only(monkeypatch):
+    """ReadAhead over a file that records each fetch: inside a span, fetches of a block
+    (STREAM_BLOCK, here 100 bytes) or of the read when it asks for more, never past the
+    span's end; outside, exactly the bytes read; the same bytes as the file either way."""
+    from muon_ckpt.store import _readahead
+
+    monkeypatch.setattr(_readahead, "STREAM_BLOCK", 100)
+    payload = bytes(range(256)) * 4  # 1024 bytes
+    fetches: list[tuple[int, int]] = []
+
+    class Raw(io.BytesIO):
+        def read(self, n=-1):
+            at = self.tell()
+            out = super().read(n)
+            fetches.append((at, len(out)))
+            return out
+
+    f = _readahead.ReadAhead(Raw(payload), [(0, 250), (600, 700)])
+    got = [f.read(30) for _ in range(9)]  # 0-270: blocks 0-100, 100-200, 200-250; then 250-270
+    assert b"".join(got) == payload[:270]
+    assert fetches == [(0, 100), (100, 100), (200, 50), (250, 20)], fetches
+    fetches.clear()
+    f.seek(600)
+    assert f.read(150) == payload[600:750]  # asks past the span: fetches what it asks
+    assert fetches == [(600, 150)], fetches
+    fetches.clear()
+    f.seek(610)
+    assert f.read(10) == payload[610:620] and fetches == []  # still in the last block
+    f.seek(-24, io.SEEK_END)
+    assert f.read() == payload[-24:] and f.read(5) == b""

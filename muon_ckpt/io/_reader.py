@@ -177,7 +177,7 @@ class VerifyingReader(FileSystemReader):
         want = self.entry(name)
         if want is None:
             return
-        with self.step.open(name, size=want.size) as f:
+        with self.step.open(name, ahead=[(0, want.size)]) as f:
             got = file_checksum(f, want, where=self.where(name))
         self.count(got.size)
         self.check(name, got)

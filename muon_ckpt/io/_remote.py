@@ -145,7 +145,7 @@ def _stream_files(
         try:
             got = r.checksum(name)
             entry = r.entry(name)
-            with r.step.open(name, size=entry.size if entry is not None else None) as f:
+            with r.step.open(name, ahead=[(0, entry.size)] if entry is not None else None) as f:
                 for off in sorted(slices[name]):
                     if stop.is_set():
                         return

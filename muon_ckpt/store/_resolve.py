@@ -147,7 +147,7 @@ def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
                 )
                 bar.update(entry.size)
                 continue
-            with st.open(*r.parts, name, size=entry.size) as f:
+            with st.open(*r.parts, name, ahead=[(0, entry.size)]) as f:
                 got = file_checksum(f, entry, bar.update, st.url_of(*r.parts, name))
             res.bytes += got.size
             if got.hexdigest() != entry.digest:

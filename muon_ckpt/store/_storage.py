@@ -28,6 +28,7 @@ import fsspec
 from fsspec.core import split_protocol, url_to_fs
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointStorageError
+from muon_ckpt.store._readahead import ReadAhead
 from muon_ckpt.store._rename import exchange
 
 __all__ = [
@@ -40,9 +41,6 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = 60.0  # seconds: connect and read timeout of one storage request
-# Bytes per request of a remote file read front to back (``Storage.open(size=)``): most
-# checkpoint files in one request; each reading thread holds up to one such block.
-STREAM_BLOCK = 128 << 20
 # Object stores: no directories (and creating one may create a bucket).
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 _STORAGE_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "fsspec")
@@ -248,26 +246,22 @@ class Storage:
         return {posixpath.relpath(full, base): info for full, info in found.items()}
 
     # ------------------------------------------------------------------ reads
-    def open(self, *parts: str, size: int | None = None, ranged: bool = False) -> IO[bytes]:
+    def open(self, *parts: str, ahead: list[tuple[int, int]] | None = None) -> IO[bytes]:
         """A file to read; locally a regular file only (``open_regular``; a link is followed
-        only when it is the root the user named). How a remote file is fetched:
-
-        * ``size`` (the bytes to be read front to back): in requests of up to
-          ``STREAM_BLOCK`` bytes (fsspec's default block, 50 MiB with s3fs, turns a file a
-          little larger than a block into two requests, each with its own latency, and on a
-          server that copies the object for every request, as moto does, its own copy);
-        * ``ranged``: each read is one request for exactly its bytes (no read-ahead: a
-          read of a few rows would otherwise fetch a whole block after them);
-        * neither: fsspec's default (read-ahead of one block)."""
+        only when it is the root the user named). ``ahead``: the byte ranges the caller will
+        read front to back; a remote file then reads ahead inside them only (``ReadAhead``:
+        every other read fetches exactly its bytes). Without it, fsspec's own read-ahead."""
         p = self.path(*parts)
         if self.is_local:
             return os.fdopen(open_regular(p, self.url_of(*parts), follow=not parts), "rb")
         with self._calling("opening", *parts):
-            if ranged:
-                return self.fs.open(p, "rb", cache_type="none")
-            if size is None:
+            if ahead is None:
                 return self.fs.open(p, "rb")
-            return self.fs.open(p, "rb", block_size=max(1, min(size, STREAM_BLOCK)))
+            try:
+                raw = self.fs.open(p, "rb", cache_type="none")
+            except TypeError:  # a caching wrapper (blockcache::...) that sets it itself
+                raw = self.fs.open(p, "rb")
+            return ReadAhead(raw, ahead)  # type: ignore[return-value]
 
     def read_bytes(self, *parts: str, limit: int | None = None) -> bytes:
         """The whole file; with ``limit``, a file of more than ``limit`` bytes is a
