@@ -49,12 +49,18 @@ class _SlicePlanner:
 
 
 def _save(
-    tmp_path, names: tuple[str, ...] = NAMES
+    tmp_path, names: tuple[str, ...] = NAMES, extra: dict[str, torch.Tensor] | None = None
 ) -> tuple[str, dict[str, torch.Tensor], dict[str, FileEntry]]:
+    """``names`` as 16 MiB matrices (returned) and ``extra`` saved in one DCP file, and a
+    format-2 manifest of it."""
     d = str(tmp_path / "step")
     g = torch.Generator().manual_seed(0)
     sd = {n: torch.randn(ROWS, COLS, generator=g) for n in names}
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(d, thread_count=1), no_dist=True)
+    dcp.save(
+        {**sd, **(extra or {})},
+        storage_writer=dcp.FileSystemWriter(d, thread_count=1),
+        no_dist=True,
+    )
     files = {}
     for name in sorted(os.listdir(d)):
         c = Checksum("crc32c", 1 << 20)
@@ -314,17 +320,9 @@ def test_whole_items_beside_sliced_ones_are_read_ahead_together(tmp_path, s3_buc
     """A file with items read in part and 64 small items read whole: the whole ones are
     fetched together (one request for their run), not one request each, and nothing is
     fetched that the load does not read."""
-    d = str(tmp_path / "step")
     g = torch.Generator().manual_seed(1)
-    sd = {n: torch.randn(ROWS, COLS, generator=g) for n in NAMES}
     small = {f"s{i:03d}": torch.randn(1024, generator=g) for i in range(64)}
-    dcp.save({**sd, **small}, storage_writer=dcp.FileSystemWriter(d, thread_count=1), no_dist=True)
-    files = {}
-    for name in sorted(os.listdir(d)):
-        c = Checksum("crc32c", 1 << 20)
-        with open(os.path.join(d, name), "rb") as f:
-            c.update(f.read())
-        files[name] = c.entry()
+    d, sd, files = _save(tmp_path, extra=small)
     bucket, opts = s3_bucket
     url = _to_s3(d, bucket, opts)
     requests = _count_requests(monkeypatch)
