@@ -398,6 +398,7 @@ def test_read_ahead_fetches_inside_its_spans_only(monkeypatch):
     got = [f.read(30) for _ in range(9)]  # 0-270: blocks 0-100, 100-200, 200-250; then 250-270
     assert b"".join(got) == payload[:270]
     assert fetches == [(0, 100), (100, 100), (200, 50), (250, 20)], fetches
+    assert isinstance(got[0], memoryview)  # a view into the block, not a copy
     fetches.clear()
     f.seek(600)
     assert f.read(150) == payload[600:750]  # asks past the span: fetches what it asks

@@ -27,7 +27,8 @@ class ReadAhead(io.RawIOBase):
     """``raw`` (a file that fetches exactly what each read asks) read ahead inside ``spans``
     (``(lo, hi)`` byte ranges): a read that starts in a span fetches from there up to
     ``STREAM_BLOCK`` bytes or its own length, whichever is more, never past the span's end;
-    a read elsewhere fetches exactly its bytes. Holds the last block fetched."""
+    a read elsewhere fetches exactly its bytes. Holds the last block fetched; ``read`` gives
+    views into it."""
 
     def __init__(self, raw: Any, spans: list[tuple[int, int]]) -> None:
         super().__init__()
@@ -86,12 +87,14 @@ class ReadAhead(io.RawIOBase):
         return done
 
     def read(self, size: int | None = -1) -> bytes:
+        """``size`` bytes (all to the end without it): a read-only view into the block when
+        they lie in it (no copy: it keeps the block alive while it is held), else bytes."""
         if size is None or size < 0:
             size = max(0, self._size() - self._pos)
         off = self._held(size) if size else -1
-        if off >= 0 and off + size <= len(self._block):  # one copy out of the block
+        if off >= 0 and off + size <= len(self._block):
             self._pos += size
-            return bytes(self._block[off : off + size])
+            return self._block[off : off + size]  # type: ignore[return-value]  # (bytes-like)
         buf = bytearray(size)
         del buf[self.readinto(buf) :]
         return bytes(buf)
