@@ -104,7 +104,9 @@ class CheckpointManager:
             while ``url`` has no committed step yet.
         resume_storage_options: fsspec options for ``resume_from`` (default: ``storage_options``).
         io_threads: files written in parallel per rank, and threads reading in parallel (a
-            large local file is read in parts by all of them).
+            large local file is read in parts by all of them). None: 4 files, and half the
+            cores this rank may run on (shared with the other ranks of its host) for reading,
+            4 to 8 threads.
         verify: ``"checksum"`` checks size and checksums (CRC32C) of every file a load reads
             (``"crc32"``, its former name, means the same); ``"size"`` only sizes.
         async_save: ``save()`` returns once the state is snapshotted; the write and the commit
@@ -144,7 +146,7 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         resume_from: str | tuple[str, int] | None = None,
         resume_storage_options: dict[str, Any] | None = None,
-        io_threads: int = 4,
+        io_threads: int | None = None,
         verify: str = "checksum",
         async_save: bool = False,
         max_staging_bytes: int | None = None,
@@ -438,7 +440,7 @@ class CheckpointManager:
             step=step,
             sd=staged,
             staging=self._staging,
-            io_threads=self.config.io_threads,
+            io_threads=self.config.write_threads,
             keep_last=self.config.keep_last,
             confirm=self.config.confirm,
             group=self._group,
@@ -684,7 +686,7 @@ class CheckpointManager:
             metadata=d.metadata,
             rank=coll.rank(),
             world_size=coll.world_size(),
-            io_threads=self.config.io_threads,
+            io_threads=self.config.read_threads,
             verify_crc=checks_content(self.config.verify),
             group=self._group if self._reads_once(catalog) else None,
         )

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from muon_ckpt._config import VERIFY_MODES, checks_content
+from muon_ckpt._config import VERIFY_MODES, checks_content, read_threads
 from muon_ckpt.io._dcp import DCP_ERRORS, SafeLoadPlanner, dcp_failure
 from muon_ckpt.io._reader import VerifyingReader
 from muon_ckpt.store import Resolved
@@ -27,7 +27,7 @@ class CheckpointReader:
         resolved: Resolved,
         *,
         verify: str = "checksum",
-        io_threads: int = 4,
+        io_threads: int | None = None,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
@@ -42,7 +42,7 @@ class CheckpointReader:
             metadata=self.metadata,
             rank=rank,
             world_size=world_size,
-            io_threads=io_threads,
+            io_threads=read_threads(io_threads),
             verify_crc=checks_content(verify),
         )
 

@@ -1,0 +1,74 @@
+"""``io_threads``: given, it is both the files a save writes in parallel per rank and the
+threads a load reads with; left as None (the default), saves write 4 files and loads read with
+half the cores this rank may run on (shared with the other ranks of its host), 4 to 8."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import muon_ckpt._config as config
+import muon_ckpt.manager as manager_mod
+from muon_ckpt import CheckpointManager
+from tests._ckpt import TinyNet, make_muon, train
+
+
+@pytest.mark.parametrize(
+    ("cores", "local", "want"),
+    [
+        (16, None, 8),  # the GPU host of docs/benchmarks.md, one rank
+        (2, None, 4),  # at least 4
+        (64, None, 8),  # at most 8
+        (128, "8", 8),  # 8 ranks of 16 cores
+        (64, "8", 4),  # 8 ranks of 8 cores
+        (24, "2", 6),
+        (16, "not a number", 8),  # as if one rank
+    ],
+)
+def test_reading_threads_follow_the_cores_of_the_rank(monkeypatch, cores, local, want):
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert config.read_threads(None) == want
+    c = config.ManagerConfig(url="x")
+    assert (c.read_threads, c.write_threads) == (want, 4)
+    given = config.ManagerConfig(url="x", io_threads=3)
+    assert (given.read_threads, given.write_threads) == (3, 3)
+
+
+@pytest.mark.parametrize("bad", [0, 65, 2.5, True, "4"])
+def test_io_threads_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match=r"io_threads must be an int in \[1, 64\] or None, got"):
+        CheckpointManager("/nonexistent/never-created", io_threads=bad)
+
+
+def test_default_saves_write_4_files_and_loads_read_with_the_cores(tmp_path, monkeypatch):
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(12)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    seen: list[int] = []
+    reader = manager_mod.VerifyingReader
+
+    class Spy(reader):  # type: ignore[misc,valid-type]
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs["io_threads"])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(manager_mod, "VerifyingReader", Spy)
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = make_muon(model)
+    train(model, opt, 2)
+    url = str(tmp_path / "run")
+    with CheckpointManager(url, model=model, optimizer=opt) as mgr:
+        mgr.save(1)
+        mgr.load(1)
+    step = os.path.join(url, "step-00000001")
+    with open(os.path.join(step, "manifest.json")) as f:
+        assert json.load(f)["extra"]["io_threads"] == 4
+    assert sum(n.endswith(".distcp") for n in os.listdir(step)) <= 4
+    assert seen == [6]
