@@ -72,11 +72,14 @@ def test_pieces_grow_from_first_to_piece_and_cover_the_mapping(tmp_path, monkeyp
         os.close(fd)
 
 
-def test_mapped_reads_are_off_when_asked_or_refused(tmp_path, monkeypatch):
+def test_mapped_reads_are_on_only_when_asked_and_not_refused(tmp_path, monkeypatch):
     path, _ = _file(tmp_path, 100)
     fd = os.open(path, os.O_RDONLY)
     try:
         monkeypatch.setattr(mapped, "_failures", {})
+        monkeypatch.delenv(mapped.ENV, raising=False)
+        assert not mapped.mapped_reads(fd)  # off unless asked for
+        monkeypatch.setenv(mapped.ENV, "1")
         assert mapped.mapped_reads(fd)
         monkeypatch.setenv(mapped.ENV, "0")
         assert not mapped.mapped_reads(fd)

@@ -1,4 +1,11 @@
-"""Copies into CUDA tensors straight out of the page cache.
+"""Copies into CUDA tensors straight out of the page cache: off unless
+``MUON_CKPT_MAPPED_READS=1``.
+
+Off by default: measured on the 16-core H200 host with the reading threads a load now uses
+there (8), 4 GiB loads into CUDA tensors ran 1.09-1.39x faster through the page-locked chunks
+in five of six same-run comparisons (0.95x in the sixth), and within 0.9-1.1x either way with
+4 threads (docs/benchmarks.md, "Reading threads"): page-locking holds a driver lock that the
+reading threads' copy launches wait for, and more reading threads wait more.
 
 The other way to a CUDA tensor (``pread`` into a page-locked chunk, then the copy) moves every
 byte through host memory twice more than a plain read does; on a host whose memory bandwidth
@@ -25,7 +32,7 @@ again.
 A file must not be truncated while it is mapped: reading a mapped page past the end of a
 file kills the process (SIGBUS) where ``pread`` would return short. The files of a committed
 step are never written again; the caller checks each file's size before it maps it.
-``MUON_CKPT_MAPPED_READS=0`` turns this path off (the chunk path is then used everywhere).
+``MUON_CKPT_MAPPED_READS=1`` turns this path on (else the chunk path is used everywhere).
 """
 
 from __future__ import annotations
@@ -82,8 +89,9 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def mapped_reads(fd: int) -> bool:
-    """Whether copies from the file ``fd`` to CUDA tensors go through a mapping."""
-    if _LIBC is None or os.environ.get(ENV, "1") == "0":
+    """Whether copies from the file ``fd`` to CUDA tensors go through a mapping: when
+    ``MUON_CKPT_MAPPED_READS=1`` and its file system has not refused too often."""
+    if _LIBC is None or os.environ.get(ENV, "0") != "1":
         return False
     return _failures.get(os.fstat(fd).st_dev, 0) < _REFUSE_AFTER
 

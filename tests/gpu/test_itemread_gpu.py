@@ -3,9 +3,10 @@
     python3 -m pytest tests/gpu/test_itemread_gpu.py     (needs a CUDA device)
 
 Same state and checks as tests/test_itemread.py, with the targets on the GPU: contiguous
-targets of the stored dtype are copied straight out of the mapped file (``_mapped``), or
-through the two page-locked chunk buffers where that is off or refused (the 3-chunk tensor
-reuses both), the others through the whole-record host buffer and ``copy_``.
+targets of the stored dtype are copied through the two page-locked chunk buffers (the 3-chunk
+tensor reuses both), or straight out of the mapped file where that is on
+(``MUON_CKPT_MAPPED_READS=1``: ``_mapped``), the others through the whole-record host buffer
+and ``copy_``.
 """
 
 from __future__ import annotations
@@ -42,17 +43,17 @@ def test_cuda_targets_same_bits_as_dcp_reader(tmp_path, kind, verify):
 
 @pytest.mark.parametrize("kind", ["same", "strided"])
 @pytest.mark.parametrize("verify", [True, False], ids=["crc32", "size"])
-def test_cuda_targets_same_bits_with_mapped_reads_off(tmp_path, monkeypatch, kind, verify):
-    monkeypatch.setenv("MUON_CKPT_MAPPED_READS", "0")
+def test_cuda_targets_same_bits_with_mapped_reads_on(tmp_path, monkeypatch, kind, verify):
+    monkeypatch.setenv("MUON_CKPT_MAPPED_READS", "1")
     check_same_bits_as_dcp_reader(tmp_path, kind, verify, "cuda")
 
 
 def test_cuda_targets_go_through_the_page_locked_buffers(tmp_path, monkeypatch):
-    """With mapped reads off, contiguous CUDA targets of the stored dtype take the pinned
-    double-buffer path (and the 3-chunk tensor cycles through both buffers)."""
+    """By default (mapped reads off), contiguous CUDA targets of the stored dtype take the
+    pinned double-buffer path (and the 3-chunk tensor cycles through both buffers)."""
     import muon_ckpt.io._itemread as itemread
 
-    monkeypatch.setenv("MUON_CKPT_MAPPED_READS", "0")
+    monkeypatch.delenv("MUON_CKPT_MAPPED_READS", raising=False)
     used: list[int] = []
     pinned = itemread.ReadBuffers.pinned
 
@@ -105,10 +106,11 @@ class _Pins:
 
 @pytest.fixture
 def small_pieces(monkeypatch):
-    """Pieces of one, then two pages: the 3-chunk tensor spans hundreds of them; records of
-    any length are copied out of the mapping."""
+    """Mapped reads on, pieces of one, then two pages: the 3-chunk tensor spans hundreds of
+    them; records of any length are copied out of the mapping."""
     import muon_ckpt.io._itemread as itemread
 
+    monkeypatch.setenv("MUON_CKPT_MAPPED_READS", "1")
     monkeypatch.setattr(mapped, "FIRST", mapped._PAGE)
     monkeypatch.setattr(mapped, "PIECE", 2 * mapped._PAGE)
     monkeypatch.setattr(itemread, "MAPPED_MIN", 0)
@@ -134,6 +136,7 @@ def test_short_records_go_through_the_chunks(tmp_path, monkeypatch):
     tensor); the short ones go through the page-locked chunk buffers. Same bits."""
     import muon_ckpt.io._itemread as itemread
 
+    monkeypatch.setenv("MUON_CKPT_MAPPED_READS", "1")
     mapped_bytes: list[int] = []
     take = itemread.FileLoad._take_mapped
 
@@ -215,6 +218,7 @@ def test_a_file_system_that_refuses_page_locking_falls_back_to_the_chunks(
     a few such failures the file system's files are not mapped again: the same bits, and the
     refused calls' CUDA errors never reach the reading threads' later kernel launches (the
     strided targets' loads launch copy kernels on them)."""
+    monkeypatch.setenv("MUON_CKPT_MAPPED_READS", "1")
     monkeypatch.setattr(mapped, "_REGISTER_FLAGS", 0x8000)
     monkeypatch.setattr(mapped, "_failures", {})
     with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
