@@ -6,14 +6,16 @@ All three handle the same bytes in the same run:
 * raw DCP: ``dcp.save``/``dcp.load`` of the very state dict the manager builds, with DCP's
   default writer (``FileSystemWriter`` locally, ``FsspecWriter`` remotely, thread_count=1) and
   with ``thread_count`` = the manager's ``io_threads``;
-* storage: the tensor bytes written (and fsynced, locally) as plain files, one stream,
-  ``io_threads`` parallel streams, and locally ``io_threads`` streams that queue each write for
-  write-out at once as the manager does (``+wb``); the best of them is "storage write speed".
-  Each is read back right away by as many streams into a reused buffer (no parsing, no copy
-  into tensors): the best of those reads is "storage read speed".
+* storage: the tensor bytes written (and fsynced, locally) as plain files, one stream, as many
+  parallel streams as the manager writes files per rank, as many as it reads with where that
+  differs (``io_threads`` left as None: 4 files, reading threads from the cores), and locally
+  the write streams queueing each write for write-out at once as the manager does (``+wb``);
+  the best of them is "storage write speed". Each is read back right away by as many streams
+  into a reused buffer (no parsing, no copy into tensors): the best of those reads is
+  "storage read speed".
 
-On CUDA with local storage, the manager's load also runs with ``MUON_CKPT_MAPPED_READS=0``
-(through page-locked chunks instead of copies out of the mapped page cache), same run.
+On CUDA with local storage, the manager's load also runs with ``MUON_CKPT_MAPPED_READS=1``
+(copies out of the mapped page cache instead of through page-locked chunks), same run.
 
 Every variant runs once untimed first (``--warmup``): the manager's first save allocates its
 host staging buffers (page-locked on CUDA, ~1 s/GiB there), which every later save reuses;
@@ -47,6 +49,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from muon_ckpt import CheckpointManager
+from muon_ckpt._config import WRITE_THREADS, read_threads
 from muon_ckpt._flatten import FlatState
 from muon_ckpt.io._mapped import ENV as MAPPED_ENV
 from muon_ckpt.io._writeback import start_writeback
@@ -170,7 +173,7 @@ def main() -> None:
     ap.add_argument("--size-gib", type=float, default=1.0, help="total state size (GiB)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--url", default=None, help="local dir, fsspec URL, or 'moto' (default: tmp)")
-    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--io-threads", type=int, default=None, help="(default: the manager's)")
     ap.add_argument(
         "--save-io-threads",
         type=int,
@@ -199,10 +202,12 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     host = [t.detach().cpu().contiguous() for t in tensors]
     blobs = [_bytes_view(t) for t in host]
-    T = args.io_threads
+    T = args.io_threads or WRITE_THREADS
+    R = read_threads(args.io_threads)
     print(
         f"state: {len(tensors)} tensors, {nbytes / GiB:.2f} GiB on {args.device}; url {url}; "
-        f"io_threads={T} (saves: {args.save_io_threads or T}); verify={args.verify}; torch {torch.__version__}; checksums: "
+        f"io_threads={args.io_threads} (saves: {args.save_io_threads or T} files, loads: {R} "
+        f"threads); verify={args.verify}; torch {torch.__version__}; checksums: "
         f"{write_algorithm()} (CRC32C implementation: {crc32c_implementation()})"
     )
 
@@ -211,7 +216,12 @@ def main() -> None:
             st.rm(name)
 
     mgr = CheckpointManager(
-        url, model=model, optimizer=opt, storage_options=opts, io_threads=T, verify=args.verify
+        url,
+        model=model,
+        optimizer=opt,
+        storage_options=opts,
+        io_threads=args.io_threads,
+        verify=args.verify,
     )
     saver = mgr
     if args.save_io_threads is not None:
@@ -237,12 +247,12 @@ def main() -> None:
 
         return FsspecReader(st.url_of(name), **opts)
 
-    def mgr_pair(mapped: bool = True) -> tuple[float, float]:
+    def mgr_pair(mapped: bool = False) -> tuple[float, float]:
         step = next(counter)
         t = time.perf_counter()
         saver.save(step, force=True)
         t_save = time.perf_counter() - t
-        if mapped:
+        if not mapped:
             phases.append(dict(saver.last_save_timings))
         os.environ[MAPPED_ENV] = "1" if mapped else "0"
         try:
@@ -251,7 +261,7 @@ def main() -> None:
             t_load = time.perf_counter() - t
         finally:
             os.environ.pop(MAPPED_ENV)
-        if mapped:
+        if not mapped:
             load_phases.append(dict(mgr.last_load_timings))
         return t_save, t_load
 
@@ -282,11 +292,13 @@ def main() -> None:
         "storage 1 stream": lambda: storage_once(1),
         f"storage {T} streams": lambda: storage_once(T),
     }
+    if R != T:
+        variants[f"storage {R} streams"] = lambda: storage_once(R)
     if st.is_local:
         variants[f"storage {T} streams+wb"] = lambda: storage_once(T, writeback=True)
     mapped = st.is_local and args.device == "cuda"  # copies to the GPU out of the page cache
     if mapped:
-        variants["manager, mapped reads off"] = lambda: mgr_pair(mapped=False)
+        variants["manager, mapped reads on"] = lambda: mgr_pair(mapped=True)
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
     first_save = None
     for _ in range(args.warmup):
@@ -336,8 +348,8 @@ def main() -> None:
     )
     print(f"  manager load / storage read speed  {gbs['manager load'] / disk_read:.2f}x")
     if mapped:
-        off = gbs["manager, mapped reads off load"]
-        print(f"  manager load / mapped reads off    {gbs['manager load'] / off:.2f}x")
+        on = gbs["manager, mapped reads on load"]
+        print(f"  manager load / mapped reads on     {gbs['manager load'] / on:.2f}x")
     if load_phases:
         # The reader alone (reads, checksums, copies into place): the load without the
         # decision, the all-or-nothing backup copy and the apply step.

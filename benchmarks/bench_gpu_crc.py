@@ -110,12 +110,6 @@ def _fans(chunk: int) -> list[int] | None:
     return fans
 
 
-def supports(chunk: int) -> bool:
-    """Whether chunks of ``chunk`` bytes can be checked here (256 x a power of two: the
-    manifest's 1 MiB is)."""
-    return _fans(chunk) is not None
-
-
 def _bits(values: list[int]) -> list[list[int]]:
     return [[(v >> j) & 1 for j in range(32)] for v in values]
 
