@@ -7,12 +7,14 @@ fp32 matrices of that size (parameters and Muon momentum), then loaded with
 ``verify="checksum"`` and ``verify="size"``, interleaved with plain reads of the step's own
 files (``--streams`` per file, each into a reused 16 MiB buffer: the reference). On CUDA the
 loads also run with mapped reads on (``MUON_CKPT_MAPPED_READS=1``: copies to the GPU out of the
-page cache instead of through the page-locked chunks). Loads read what was just written, from
-the page cache.
+page cache instead of through the page-locked chunks), and with each ``--io-threads`` given
+(reading threads; default: the manager's choice). Loads read what was just written, from the
+page cache.
 
 Usage::
 
     python -m benchmarks.bench_load_items --device cuda --size-gib 4 --tensor-mib 4 16 64
+    python -m benchmarks.bench_load_items --device cuda --size-gib 4 --io-threads 4 8 12 16
     python -m benchmarks.bench_load_items --size-gib 0.5 --tensor-mib 1 16
 """
 
@@ -77,26 +79,31 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="cpu, cuda or auto")
     ap.add_argument("--size-gib", type=float, default=1.0, help="state size per tensor size")
     ap.add_argument("--tensor-mib", type=int, nargs="+", default=[4, 16, 64])
-    ap.add_argument("--io-threads", type=int, default=None, help="(default: the manager's)")
+    ap.add_argument(
+        "--io-threads",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="loads with each of these reading threads (default: the manager's)",
+    )
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 2], help="plain reads per file")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--url", default=None, help="a local directory (default: a temp dir)")
     args = ap.parse_args()
     dev = pick_device(args.device)
     root = args.url or tempfile.mkdtemp(prefix="muon_ckpt_items_")
-    threads = read_threads(args.io_threads)
+    threads = [read_threads(n) for n in args.io_threads]
     print(f"{args.size_gib} GiB on {dev}, {threads} reading threads, torch {torch.__version__}")
     for mib in args.tensor_mib:
         model, opt = build_state(args.size_gib, dev.type, mib)
         url = os.path.join(root, f"t{mib}")
         shutil.rmtree(url, ignore_errors=True)
         mgrs = {
-            v: CheckpointManager(
-                url, model=model, optimizer=opt, io_threads=args.io_threads, verify=v
-            )
+            (v, n): CheckpointManager(url, model=model, optimizer=opt, io_threads=n, verify=v)
+            for n in args.io_threads
             for v in ("checksum", "size")
         }
-        mgrs["checksum"].save(1, force=True)
+        CheckpointManager(url, model=model, optimizer=opt).save(1, force=True)
         step = os.path.join(url, "step-00000001")
         files = [os.path.join(step, f) for f in sorted(os.listdir(step)) if f.endswith(".distcp")]
         nbytes = sum(os.path.getsize(f) for f in files)
@@ -104,10 +111,11 @@ def main() -> None:
             f"plain reads, {k * len(files)} streams": lambda f=files, k=k: plain_reads(f, k)
             for k in args.streams
         }
-        for v, m in mgrs.items():
-            fns[f"load, verify={v}"] = lambda m=m: m.load(1)
+        for (v, n), m in mgrs.items():
+            name = f"load, verify={v}" + (f", {read_threads(n)} threads" if n is not None else "")
+            fns[name] = lambda m=m: m.load(1)
             if dev.type == "cuda":
-                fns[f"load, verify={v}, mapped reads on"] = _mapped_on(lambda m=m: m.load(1))
+                fns[f"{name}, mapped reads on"] = _mapped_on(lambda m=m: m.load(1))
         t = time_interleaved(fns, dev, iters=args.repeat, warmup=1)
         items = 2 * len(list(model.parameters()))
         print(
@@ -116,7 +124,7 @@ def main() -> None:
         best = min(s for k, s in t.items() if k.startswith("plain"))
         for k, s in t.items():
             ratio = best / s
-            print(f"  {k:<38} {s:7.3f} s  {nbytes / s / 1e9:6.2f} GB/s  {ratio:5.2f}x best plain")
+            print(f"  {k:<50} {s:7.3f} s  {nbytes / s / 1e9:6.2f} GB/s  {ratio:5.2f}x best plain")
         for m in mgrs.values():
             m.close()
         del model, opt, mgrs
