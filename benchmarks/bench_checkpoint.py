@@ -203,7 +203,7 @@ def main() -> None:
     host = [t.detach().cpu().contiguous() for t in tensors]
     blobs = [_bytes_view(t) for t in host]
     T = args.io_threads or WRITE_THREADS
-    R = read_threads(args.io_threads)
+    R = read_threads(args.io_threads, st.is_local)
     print(
         f"state: {len(tensors)} tensors, {nbytes / GiB:.2f} GiB on {args.device}; url {url}; "
         f"io_threads={args.io_threads} (saves: {args.save_io_threads or T} files, loads: {R} "

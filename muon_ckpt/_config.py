@@ -27,14 +27,18 @@ def _is_int(v: Any) -> bool:
 WRITE_THREADS = 4
 
 
-def read_threads(io_threads: int | None) -> int:
-    """The threads a load reads with: ``io_threads``, or when None, half the cores this
-    process may run on, shared with the other ranks of its host (``LOCAL_WORLD_SIZE``, set by
-    torchrun), at least 4 and at most 8. On the 16-core GPU host, 4 GiB of 16 and 64 MiB
-    tensors loaded into CUDA tensors 1.1-1.3x faster with 8 threads than with 4, and no
-    faster with 12 or 16 (docs/benchmarks.md, "Reading threads")."""
+def read_threads(io_threads: int | None, local: bool = True) -> int:
+    """The threads a load reads with: ``io_threads``, or when None, from local storage, half
+    the cores this process may run on, shared with the other ranks of its host
+    (``LOCAL_WORLD_SIZE``, set by torchrun), at least 4 and at most 8; from remote storage 4
+    (each remote reading thread holds up to about three 128 MiB blocks; more were not
+    measured). On the 16-core GPU host, 4 GiB of 16 and 64 MiB tensors loaded from local files
+    into CUDA tensors 1.1-1.3x faster with 8 threads than with 4, and no faster with 12 or 16
+    (docs/benchmarks.md, "Reading threads and mapped reads")."""
     if io_threads is not None:
         return io_threads
+    if not local:
+        return WRITE_THREADS
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # (not Linux)
@@ -57,7 +61,7 @@ class ManagerConfig:
         storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
         resume_from: a URL (or ``(url, step)``) to load from while ``url`` has no committed step.
         io_threads: files written in parallel per rank; threads reading in parallel (None:
-            4 files, and threads from this rank's cores: ``read_threads``).
+            4 files, and reading threads from this rank's cores: ``read_threads``).
         verify: ``"checksum"`` (sizes and checksums of every file read; ``"crc32"``, its
             former name, means the same) or ``"size"`` (sizes only).
         async_save: ``save()`` returns after the snapshot; write and commit run in the
@@ -96,10 +100,9 @@ class ManagerConfig:
         """Files a save writes in parallel per rank."""
         return WRITE_THREADS if self.io_threads is None else self.io_threads
 
-    @property
-    def read_threads(self) -> int:
-        """Threads a load reads with (``read_threads``)."""
-        return read_threads(self.io_threads)
+    def read_threads(self, local: bool) -> int:
+        """Threads a load from local (or remote) storage reads with (``read_threads``)."""
+        return read_threads(self.io_threads, local)
 
     def __post_init__(self) -> None:
         if isinstance(self.url, os.PathLike):

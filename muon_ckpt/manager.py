@@ -104,9 +104,9 @@ class CheckpointManager:
             while ``url`` has no committed step yet.
         resume_storage_options: fsspec options for ``resume_from`` (default: ``storage_options``).
         io_threads: files written in parallel per rank, and threads reading in parallel (a
-            large local file is read in parts by all of them). None: 4 files, and half the
-            cores this rank may run on (shared with the other ranks of its host) for reading,
-            4 to 8 threads.
+            large local file is read in parts by all of them). None: 4 files, and 4 reading
+            threads from remote storage, from local storage half the cores this rank may run
+            on (shared with the other ranks of its host), 4 to 8.
         verify: ``"checksum"`` checks size and checksums (CRC32C) of every file a load reads
             (``"crc32"``, its former name, means the same); ``"size"`` only sizes.
         async_save: ``save()`` returns once the state is snapshotted; the write and the commit
@@ -686,7 +686,7 @@ class CheckpointManager:
             metadata=d.metadata,
             rank=coll.rank(),
             world_size=coll.world_size(),
-            io_threads=self.config.read_threads,
+            io_threads=self.config.read_threads(catalog.storage.is_local),
             verify_crc=checks_content(self.config.verify),
             group=self._group if self._reads_once(catalog) else None,
         )

@@ -1,11 +1,11 @@
 """``io_threads``: given, it is both the files a save writes in parallel per rank and the
-threads a load reads with; left as None (the default), saves write 4 files and loads read with
-half the cores this rank may run on (shared with the other ranks of its host), 4 to 8."""
+threads a load reads with; left as None (the default), saves write 4 files, loads from remote
+storage read with 4 threads, and loads from local storage with half the cores this rank may
+run on (shared with the other ranks of its host), 4 to 8."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ import torch
 import muon_ckpt._config as config
 import muon_ckpt.manager as manager_mod
 from muon_ckpt import CheckpointManager
+from muon_ckpt.store import Storage
 from tests._ckpt import TinyNet, make_muon, train
 
 
@@ -36,9 +37,9 @@ def test_reading_threads_follow_the_cores_of_the_rank(monkeypatch, cores, local,
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     assert config.read_threads(None) == want
     c = config.ManagerConfig(url="x")
-    assert (c.read_threads, c.write_threads) == (want, 4)
+    assert (c.read_threads(True), c.read_threads(False), c.write_threads) == (want, 4, 4)
     given = config.ManagerConfig(url="x", io_threads=3)
-    assert (given.read_threads, given.write_threads) == (3, 3)
+    assert (given.read_threads(True), given.read_threads(False), given.write_threads) == (3, 3, 3)
 
 
 @pytest.mark.parametrize("bad", [0, 65, 2.5, True, "4"])
@@ -47,7 +48,8 @@ def test_io_threads_out_of_range_is_refused(bad):
         CheckpointManager("/nonexistent/never-created", io_threads=bad)
 
 
-def test_default_saves_write_4_files_and_loads_read_with_the_cores(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_default_saves_write_4_files_and_loads_read_with_the_cores(tmp_path, monkeypatch, where):
     monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(12)))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     seen: list[int] = []
@@ -63,12 +65,11 @@ def test_default_saves_write_4_files_and_loads_read_with_the_cores(tmp_path, mon
     model = TinyNet()
     opt = make_muon(model)
     train(model, opt, 2)
-    url = str(tmp_path / "run")
+    url = str(tmp_path / "run") if where == "local" else f"memory://{tmp_path.name}/run"
     with CheckpointManager(url, model=model, optimizer=opt) as mgr:
         mgr.save(1)
         mgr.load(1)
-    step = os.path.join(url, "step-00000001")
-    with open(os.path.join(step, "manifest.json")) as f:
-        assert json.load(f)["extra"]["io_threads"] == 4
-    assert sum(n.endswith(".distcp") for n in os.listdir(step)) <= 4
-    assert seen == [6]
+    step = Storage(url).child("step-00000001")
+    assert json.loads(step.read_bytes("manifest.json"))["extra"]["io_threads"] == 4
+    assert sum(n.endswith(".distcp") for n in step.listdir()) <= 4
+    assert seen == [6 if where == "local" else 4]  # remote: 4

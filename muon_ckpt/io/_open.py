@@ -42,7 +42,7 @@ class CheckpointReader:
             metadata=self.metadata,
             rank=rank,
             world_size=world_size,
-            io_threads=read_threads(io_threads),
+            io_threads=read_threads(io_threads, resolved.storage.is_local),
             verify_crc=checks_content(verify),
         )
 
