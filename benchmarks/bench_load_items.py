@@ -63,13 +63,19 @@ def plain_reads(paths: list[str], streams: int = 1) -> None:
         t.join()
 
 
-def _mapped_on(fn: Callable[[], object]) -> Callable[[], None]:
+def _mapped(on: bool, fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` with mapped reads on or off, whatever the environment says."""
+
     def run() -> None:
-        os.environ[MAPPED_ENV] = "1"
+        before = os.environ.get(MAPPED_ENV)
+        os.environ[MAPPED_ENV] = "1" if on else "0"
         try:
             fn()
         finally:
-            os.environ.pop(MAPPED_ENV)
+            if before is None:
+                os.environ.pop(MAPPED_ENV)
+            else:
+                os.environ[MAPPED_ENV] = before
 
     return run
 
@@ -103,7 +109,8 @@ def main() -> None:
             for n in args.io_threads
             for v in ("checksum", "size")
         }
-        CheckpointManager(url, model=model, optimizer=opt).save(1, force=True)
+        with CheckpointManager(url, model=model, optimizer=opt) as saver:
+            saver.save(1, force=True)
         step = os.path.join(url, "step-00000001")
         files = [os.path.join(step, f) for f in sorted(os.listdir(step)) if f.endswith(".distcp")]
         nbytes = sum(os.path.getsize(f) for f in files)
@@ -113,9 +120,9 @@ def main() -> None:
         }
         for (v, n), m in mgrs.items():
             name = f"load, verify={v}" + (f", {read_threads(n)} threads" if n is not None else "")
-            fns[name] = lambda m=m: m.load(1)
+            fns[name] = _mapped(False, lambda m=m: m.load(1))
             if dev.type == "cuda":
-                fns[f"{name}, mapped reads on"] = _mapped_on(lambda m=m: m.load(1))
+                fns[f"{name}, mapped reads on"] = _mapped(True, lambda m=m: m.load(1))
         t = time_interleaved(fns, dev, iters=args.repeat, warmup=1)
         items = 2 * len(list(model.parameters()))
         print(

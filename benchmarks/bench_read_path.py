@@ -18,7 +18,8 @@ then times, with one thread per file, interleaved and median over ``--repeat`` r
 * ``+crc32c+h2d``: the pipeline of a verified load into CUDA tensors with mapped reads off;
 * ``mapped +h2d`` (``+crc32c``): the file mapped, its pages page-locked with CUDA a piece at a
   time ahead of the copies, each ``--item-mib`` copied to the device straight out of the page
-  cache (and checksummed there): ``muon_ckpt.io._mapped``, as a load into CUDA tensors does.
+  cache (and checksummed there): ``muon_ckpt.io._mapped``, as a load into CUDA tensors does
+  with ``MUON_CKPT_MAPPED_READS=1``.
 
 Each line prints its ratio to ``plain 16 MiB`` measured in the same run. Run:
 ``python -m benchmarks.bench_read_path --size-gib 4 --threads 4 [--chunk-mib 4]``.

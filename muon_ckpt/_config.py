@@ -29,8 +29,9 @@ WRITE_THREADS = 4
 
 def read_threads(io_threads: int | None, local: bool = True) -> int:
     """The threads a load reads with: ``io_threads``, or when None, from local storage, half
-    the cores this process may run on, shared with the other ranks of its host
-    (``LOCAL_WORLD_SIZE``, set by torchrun), at least 4 and at most 8; from remote storage 4
+    the cores this process may run on, at least 4 and at most 8 (a process that may run on
+    every core of its host shares them with the other ranks there: ``LOCAL_WORLD_SIZE``, set
+    by torchrun; one pinned to some of them has those to itself); from remote storage 4
     (each remote reading thread holds up to about three 128 MiB blocks; more were not
     measured). On the 16-core GPU host, 4 GiB of 16 and 64 MiB tensors loaded from local files
     into CUDA tensors 1.1-1.3x faster with 8 threads than with 4, and no faster with 12 or 16
@@ -39,15 +40,15 @@ def read_threads(io_threads: int | None, local: bool = True) -> int:
         return io_threads
     if not local:
         return WRITE_THREADS
+    host = os.cpu_count() or 1
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # (not Linux)
-        cores = os.cpu_count() or 1
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    return min(8, max(4, cores // local // 2))
+        cores = host
+    if cores >= host:  # not pinned: shared with the host's other ranks
+        ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        cores //= max(1, int(ranks)) if ranks.isdigit() else 1
+    return min(8, max(4, cores // 2))
 
 
 @dataclass(frozen=True, kw_only=True)

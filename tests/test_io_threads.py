@@ -18,19 +18,25 @@ from tests._ckpt import TinyNet, make_muon, train
 
 
 @pytest.mark.parametrize(
-    ("cores", "local", "want"),
+    ("host", "cores", "local", "want"),
     [
-        (16, None, 8),  # the GPU host of docs/benchmarks.md, one rank
-        (2, None, 4),  # at least 4
-        (64, None, 8),  # at most 8
-        (128, "8", 8),  # 8 ranks of 16 cores
-        (64, "8", 4),  # 8 ranks of 8 cores
-        (24, "2", 6),
-        (16, "not a number", 8),  # as if one rank
+        (16, 16, None, 8),  # the GPU host of docs/benchmarks.md, one rank
+        (2, 2, None, 4),  # at least 4
+        (64, 64, None, 8),  # at most 8
+        (128, 128, "8", 8),  # 8 ranks share 128 cores: 16 each
+        (64, 64, "8", 4),  # 8 each
+        (24, 24, "2", 6),
+        (16, 16, "not a number", 8),  # as if one rank
+        (128, 16, "8", 8),  # pinned to 16 cores: its own
+        (32, 12, "2", 6),
+        (128, 6, "8", 4),
     ],
 )
-def test_reading_threads_follow_the_cores_of_the_rank(monkeypatch, cores, local, want):
-    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(cores)))
+def test_reading_threads_follow_the_cores_of_the_rank(monkeypatch, host, cores, local, want):
+    monkeypatch.setattr(config.os, "cpu_count", lambda: host)
+    monkeypatch.setattr(
+        config.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False
+    )
     if local is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
@@ -50,7 +56,8 @@ def test_io_threads_out_of_range_is_refused(bad):
 
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_default_saves_write_4_files_and_loads_read_with_the_cores(tmp_path, monkeypatch, where):
-    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(12)))
+    monkeypatch.setattr(config.os, "cpu_count", lambda: 12)
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     seen: list[int] = []
     reader = manager_mod.VerifyingReader

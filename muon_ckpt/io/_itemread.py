@@ -49,8 +49,9 @@ log = logging.getLogger("muon_ckpt")
 # Bytes per pread (and per crc32 call): big enough that syscalls cost nothing, small enough
 # that the bytes are still in cache when the checksum runs over them.
 CHUNK = 4 << 20
-# Records at least this long are copied to a CUDA target out of the mapped file (``_mapped``),
-# shorter ones through the page-locked chunks: while pieces are being page-locked, each copy
+# Where mapped reads are on (``MUON_CKPT_MAPPED_READS=1``), records at least this long are
+# copied to a CUDA target out of the mapped file (``_mapped``), shorter ones through the
+# page-locked chunks: while pieces are being page-locked, each copy
 # out of the mapping waits about a millisecond to start (the driver's lock), which a short
 # record does not win back.
 MAPPED_MIN = 8 << 20
@@ -313,10 +314,10 @@ class FileLoad:
 
     def _take_chunked(self, fd: int, target: torch.Tensor, offset: int, nbytes: int) -> None:
         """The record into ``target`` (contiguous, the stored dtype, all of it), chunk by chunk:
-        straight into its memory on CPU; on CUDA out of the mapped file (``_take_mapped``),
-        and what that does not take through two page-locked chunk buffers, each chunk's copy
-        to the device running while the next chunk is read; through one pageable buffer on
-        other devices."""
+        straight into its memory on CPU; on CUDA through two page-locked chunk buffers, each
+        chunk's copy to the device running while the next chunk is read, after what the
+        mapped file takes where mapped reads are on (``_take_mapped``); through one pageable
+        buffer on other devices."""
         if target.device.type == "cpu":
             dst = tensor_bytes(target)
             for p in range(0, nbytes, CHUNK):
