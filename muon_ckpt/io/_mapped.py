@@ -4,8 +4,9 @@
 Off by default: measured on the 16-core H200 host with the reading threads a load now uses
 there (8), 4 GiB loads into CUDA tensors ran 1.09-1.39x faster through the page-locked chunks
 in five of six same-run comparisons (0.95x in the sixth); with 4 threads, mapped reads were
-0.94-1.18x as fast as the chunks (docs/benchmarks.md, "Reading threads and mapped reads"): page-locking holds a driver lock that the
-reading threads' copy launches wait for, and more reading threads wait more.
+0.94-1.18x as fast as the chunks (docs/benchmarks.md, "Reading threads and mapped reads").
+Page-locking holds a driver lock that the reading threads' copy launches wait for, and more
+reading threads wait more.
 
 The other way to a CUDA tensor (``pread`` into a page-locked chunk, then the copy) moves every
 byte through host memory twice more than a plain read does; on a host whose memory bandwidth
