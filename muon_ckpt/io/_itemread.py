@@ -11,8 +11,8 @@ Here, for a local file:
   contiguous CPU tensor of the stored dtype that takes the whole item; on CUDA in chunks
   through page-locked buffers, or straight out of the mapped file where that is on
   (``MUON_CKPT_MAPPED_READS=1``, ``_mapped``: the page cache's pages, page-locked); in
-  chunks through one reused host buffer on other devices, and through a reused buffer holding the whole record
-  otherwise (slices of it for resharding, dtype casts, odd strides);
+  chunks through one reused host buffer on other devices, and through a reused buffer
+  holding the whole record otherwise (slices of it for resharding, dtype casts, odd strides);
 * when this rank verifies the file, every byte of it, gaps and other ranks' items included,
   goes through the checksum in file order right after it is read, while it is still in cache;
 * otherwise (another rank checks the file whole) only the bytes the targets need are read
