@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from muon_ckpt._tensors import local_tensor
+from muon_ckpt._tensors import local_tensor, overlapping
 from muon_ckpt.io import HostStaging
 
 __all__ = ["Rollback"]
@@ -99,7 +99,7 @@ class Rollback:
         self._locks = {k: threading.Lock() for k in self._pending}
         # Host tensors that share memory with another (tied weights, a buffer under two
         # names): the load writes them under either key, so they are copied now.
-        for k in _overlapping({k: src for k, (src, _) in self._pending.items()}):
+        for k in overlapping({k: src for k, (src, _) in self._pending.items()}):
             self.keep(k)
         if self._pending:
             order = list(self._pending)
@@ -174,24 +174,6 @@ class Rollback:
     def done(self) -> None:
         self._stop_copier()
         self._pairs, self._pending, self._locks = [], {}, {}
-
-
-def _overlapping(tensors: dict[str, Tensor]) -> set[str]:
-    """The keys whose tensors' memory (from their first to their last element's byte)
-    overlaps another's."""
-    spans = []
-    for k, t in tensors.items():  # (not empty: empty tensors are not kept)
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-        spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size(), k))
-    spans.sort()
-    out: set[str] = set()
-    reach, last = -1, None  # the furthest end so far, and the key that reaches it
-    for lo, hi, k in spans:
-        if lo < reach and last is not None:
-            out |= {k, last}
-        if hi > reach:
-            reach, last = hi, k
-    return out
 
 
 def _copy(v: Any) -> Any:

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["host_copy", "local_tensor", "tensor_bytes"]
+__all__ = ["host_copy", "local_tensor", "overlapping", "tensor_bytes"]
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -35,3 +35,23 @@ def host_copy(v: Any) -> Any:
     if isinstance(v, (list, tuple)) and type(v) in (list, tuple):
         return type(v)(host_copy(x) for x in v)
     return copy.deepcopy(v)
+
+
+def overlapping(tensors: dict[str, Tensor]) -> set[str]:
+    """The keys whose tensors' memory (from their first to their last element's byte)
+    overlaps another's (same device; an empty tensor overlaps nothing)."""
+    spans = []
+    for k, t in tensors.items():
+        if t.numel() == 0:
+            continue
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size(), k))
+    spans.sort()
+    out: set[str] = set()
+    reach, last = -1, None  # the furthest end so far, and the key that reaches it
+    for lo, hi, k in spans:
+        if lo < reach and last is not None:
+            out |= {k, last}
+        if hi > reach:
+            reach, last = hi, k
+    return out

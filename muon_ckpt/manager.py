@@ -236,8 +236,8 @@ class CheckpointManager:
         self.last_load_timings: dict[str, float] = {}
         # What the last load left out (load(strict=False)); empty after a strict load.
         self.last_load_report = LoadReport()
-        # Bytes the last load read from local files on this rank (data, checks and the
-        # parsing of items; remote reads are not counted yet).
+        # Bytes the last load read from storage on this rank (data, checks and the parsing
+        # of items; local files and remote objects alike).
         self.last_load_bytes_read = 0
 
     # ------------------------------------------------------------------ queries

@@ -295,3 +295,73 @@ def test_truncated_file_is_corruption_even_without_crc(tmp_path):
         f.truncate(files[name].size - 100)
     with pytest.raises(CheckpointCorruptError, match=f"{name}.*truncated"):
         _ours(d, _targets(sd, "same"), files=files, verify=False)
+
+
+class _TiedAndViews(torch.nn.Module):
+    """Targets that share memory: a tied weight (one tensor, two keys) and buffers that are
+    views of another buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(300, 200)
+        self.head = torch.nn.Linear(200, 300, bias=False)
+        self.head.weight = self.emb.weight
+        base = torch.randn(2, 100, 50)
+        self.register_buffer("whole", base)
+        self.register_buffer("v0", base[0])
+        self.register_buffer("v1", base[1])
+
+
+def test_targets_sharing_memory_are_not_read_into_directly(tmp_path, monkeypatch):
+    """A target whose memory another target shares is read into a buffer of the thread's own
+    and checksummed there, then copied in: read straight into the target, its bytes could be
+    overwritten by another thread's read of the other key between the read and the checksum."""
+    from muon_ckpt import CheckpointManager
+
+    torch.manual_seed(0)
+    model = _TiedAndViews()
+    CheckpointManager(str(tmp_path / "run"), model=model).save(1)
+    direct: list[tuple[int, ...]] = []
+    chunked = itemread.FileLoad._take_chunked
+
+    def spy(self, fd, target, offset, nbytes):
+        direct.append(tuple(target.shape))
+        return chunked(self, fd, target, offset, nbytes)
+
+    monkeypatch.setattr(itemread.FileLoad, "_take_chunked", spy)
+    CheckpointManager(str(tmp_path / "run"), model=model, io_threads=4).load(1)
+    assert direct == [], direct  # every target here shares its memory
+
+
+def test_damage_in_a_tied_weight_is_found_whatever_the_threads_do(tmp_path):
+    """Every flipped byte inside the two stored copies of a tied weight fails a verified load
+    with several reading threads (each copy is read by its own thread, usually from another
+    file, into the same memory)."""
+    from muon_ckpt import CheckpointManager
+
+    torch.manual_seed(0)
+    model = _TiedAndViews()
+    url = str(tmp_path / "run")
+    CheckpointManager(url, model=model).save(1)
+    mgr = CheckpointManager(url, model=model, io_threads=4)
+    step = os.path.join(url, "step-00000001")
+    md = mgr._catalog.checked(1)[1]
+    spans = [
+        (os.path.join(step, info.relative_path), info.offset, info.length)
+        for idx, info in md.storage_data.items()
+        if idx.fqn in ("model.emb.weight", "model.head.weight")
+    ]
+    assert len(spans) == 2
+    missed = []
+    for path, offset, length in spans:
+        for at in range(offset + 1024, offset + length - 1024, 1999):
+            flip_byte(path, at)
+            try:
+                mgr.load(step=1)
+                missed.append((path, at))
+            except CheckpointCorruptError:
+                pass
+            finally:
+                flip_byte(path, at)
+    assert missed == []
+    mgr.close()

@@ -763,11 +763,11 @@ def test_host_tensors_are_copied_ahead_of_the_reads():
 
 
 def test_overlapping_host_tensors_are_found():
-    from muon_ckpt._rollback import _overlapping
+    from muon_ckpt._tensors import overlapping
 
     base = torch.zeros(100)
     w = torch.zeros(4, 4)
-    found = _overlapping(
+    found = overlapping(
         {
             "a": base[:50],
             "b": base[40:60],  # overlaps a

@@ -236,6 +236,8 @@ class FileLoad:
     that run on several threads is checked window by window. Without ``checksum``, only the
     bytes the targets need are read, and checked against ``entry``'s per-chunk checksums when
     given. ``bytes_read``: what this load read from the file; ``file_size``: its size.
+    ``shared``: the keys of targets whose memory overlaps another target's (never read into
+    directly: ``_direct_target``).
     """
 
     def __init__(
@@ -248,8 +250,10 @@ class FileLoad:
         *,
         window: tuple[int, int] | None = None,
         buffers: ReadBuffers | None = None,
+        shared: frozenset[str] = frozenset(),
     ) -> None:
         self._path, self._where, self._planner = path, where, planner
+        self._shared = shared
         self._sum, self._verify = checksum, checksum is not None
         self._window = window
         self._pos = window[0] if window is not None else 0
@@ -408,6 +412,11 @@ class FileLoad:
             return None
         req = reqs[0]
         if any(req.storage_offsets) or tuple(req.lengths) != lay.size:
+            return None
+        if req.dest_index.fqn in self._shared:
+            # Its memory is another target's too (tied weights, a buffer inside another),
+            # which another thread may write meanwhile: the bytes are checksummed in a buffer
+            # of this thread's own before they are copied in, not in the target.
             return None
         target = self._planner.resolve_tensor(req).detach()
         ok = (

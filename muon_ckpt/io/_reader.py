@@ -37,6 +37,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
+from muon_ckpt._tensors import local_tensor, overlapping
 from muon_ckpt.io._blob import WholeItems
 from muon_ckpt.io._itemread import FileLoad, ReadBuffers
 from muon_ckpt.io._ranged import corrupt_chunk
@@ -103,6 +104,7 @@ class VerifyingReader(FileSystemReader):
         self.timings: dict[str, float] = {}  # "read": wall time of read_data
         self.bytes_read = 0  # bytes this reader read from storage
         self.shared_bytes = 0  # bytes of stored items read once for several ranks (all ranks)
+        self._shared_targets: frozenset[str] = frozenset()  # (set per local read)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         # Already read (and checked) by the caller: no second round trip.
@@ -255,6 +257,7 @@ class VerifyingReader(FileSystemReader):
         then checked window by window against the manifest's per-chunk checksums. A file with
         items that need DCP's own reader (a storage transform) is one task, as is a file
         whose manifest has one checksum for all of it (format 1)."""
+        self._shared_targets = _shared_targets(planner, plan.items)
         per_file: dict[str, dict[int, tuple[int, list[Any]]]] = {}
         dcp_items: dict[str, list[Any]] = {}
         for item in plan.items:
@@ -355,7 +358,16 @@ class VerifyingReader(FileSystemReader):
         # Otherwise (another rank checks it whole) only the parts read, by chunk.
         part = entry if self._verify_crc and not verify else None
         path = self.step.path(name)
-        load = FileLoad(path, where, planner, whole, part, window=window, buffers=buffers)
+        load = FileLoad(
+            path,
+            where,
+            planner,
+            whole,
+            part,
+            window=window,
+            buffers=buffers,
+            shared=self._shared_targets,
+        )
 
         def run() -> Checksum | None:
             try:
@@ -399,6 +411,18 @@ class VerifyingReader(FileSystemReader):
         bad = mismatched_chunks(entry, lo, got)
         if bad:
             raise corrupt_chunk(entry, bad[0], where)
+
+
+def _shared_targets(planner: Any, items: list[Any]) -> frozenset[str]:
+    """The keys of this plan's host targets whose memory overlaps another's (tied weights, a
+    buffer that is a view of another): ``FileLoad`` does not read into those directly."""
+    sd = getattr(planner, "state_dict", None) or {}
+    host = {}
+    for fqn in {item.dest_index.fqn for item in items}:
+        v = sd.get(fqn)
+        if isinstance(v, torch.Tensor) and local_tensor(v).device.type == "cpu":
+            host[fqn] = local_tensor(v)
+    return frozenset(overlapping(host))
 
 
 def _split(
