@@ -29,11 +29,56 @@ from muon_ckpt._fqn import canonical_names, legacy_aliases, param_fqns, strip_wr
 from muon_ckpt._tensors import host_copy
 from muon_ckpt.store import extra_key, model_key, optim_group_key, optim_state_key, rank_extra_key
 
-__all__ = ["PARTS", "FlatState", "LoadReport", "check_stateful", "extra_digests"]
+__all__ = [
+    "PARTS",
+    "FlatState",
+    "LoadReport",
+    "check_stateful",
+    "extra_digests",
+    "module_extra_states",
+]
 
 PARTS = ("model", "optim", "extra", "rank_extra")
 _GROUP_SKIP = ("params", "names")
 _GROUPS = "optim.param_groups."
+_EXTRA_STATE = "_extra_state"  # torch's key for a module's get_extra_state()
+
+
+def extra_state_owner(model: torch.nn.Module, key: str) -> torch.nn.Module | None:
+    """The module whose ``get_extra_state()`` is ``model.state_dict()``'s entry ``key``, or
+    None when ``key`` is not such an entry."""
+    if key != _EXTRA_STATE and not key.endswith("." + _EXTRA_STATE):
+        return None
+    owner = model.get_submodule(key[: -len(_EXTRA_STATE)].rstrip("."))
+    if type(owner).get_extra_state is torch.nn.Module.get_extra_state:
+        return None  # a parameter or buffer of that name
+    return owner
+
+
+class _ExtraState:
+    """A module's extra state (``get_extra_state``/``set_extra_state``) as a Stateful."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
+
+    def state_dict(self) -> Any:
+        return self._module.get_extra_state()
+
+    def load_state_dict(self, state: Any) -> None:
+        self._module.set_extra_state(state)
+
+
+def module_extra_states(model: torch.nn.Module | None) -> dict[str, Any]:
+    """Every module's extra state of ``model`` as a Stateful, by its state-dict key (what a
+    load changes besides tensors, kept to be restored)."""
+    if model is None:
+        return {}
+    out: dict[str, Any] = {}
+    for key in model.state_dict(keep_vars=True):
+        owner = extra_state_owner(model, key)
+        if owner is not None:
+            out[key] = _ExtraState(owner)
+    return out
 
 
 def check_stateful(field_name: str, objs: Any) -> dict[str, Any]:
@@ -160,7 +205,8 @@ class FlatState:
     # key -> (param, state key) for optimizer state
     state_slots: dict[str, tuple[Tensor, str]] = field(default_factory=dict)
     group_fqns: list[list[str]] = field(default_factory=list)  # each group's param FQNs
-    stateful: dict[str, Any] = field(default_factory=dict)  # key -> extra / rank_extra object
+    # key -> extra, rank_extra or a module's extra state (a Stateful)
+    stateful: dict[str, Any] = field(default_factory=dict)
     group_of: dict[str, int] = field(default_factory=dict)  # param FQN -> its group's index
     unsure_groups: set[int] = field(default_factory=set)  # relaxed: groups with a changed param
     stateless: list[Tensor] = field(default_factory=list)  # params without state when saved
@@ -182,6 +228,9 @@ class FlatState:
             clean = canonical_names(model, list(msd))
             for k, v in msd.items():
                 fs.sd[model_key(clean[k])] = v
+                owner = extra_state_owner(model, k)
+                if owner is not None:  # loaded through set_extra_state, as extra is
+                    fs.stateful[model_key(clean[k])] = _ExtraState(owner)
         if optimizer is not None and "optim" in parts:
             fqns = param_fqns(model, optimizer)
             for gi, (group, names) in enumerate(zip(optimizer.param_groups, fqns, strict=True)):
@@ -318,7 +367,12 @@ class FlatState:
             self._drop(key)
         ours = set(self.sd)
         sections = [s for s in ("model.", "optim.state.") if any(k.startswith(s) for k in ours)]
-        unexpected = sorted(k for k in have if k.startswith(tuple(sections)) and k not in ours)
+        nested = tuple(f"{k}." for k in self.stateful)  # a module's extra state, flattened
+        unexpected = sorted(
+            k
+            for k in have
+            if k.startswith(tuple(sections)) and k not in ours and not k.startswith(nested)
+        )
         dropped = {k for k in report.missing} | {k for k, _ in report.mismatched}
         unexpected = [k for k in unexpected if k not in dropped]
         if unexpected and strict:

@@ -43,6 +43,7 @@ from muon_ckpt._flatten import (
     LoadReport,
     check_stateful,
     extra_digests,
+    module_extra_states,
     prepare_optimizer_state,
 )
 from muon_ckpt._fqn import param_fqns
@@ -589,7 +590,8 @@ class CheckpointManager:
         rollback: Rollback | None = None
         try:
             try:
-                rollback = Rollback(self._optimizer, self._extra | self._rank_extra, self._staging)
+                kept = self._extra | self._rank_extra | module_extra_states(self._model)
+                rollback = Rollback(self._optimizer, kept, self._staging)
                 flat, report = self._prepare(d, where, strict, parts, rollback)
             except Exception as e:
                 error = e

@@ -851,3 +851,88 @@ def test_a_load_cut_short_after_its_reads_undoes_them_and_leaves_nothing_running
     assert not [t for t in threading.enumerate() if t.name == "muon_ckpt_keep"]
     assert not [d for d in mgr._staging._buffers if d.type == "cpu"]
     assert_same(muon_state_sd(model, opt), before)
+
+
+class _WithExtraState(nn.Module):
+    """A module with extra state (``get_extra_state``/``set_extra_state``) of a given kind."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.kind = kind
+        self.counter = 0
+        self.table = torch.zeros(4)
+
+    def get_extra_state(self):
+        if self.kind == "dict":
+            return {"counter": self.counter, "table": self.table.clone()}
+        if self.kind == "int":
+            return self.counter
+        return self.table.clone()
+
+    def set_extra_state(self, state) -> None:
+        if self.kind == "dict":
+            self.counter = state["counter"]
+            self.table.copy_(state["table"])
+        elif self.kind == "int":
+            self.counter = state
+        else:
+            self.table.copy_(state)
+
+
+def _extra_state_of(m: nn.Module) -> tuple[int, list[float]]:
+    return m.block.counter, m.block.table.tolist()
+
+
+@pytest.mark.parametrize("kind", ["dict", "int", "tensor"])
+def test_module_extra_state_saves_loads_and_survives_a_failed_load(tmp_path, kind):
+    """A module's extra state is loaded through ``set_extra_state`` (as ``load_state_dict``
+    does), whatever ``get_extra_state`` returns; a failed load leaves it as it was."""
+    url = str(tmp_path / "run")
+
+    def make() -> nn.Module:
+        m = nn.Module()
+        m.block = _WithExtraState(kind)
+        return m
+
+    src = make()
+    src.block.counter, src.block.table[:] = 42, torch.arange(4.0)
+    CheckpointManager(url, model=src, extra={"d": Counter()}).save(1)
+    expect = _extra_state_of(src) if kind == "dict" else None
+
+    dst = make()
+    assert CheckpointManager(url, model=dst, extra={"d": Counter()}).load() == 1
+    got = _extra_state_of(dst)
+    if kind == "dict":
+        assert got == expect
+    elif kind == "int":
+        assert got[0] == 42
+    else:
+        assert got[1] == [0.0, 1.0, 2.0, 3.0]
+    assert torch.equal(dst.block.lin.weight, src.block.lin.weight)
+
+    fresh = make()
+    fresh.block.counter, fresh.block.table[:] = 7, -1.0
+    with pytest.raises((CheckpointError, ValueError), match="cannot take the state"):
+        CheckpointManager(url, model=fresh, extra={"d": _FailsToApply()}).load(step=1)
+    assert _extra_state_of(fresh) == (7, [-1.0] * 4)
+
+
+def test_module_extra_state_missing_from_the_checkpoint_is_named(tmp_path):
+    """A module that has extra state now but had none when saved: a clear error naming the
+    key; ``strict=False`` loads the rest and reports it."""
+    url = str(tmp_path / "run")
+    saved = nn.Module()
+    saved.block = nn.Module()
+    saved.block.lin = nn.Linear(3, 3)
+    CheckpointManager(url, model=saved).save(1)
+    m = nn.Module()
+    m.block = _WithExtraState("dict")
+    m.block.counter = 5
+    with pytest.raises(CheckpointMismatchError, match=r"block\._extra_state"):
+        CheckpointManager(url, model=m).load(step=1)
+    mgr = CheckpointManager(url, model=m)
+    assert mgr.load(step=1, strict=False) == 1
+    assert mgr.last_load_report.missing == ["model.block._extra_state"]
+    assert m.block.counter == 5
+    assert torch.equal(m.block.lin.weight, saved.block.lin.weight)
