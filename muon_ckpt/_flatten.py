@@ -507,6 +507,6 @@ def _missing_msg(key: str, have: dict[str, Any], ours: set[str], url: str) -> st
     hint = f" The checkpoint has keys this model does not: {unknown[:8]}." if unknown else ""
     return (
         f"{url}: key {key!r} is not in the checkpoint.{hint} Was a parameter renamed? Keys are "
-        "parameter FQNs; load with the model the checkpoint was saved from, load(strict=False) "
-        "to load what matches, or rename the checkpoint keys (muon-ckpt import)"
+        "parameter FQNs; load with the model the checkpoint was saved from, or load(strict=False) "
+        "to load what matches and report the rest"
     )

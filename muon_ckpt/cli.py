@@ -8,12 +8,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
 from muon_ckpt._version import __version__
 
 __all__ = ["main"]
+
+
+def _json(doc: Any) -> str:
+    """``doc`` as one JSON document (RFC 8259): a non-finite float (an ``extra`` value such as
+    a best loss of inf, a NaN in a tensor) is written as the string ``"inf"``, ``"-inf"`` or
+    ``"nan"``, not as JavaScript's ``Infinity``/``NaN``, which strict parsers reject."""
+    return json.dumps(_finite(doc), indent=1, allow_nan=False)
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
 
 
 def _storage_options(pairs: list[str] | None) -> dict[str, Any]:
@@ -55,7 +73,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     steps, ignored = cat.scan(detail=True), cat.ignored()
     if args.json:
         doc = {"url": args.url, "steps": [s.as_dict() for s in steps], "ignored": ignored}
-        print(json.dumps(doc, indent=1))
+        print(_json(doc))
         return 0
     for name in ignored:
         print(f"ignored: {name} (not a step directory name: step- and exactly 8 digits)")
@@ -123,7 +141,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             files_bytes=r.manifest.total_bytes,
         )
     if args.json:
-        print(json.dumps({**head, "tensor_bytes": total, "keys": rows}, indent=1))
+        print(_json({**head, "tensor_bytes": total, "keys": rows}))
         return 0
     desc = f"step {r.step} of {r.url}" if r.step is not None else r.url
     extra = ""
@@ -187,7 +205,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     failed = [x for x in results if x["status"] == "failed"]
     if args.json:
         doc = {"url": args.url, "ok": not failed, "steps": results}
-        print(json.dumps(doc, indent=1))
+        print(_json(doc))
         return 1 if failed else 0
     for x in results:
         step = x["step"]
@@ -273,7 +291,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         doc = {"out": s.out, "step": s.step, "tensors": s.tensors, "bytes": s.bytes}
         doc["skipped"] = s.skipped
     if args.json:
-        print(json.dumps(doc, indent=1))
+        print(_json(doc))
         return 0
     where = f"step {doc['step']}" if doc["step"] is not None else args.url
     print(f"exported {where}: {doc['tensors']} tensors, {_human(doc['bytes'])} -> {doc['out']}")
@@ -293,7 +311,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
     res = prune(_open(args), args.keep, dry_run=args.dry_run)
     if args.json:
-        print(json.dumps({"url": args.url, "dry_run": args.dry_run, **vars(res)}, indent=1))
+        print(_json({"url": args.url, "dry_run": args.dry_run, **vars(res)}))
         return 0
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{verb} {len(res.deleted)} step(s): {', '.join(map(str, res.deleted)) or '-'}")

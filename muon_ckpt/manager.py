@@ -342,8 +342,13 @@ class CheckpointManager:
 
     @staticmethod
     def _raise_failed(step: int, error: Exception | None, failed: list[int]) -> None:
-        if error is not None:
+        if isinstance(error, CheckpointError):
             raise error
+        if error is not None:  # (an extra's state_dict(), the optimizer's offload snapshot)
+            raise CheckpointError(
+                f"saving step {step}: taking the snapshot failed: {type(error).__name__}: "
+                f"{error}; nothing was written and every committed step is intact"
+            ) from error
         if failed:
             raise CheckpointError(
                 f"saving step {step}: taking the snapshot failed on rank(s) {failed} (their "

@@ -330,3 +330,35 @@ def test_export_refuses_nothing_to_export_and_ambiguous_outputs(tmp_path, capsys
         "leftovers": [],
         "corrupt": [],
     }
+
+
+class _EarlyStop:
+    """An ``extra`` holding non-finite values: a best loss that starts at inf, NaNs."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "best": float("inf"),
+            "worst": float("-inf"),
+            "hist": torch.full((40,), float("nan")),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def test_json_output_is_strict_json_with_non_finite_values(tmp_path, capsys):
+    """``--json`` prints one RFC 8259 document: inf, -inf and NaN as strings (Python's own
+    ``Infinity``/``NaN`` are rejected by strict parsers)."""
+    url = str(tmp_path / "run")
+    with CheckpointManager(url, model=torch.nn.Linear(2, 2), extra={"early": _EarlyStop()}) as m:
+        m.save(1)
+    rc, out, _ = cli(capsys, "inspect", url, "--json", "--keys", "extra.*")
+    assert rc == 0
+
+    def strict(c: str) -> Any:
+        raise ValueError(f"not RFC 8259 JSON: {c}")
+
+    keys = {k["key"]: k for k in json.loads(out, parse_constant=strict)["keys"]}
+    assert keys["extra.early.best"]["value"] == "inf"
+    assert keys["extra.early.worst"]["value"] == "-inf"
+    assert keys["extra.early.hist"]["summary"] == {"min": "nan", "max": "nan", "mean": "nan"}

@@ -277,3 +277,37 @@ def test_export_to_and_load_from_s3(s3_bucket):
     assert report.files == [f for f in s.files["model"] if f.endswith(".safetensors")]
     for k, v in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
+
+
+class _CausalLM(nn.Module):
+    """Hugging Face naming: the decoder under ``model.``, the head beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(10, 4)
+        self.model.norm = nn.LayerNorm(4)
+        self.lm_head = nn.Linear(4, 10, bias=False)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["model_sd", "under_model"])
+def test_plain_dcp_source_keeps_the_models_own_names(tmp_path, nested):
+    """A plain DCP directory holds the FQNs as saved: a model's own ``model.`` prefix stays
+    (saved as ``model.state_dict()``); a prefix that every key has is the section (saved as
+    ``{"model": model.state_dict()}``)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    src = _CausalLM()
+    d = str(tmp_path / "dcp")
+    dcp.save(
+        {"model": src.state_dict()} if nested else src.state_dict(), checkpoint_id=d, no_dist=True
+    )
+    out = str(tmp_path / "hf")
+    export_hf(d, out)
+    sd = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(sd) == sorted(src.state_dict())
+    dst = _CausalLM()
+    dst.load_state_dict(sd)
+    assert all(torch.equal(dst.state_dict()[k], v) for k, v in src.state_dict().items())

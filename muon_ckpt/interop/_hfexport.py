@@ -77,10 +77,11 @@ class _Set:
     meta: dict[str, str] = field(default_factory=dict)  # index (or single file) metadata
 
 
-def _name(section: str, key: str, rename: Callable[[str], str]) -> str | None:
-    """Output name of a stored key, or None when it is not a tensor of this section."""
+def _name(section: str, key: str, rename: Callable[[str], str], nested: bool) -> str | None:
+    """Output name of a stored key, or None when it is not a tensor of this section;
+    ``nested``: model keys carry a ``model.`` section prefix to drop."""
     if section == "model":
-        return rename(strip_wrappers(key.removeprefix("model.")))
+        return rename(strip_wrappers(key.removeprefix("model.") if nested else key))
     parts = split_state_key(key)
     if parts is None:
         return None
@@ -88,12 +89,19 @@ def _name(section: str, key: str, rename: Callable[[str], str]) -> str | None:
     return f"state.{rename(strip_wrappers(fqn))}.{state_key}"
 
 
-def _collect(md: Any, section: str, rename: Callable[[str], str], cast: torch.dtype | None) -> _Set:
+def _collect(
+    md: Any, section: str, rename: Callable[[str], str], cast: torch.dtype | None, dcp: bool
+) -> _Set:
+    """The tensors of ``section``; ``dcp``: a plain DCP checkpoint, whose model keys are FQNs
+    as saved, under a ``model.`` prefix only when every one of them has it (a state dict
+    saved as ``{"model": ...}``; a Hugging Face model's own ``model.`` FQNs sit beside
+    ``lm_head``)."""
     out = _Set(STEMS[section])
     keys = [k for k in tensor_entries(md) if section_of(k) == section]  # in saved order
+    nested = not dcp or all(k.startswith("model.") for k in keys)
     seen: dict[str, str] = {}
     for item in export_items(md, keys, cast):
-        name = _name(section, item.key, rename)
+        name = _name(section, item.key, rename, nested)
         if name is None:
             continue
         if name in seen:
@@ -188,7 +196,8 @@ def export_hf(
 
     Args:
         url: a muon-ckpt run root (newest committed step, or ``step``), a step directory, or a
-            plain DCP directory; local or any fsspec URL.
+            plain DCP directory (its keys are the model's FQNs, under a ``model.`` prefix
+            only if every key has one); local or any fsspec URL.
         out_dir: the output directory (local or fsspec URL; remote uses ``storage_options``).
             Files of a previous export there (``model*.safetensors``, its index) are replaced;
             other files (config.json, tokenizer, ...) are left alone.
@@ -219,7 +228,7 @@ def export_hf(
     renamer = make_renamer(rename)
     reader = CheckpointReader(resolve(Storage(url, storage_options), step), verify=verify)
     r, md = reader.resolved, reader.metadata
-    sets = {s: _collect(md, s, renamer, cast) for s in inc}
+    sets = {s: _collect(md, s, renamer, cast, r.kind == "dcp") for s in inc}
     for section, s in sets.items():
         if not s.items:
             raise nothing_to_export(md, (section,), r.url)
