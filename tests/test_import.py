@@ -269,3 +269,33 @@ def test_import_from_a_safetensors_file_written_by_another_tool(tmp_path):
     assert report.casts == {"state.fc1.bias.exp_avg": ("torch.bfloat16", "torch.float32")}
     assert report.missing == {"fc1.bias": ["moment2"]}
     assert "incomplete  fc1.bias: no source for moment2" in str(report)
+
+
+def test_import_into_a_compiled_model_matches_canonical_names(tmp_path):
+    """A checkpoint stores canonical FQNs (no ``_orig_mod.``); ``model=`` a compiled model
+    imports every param's state, as the manager loads it, and the report names the params
+    canonically. A torch file named by the compiled model's ``named_parameters()``
+    (positional ids) imports too."""
+    torch.manual_seed(0)
+    src = TinyNet()
+    src_opt = make_muon(src)
+    url = str(tmp_path / "run")
+    with CheckpointManager(url, model=src, optimizer=src_opt) as mgr:
+        train(src, src_opt, 2)
+        mgr.save(2)
+    model, _ = _fresh()
+    wrapped = torch.compile(model)
+    opt = make_muon(model)
+    report = import_optimizer_state(opt, url, model=wrapped)
+    names = [n for n, _ in model.named_parameters()]
+    assert report.fresh == [] and sorted(report.imported) == sorted(names)
+    for p, q in zip(src.parameters(), model.parameters(), strict=True):
+        for k, v in src_opt.state[p].items():
+            assert torch.equal(opt.state[q][k], v), k
+    path = str(tmp_path / "opt.pt")
+    torch.save(src_opt.state_dict(), path)  # params by position
+    model2, _ = _fresh()
+    wrapped2 = torch.compile(model2)
+    opt2 = make_muon(model2)
+    report = import_optimizer_state(opt2, path, model=wrapped2)
+    assert report.fresh == [] and sorted(report.imported) == sorted(names)

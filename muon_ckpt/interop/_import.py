@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import TensorMeta
 
 from muon_ckpt._errors import CheckpointError, CheckpointMismatchError
+from muon_ckpt._fqn import canonical_names, strip_wrappers
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.interop._sources import Source, SrcEntry, open_source
 
@@ -93,12 +94,16 @@ def _targets(optimizer: Any, model: Any) -> list[_Target]:
             f"import_optimizer_state needs a Muon optimizer (param groups with 'use_muon' and "
             f"an init_state() method), got {type(optimizer).__name__}"
         )
-    by_id = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    by_id: dict[int, str] = {}
+    if model is not None:  # canonical names, as checkpoints store them (no _orig_mod., module.)
+        named = list(model.named_parameters())
+        clean = canonical_names(model, [n for n, _ in named])
+        by_id = {id(p): clean[n] for n, p in named}
     out = []
     for gi, g in enumerate(groups):
         names = g.get("names") or []
         for i, p in enumerate(g["params"]):
-            fqn = by_id.get(id(p)) or (names[i] if i < len(names) else None)
+            fqn = by_id.get(id(p)) or (strip_wrappers(names[i]) if i < len(names) else None)
             if not fqn:
                 raise ValueError(
                     f"param {i} of param group {gi} has no name: pass model= or give the "
@@ -138,8 +143,8 @@ def _plan(
     by_fqn: dict[str, dict[str, SrcEntry]] = {}
     for e in src.entries:
         canon = CANONICAL.get(e.name)
-        if canon is not None:
-            by_fqn.setdefault(e.fqn, {}).setdefault(canon, e)
+        if canon is not None:  # (a source named by a wrapped model: its wrappers dropped)
+            by_fqn.setdefault(strip_wrappers(e.fqn), {}).setdefault(canon, e)
     used: set[str] = set()
     plan = []
     adam_skipped = []
