@@ -278,7 +278,8 @@ class CheckpointManager:
 
         With ``async_save`` it returns once the state is snapshotted; the step is committed
         in the background (``wait()``). A pending save is waited for first, and its failure
-        raised here. Raises CheckpointExistsError if ``step`` is committed already, unless
+        raised here, without saving ``step`` (a call ``interval`` skips returns False without
+        waiting). Raises CheckpointExistsError if ``step`` is committed already, unless
         ``overwrite``: the new version is written beside the committed step and replaces it
         once committed (if this save fails, the old version stays). The first
         save after ``load(step=k)`` rewound the run deletes the committed steps after ``k``.
