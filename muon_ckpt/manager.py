@@ -67,7 +67,6 @@ from muon_ckpt.store import (
     Storage,
     open_storage,
     parse_step_dirname,
-    step_dirname,
 )
 
 __all__ = ["CheckpointManager"]
@@ -529,7 +528,7 @@ class CheckpointManager:
             decided = time.perf_counter() - t0
             chosen, skipped = d.step, d.skipped
             catalog = self._resume[0] if d.from_resume and self._resume else self._catalog
-            where = catalog.storage.url_of(step_dirname(chosen))
+            where = catalog.storage.url_of(d.dirname)
             bad, error, report, rollback = self._attempt(catalog, d, where, strict, chosen_parts)
             if not bad:
                 break
@@ -689,7 +688,7 @@ class CheckpointManager:
         ``keep(key)`` before the first write into each tensor (``Rollback.keep``)."""
         t0 = time.perf_counter()
         reader = VerifyingReader(
-            catalog.storage.child(step_dirname(d.step)),
+            catalog.storage.child(d.dirname),
             d.files,
             metadata=d.metadata,
             rank=coll.rank(),
@@ -765,7 +764,8 @@ class CheckpointManager:
                 for info in scan:
                     if info.status == CORRUPT and info.step in newer:
                         _log.warning("skipping step %d: %s", info.step, info.problem)
-            return _Decision(from_resume, s, m.world_size, m.files, md, newer, skipped)
+            where = catalog.dirname(s)
+            return _Decision(from_resume, s, m.world_size, m.files, md, newer, skipped, where)
         raise CheckpointCorruptError(
             f"{self.url}: no committed step loads cleanly; "
             + "; ".join(
@@ -844,6 +844,7 @@ class _Decision:
     metadata: Any
     newer: list[int]  # steps of url that a save after this load abandons
     skipped: list[_Skip]
+    dirname: str  # the step's directory (Catalog.dirname)
 
 
 def _outcome(error: Exception | None) -> tuple[str, str] | None:

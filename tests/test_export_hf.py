@@ -308,6 +308,8 @@ def test_plain_dcp_source_keeps_the_models_own_names(tmp_path, nested):
     export_hf(d, out)
     sd = load_file(os.path.join(out, "model.safetensors"))
     assert sorted(sd) == sorted(src.state_dict())
+    assert torch.equal(sd["lm_head.weight"], src.lm_head.weight)
+    assert torch.equal(sd["model.embed_tokens.weight"], src.model.embed_tokens.weight)
     dst = _CausalLM()
     dst.load_state_dict(sd)
     assert all(torch.equal(dst.state_dict()[k], v) for k, v in src.state_dict().items())

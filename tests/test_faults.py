@@ -170,3 +170,38 @@ def test_a_stalled_upload_is_cut_by_the_timeout_and_retried(faulty):
     assert TIMEOUT <= time.monotonic() - t0 < 15  # (was unbounded: one save took 104 s)
     assert proxy.injected == {"stall": 2}
     _loads_whole(f, 3)
+
+
+def test_an_overwrite_cut_short_while_moved_into_place_keeps_the_step_loadable(faulty):
+    """On an object store an overwrite is committed beside the step, then moved into place
+    (the old version removed, the new files copied, the manifest last). A move that fails
+    half way raises, and step 20 is then read from where the new version is committed: a
+    restart loads step 20, not the step before it; ``steps()`` and ``ls`` list it; the next
+    save finishes the move."""
+    f, proxy = faulty, faulty["proxy"]
+    model = _model(10.0)
+    mgr = _mgr(f, model)
+    mgr.save(10)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(20.0)
+    mgr.save(20)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(21.0)
+    # Every server-side copy into step 20's own directory fails: the move is cut short.
+    proxy.rule("PUT", r"/run-[0-9a-f]+/step-00000020/", "503")
+    with pytest.raises(CheckpointError, match="is committed, but moving it into place failed"):
+        mgr.save(20, overwrite=True)
+    proxy.clear()
+    assert mgr.steps() == [10, 20]
+    restarted = _model(-1.0)
+    assert _mgr(f, restarted, direct=True).load() == 20
+    assert all(torch.all(p == 21.0) for p in restarted.parameters())  # the new version
+    assert _mgr(f, _model(30.0), direct=True).save(30)  # finishes the move first
+    names = Storage(f["url"], f["direct"]).listdir()
+    assert not [n for n in names if n.startswith("overwrite-")], names
+    _loads_whole(f, 30)
+    again = _model(-1.0)
+    assert _mgr(f, again, direct=True).load(step=20) == 20
+    assert all(torch.all(p == 21.0) for p in again.parameters())

@@ -189,8 +189,8 @@ class SaveJob:
         return self.step
 
     def _raise(self, err: BaseException) -> None:
-        if not self._background:
-            raise err
+        if not self._background or getattr(err, "committed", False):
+            raise err  # (committed: the error says where the step is)
         if isinstance(err, CheckpointError):
             raise type(err)(
                 f"the asynchronous save of step {self.step} failed, so it was not committed "

@@ -37,7 +37,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from muon_ckpt._errors import CheckpointCorruptError, CheckpointExistsError, CheckpointNotFoundError
+from muon_ckpt._errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+)
 from muon_ckpt._version import __version__
 from muon_ckpt.store._checksum import Checksum
 from muon_ckpt.store._layout import (
@@ -135,11 +140,22 @@ class Catalog:
         """Every step directory, oldest first, with its status (``detail``: also size, file
         count and time of the steps that are not committed, from a listing)."""
         st = self.storage
-        out = []
-        for name in st.listdir():
-            step = parse_step_dirname(name)
+        out: dict[int, StepInfo] = {}
+        names = st.listdir()
+        # A committed overwrite whose move into place was cut short (object stores): the step
+        # is read from there until a save finishes the move (``_swap_in``).
+        moved = {
+            step: name
+            for name in names
+            if name.startswith(_OVERWRITE)
+            and (step := parse_step_dirname(name[len(_OVERWRITE) :])) is not None
+        }
+        for name in [n for n in names if parse_step_dirname(n) is not None] + list(moved.values()):
+            step = parse_step_dirname(name.removeprefix(_OVERWRITE))
             if step is None:
                 continue
+            if name.startswith(_OVERWRITE) and (step in out and out[step].committed):
+                continue  # the step's own version stands (an overwrite not swapped in yet)
             info = StepInfo(step, name, UNCOMMITTED, problem="no manifest.json: not committed")
             try:
                 m = read_manifest(st, name, step)
@@ -160,8 +176,10 @@ class Catalog:
                     info.time = datetime.datetime.fromtimestamp(
                         max(times), datetime.timezone.utc
                     ).isoformat(timespec="seconds")
-            out.append(info)
-        return sorted(out, key=lambda s: s.step)
+            if name.startswith(_OVERWRITE) and not info.committed:
+                continue  # an overwrite being written, or left by a crash: not a step
+            out[step] = info
+        return sorted(out.values(), key=lambda s: s.step)
 
     def ignored(self) -> list[str]:
         """Names under the root that look like steps but are not canonical (``step-`` and
@@ -194,10 +212,19 @@ class Catalog:
             "Call load() for the newest, or load(step=...) with one of these"
         )
 
+    def dirname(self, step: int) -> str:
+        """The directory that holds committed ``step``: its own, or the overwrite directory
+        of a move into place that was cut short (``_swap_in``)."""
+        own = step_dirname(step)
+        if self.storage.is_local or self.storage.exists(own, MANIFEST):
+            return own  # (locally the move is one atomic exchange)
+        staged = _OVERWRITE + own
+        return staged if self.storage.exists(staged, MANIFEST) else own
+
     def manifest(self, step: int) -> Manifest:
         """The valid manifest of ``step``, or the not-found / corrupt error."""
         try:
-            return read_manifest(self.storage, step_dirname(step), step)
+            return read_manifest(self.storage, self.dirname(step), step)
         except FileNotFoundError as e:
             raise self.not_found(step) from e
 
@@ -206,7 +233,7 @@ class Catalog:
         (checksum-verified, safely unpickled). Raises CheckpointCorruptError naming the first
         bad file."""
         m = self.manifest(step)
-        return m, check_files(self.storage, (step_dirname(step),), m)
+        return m, check_files(self.storage, (self.dirname(step),), m)
 
     # ------------------------------------------------------------------ writing (rank 0)
     def begin(self, step: int, overwrite: bool) -> None:
@@ -311,18 +338,30 @@ class Catalog:
             st.exchange(staged, final)
             self._remove(staged)  # now the old version (or the symlink that was the step)
             return
-        self.delete(step)
-        files = st.walk_files(staged)
-        for fname in sorted(files):
-            if fname != MANIFEST:
-                st.copy((staged, fname), (final, fname))
-        st.copy((staged, MANIFEST), (final, MANIFEST))
+        self._remove(final)
+        try:
+            files = st.walk_files(staged)
+            for fname in sorted(files):
+                if fname != MANIFEST:
+                    st.copy((staged, fname), (final, fname))
+            st.copy((staged, MANIFEST), (final, MANIFEST))
+        except Exception as e:
+            err = CheckpointStorageError(
+                f"{st.url_of(final)}: the new version of step {step} is committed, but moving "
+                f"it into place failed ({type(e).__name__}: {e}); until the next save moves "
+                f"it, step {step} is read from {st.url_of(staged)}"
+            )
+            err.committed = True  # (not 'not committed': SaveJob passes it on as it is)
+            raise err from e
         st.rm(staged)
 
     def delete(self, step: int) -> None:
-        """Uncommit (manifest first), then remove the files. A step directory that is a
-        symlink (to another run's step) is unlinked: its target is never touched."""
+        """Uncommit (manifest first), then remove the files; also a committed overwrite of the
+        step not moved into place yet. A step directory that is a symlink (to another run's
+        step) is unlinked: its target is never touched."""
         self._remove(step_dirname(step))
+        if not self.storage.is_local and self.storage.exists(_OVERWRITE + step_dirname(step)):
+            self._remove(_OVERWRITE + step_dirname(step))
 
     def _remove(self, name: str) -> None:
         if self.storage.is_link(name):

@@ -24,7 +24,6 @@ from muon_ckpt.store._layout import (
     FileEntry,
     Manifest,
     parse_step_dirname,
-    step_dirname,
 )
 from muon_ckpt.store._metadata import check_paths, parse_metadata
 from muon_ckpt.store._storage import Storage
@@ -106,7 +105,7 @@ def resolve(storage: Storage, step: int | None = None) -> Resolved:
             f"committed ({', '.join(f'{s.step}: {s.status}' for s in infos)}); nothing to read"
         )
     step = committed[-1] if step is None else step
-    return Resolved(storage, (step_dirname(step),), step, cat.manifest(step))
+    return Resolved(storage, (cat.dirname(step),), step, cat.manifest(step))
 
 
 @dataclass
