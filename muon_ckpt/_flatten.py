@@ -42,6 +42,7 @@ PARTS = ("model", "optim", "extra", "rank_extra")
 _GROUP_SKIP = ("params", "names")
 _GROUPS = "optim.param_groups."
 _EXTRA_STATE = "_extra_state"  # torch's key for a module's get_extra_state()
+_WRAPPED = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod", "module")
 
 
 def extra_state_owner(model: torch.nn.Module, key: str) -> torch.nn.Module | None:
@@ -49,9 +50,15 @@ def extra_state_owner(model: torch.nn.Module, key: str) -> torch.nn.Module | Non
     None when ``key`` is not such an entry."""
     if key != _EXTRA_STATE and not key.endswith("." + _EXTRA_STATE):
         return None
-    owner = model.get_submodule(key[: -len(_EXTRA_STATE)].rstrip("."))
-    if type(owner).get_extra_state is torch.nn.Module.get_extra_state:
-        return None  # a parameter or buffer of that name
+    owner: Any = model.get_submodule(key[: -len(_EXTRA_STATE)].rstrip("."))
+    while type(owner).get_extra_state is torch.nn.Module.get_extra_state:
+        # A wrapper whose state_dict() names its wrapped module's entries as its own
+        # (activation checkpointing, FSDP1, torch.compile), or a parameter or buffer of
+        # that name (None).
+        inner = next((getattr(owner, a) for a in _WRAPPED if hasattr(owner, a)), None)
+        if not isinstance(inner, torch.nn.Module):
+            return None
+        owner = inner
     return owner
 
 
@@ -288,6 +295,8 @@ class FlatState:
         self.sd[saved] = self.sd.pop(key)
         if key in self.state_slots:
             self.state_slots[saved] = self.state_slots.pop(key)
+        if key in self.stateful:
+            self.stateful[saved] = self.stateful.pop(key)
 
     def check_against(
         self, metadata: Any, fresh: set[int], url: str, *, strict: bool = True
@@ -316,12 +325,32 @@ class FlatState:
                         torch.empty(md.size, dtype=md.properties.dtype) if tensor else None
                     )
         aliases = legacy_aliases(have)
-        for key in [k for k in self.sd if k not in have and k in aliases]:
-            self._rename(key, aliases[key])
+        for key in [k for k in self.sd if k not in have]:
+            if key in aliases:
+                self._rename(key, aliases[key])
+            elif key in self.stateful:  # a dict module extra state, flattened, wrapped names
+                under = next((a for a in aliases if a.startswith(f"{key}.")), None)
+                if under is not None:
+                    self._rename(key, aliases[under][: len(aliases[under]) - len(under) + len(key)])
         for key in list(self.stateful):
             flat, _ = flatten_state_dict({key: self.sd[key]})
             missing = sorted(k for k in flat if k not in have)
             if not missing:
+                why = next(
+                    (
+                        f"{k!r} {w}"
+                        for k, v in flat.items()
+                        if (w := _mismatch(v, have[k], TensorStorageMetadata)) is not None
+                    ),
+                    None,
+                )
+                if why is None:
+                    continue
+                if strict:
+                    raise CheckpointMismatchError(f"{url}: {_display(key)}: key {why}")
+                report.mismatched.append((key, why))
+                self._drop(key)
+                del self.stateful[key]
                 continue
             if not strict:
                 report.missing.append(key)

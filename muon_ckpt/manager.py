@@ -595,7 +595,8 @@ class CheckpointManager:
         rollback: Rollback | None = None
         try:
             try:
-                kept = self._extra | self._rank_extra | module_extra_states(self._model)
+                model = self._model if "model" in parts else None
+                kept = self._extra | self._rank_extra | module_extra_states(model)
                 rollback = Rollback(self._optimizer, kept, self._staging)
                 flat, report = self._prepare(d, where, strict, parts, rollback)
             except Exception as e:
@@ -752,7 +753,7 @@ class CheckpointManager:
             if (from_resume, s) in tried:
                 continue
             try:
-                m, md = catalog.checked(s)
+                where, m, md = catalog.checked_at(s)
             except CheckpointCorruptError as e:
                 if step is not None:
                     raise
@@ -764,7 +765,6 @@ class CheckpointManager:
                 for info in scan:
                     if info.status == CORRUPT and info.step in newer:
                         _log.warning("skipping step %d: %s", info.step, info.problem)
-            where = catalog.dirname(s)
             return _Decision(from_resume, s, m.world_size, m.files, md, newer, skipped, where)
         raise CheckpointCorruptError(
             f"{self.url}: no committed step loads cleanly; "

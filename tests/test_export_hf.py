@@ -313,3 +313,18 @@ def test_plain_dcp_source_keeps_the_models_own_names(tmp_path, nested):
     dst = _CausalLM()
     dst.load_state_dict(sd)
     assert all(torch.equal(dst.state_dict()[k], v) for k, v in src.state_dict().items())
+
+
+def test_plain_dcp_source_with_a_step_beside_the_model(tmp_path):
+    """``{"model": ..., "step": ...}``: the model's keys lose the section prefix; the
+    top-level ``step`` is not a module path and does not count against it."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    src = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    d = str(tmp_path / "dcp")
+    dcp.save({"model": src.state_dict(), "step": torch.tensor(7)}, checkpoint_id=d, no_dist=True)
+    out = str(tmp_path / "hf")
+    export_hf(d, out)
+    sd = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(k for k in sd if k != "step") == sorted(src.state_dict())

@@ -299,3 +299,29 @@ def test_import_into_a_compiled_model_matches_canonical_names(tmp_path):
     opt2 = make_muon(model2)
     report = import_optimizer_state(opt2, path, model=wrapped2)
     assert report.fresh == [] and sorted(report.imported) == sorted(names)
+
+
+class _Holder(torch.nn.Module):
+    """The user's own top-level submodule called ``module`` (not DDP): its name stays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = TinyNet()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def test_import_keeps_a_models_own_module_prefix(tmp_path):
+    torch.manual_seed(0)
+    src = _Holder()
+    src_opt = make_muon(src)
+    url = str(tmp_path / "run")
+    with CheckpointManager(url, model=src, optimizer=src_opt) as mgr:
+        train(src, src_opt, 2)
+        mgr.save(2)
+    dst = _Holder()
+    opt = make_muon(dst)
+    report = import_optimizer_state(opt, url, model=dst)
+    assert report.fresh == [] and report.unused == []
+    assert sorted(report.imported) == sorted(n for n, _ in dst.named_parameters())

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from muon_ckpt import CheckpointLeaseError, CheckpointManager
+from muon_ckpt import CheckpointError, CheckpointLeaseError, CheckpointManager
 from muon_ckpt.store import LEASE, Storage, step_dirname
 from tests._dist import _context
 
@@ -173,3 +173,42 @@ def test_overwrite_killed_mid_way_never_loses_the_step(tmp_path):
         assert all(torch.all(q == v) for q in got.parameters())  # whole
         before = v
     assert mid >= 1, "no kill landed while an overwrite was being written"
+
+
+def test_an_overwrite_stopped_before_its_rename_is_read_where_it_was_committed(
+    tmp_path, monkeypatch
+):
+    """``overwrite=True`` of a step that is not there commits beside it and renames it into
+    place: stopped in between (here the rename fails, as a kill there would leave it), the
+    step is read from where it was committed (``steps()``, ``load()``, ``prune`` keep it
+    whole), and the next save finishes the move."""
+    from muon_ckpt.store import prune
+
+    url = str(tmp_path / "run")
+    model = _model()
+    _fill(model, 1.0)
+    mgr = CheckpointManager(url, model=model)
+    mgr.save(1)
+    _fill(model, 2.0)
+
+    def stopped(self, src: str, dst: str) -> None:
+        with self._calling("renaming", src):  # (the storage's own error translation)
+            raise OSError(5, "stopped before the rename")
+
+    with monkeypatch.context() as m:
+        m.setattr(Storage, "rename", stopped)
+        with pytest.raises(CheckpointError):
+            mgr.save(2, overwrite=True)
+    st = Storage(url)
+    assert st.exists("overwrite-" + step_dirname(2)) and not st.exists(step_dirname(2))
+    got = _model()
+    assert CheckpointManager(url, model=got).steps() == [1, 2]
+    assert CheckpointManager(url, model=got).load() == 2
+    assert all(torch.all(q == 2.0) for q in got.parameters())
+    assert prune(Storage(url), keep=1).deleted == [1]
+    got = _model()
+    assert CheckpointManager(url, model=got).load() == 2
+    assert all(torch.all(q == 2.0) for q in got.parameters())
+    _fill(model, 3.0)
+    assert CheckpointManager(url, model=model).save(3)  # finishes the move first
+    assert st.exists(step_dirname(2)) and not st.exists("overwrite-" + step_dirname(2))

@@ -93,12 +93,12 @@ def _collect(
     md: Any, section: str, rename: Callable[[str], str], cast: torch.dtype | None, dcp: bool
 ) -> _Set:
     """The tensors of ``section``; ``dcp``: a plain DCP checkpoint, whose model keys are FQNs
-    as saved, under a ``model.`` prefix only when every one of them has it (a state dict
-    saved as ``{"model": ...}``; a Hugging Face model's own ``model.`` FQNs sit beside
-    ``lm_head``)."""
+    as saved, under a ``model.`` prefix only when every dotted one has it (a state dict
+    saved as ``{"model": ..., "step": ...}``; a Hugging Face model's own ``model.`` FQNs sit
+    beside ``lm_head``)."""
     out = _Set(STEMS[section])
     keys = [k for k in tensor_entries(md) if section_of(k) == section]  # in saved order
-    nested = not dcp or all(k.startswith("model.") for k in keys)
+    nested = not dcp or all(k.startswith("model.") for k in keys if "." in k)
     seen: dict[str, str] = {}
     for item in export_items(md, keys, cast):
         name = _name(section, item.key, rename, nested)
@@ -197,7 +197,7 @@ def export_hf(
     Args:
         url: a muon-ckpt run root (newest committed step, or ``step``), a step directory, or a
             plain DCP directory (its keys are the model's FQNs, under a ``model.`` prefix
-            only if every key has one); local or any fsspec URL.
+            only if every dotted key has one); local or any fsspec URL.
         out_dir: the output directory (local or fsspec URL; remote uses ``storage_options``).
             Files of a previous export there (``model*.safetensors``, its index) are replaced;
             other files (config.json, tokenizer, ...) are left alone.

@@ -103,7 +103,7 @@ def _targets(optimizer: Any, model: Any) -> list[_Target]:
     for gi, g in enumerate(groups):
         names = g.get("names") or []
         for i, p in enumerate(g["params"]):
-            fqn = by_id.get(id(p)) or (strip_wrappers(names[i]) if i < len(names) else None)
+            fqn = by_id.get(id(p)) or (names[i] if i < len(names) else None)
             if not fqn:
                 raise ValueError(
                     f"param {i} of param group {gi} has no name: pass model= or give the "
@@ -143,13 +143,25 @@ def _plan(
     by_fqn: dict[str, dict[str, SrcEntry]] = {}
     for e in src.entries:
         canon = CANONICAL.get(e.name)
-        if canon is not None:  # (a source named by a wrapped model: its wrappers dropped)
-            by_fqn.setdefault(strip_wrappers(e.fqn), {}).setdefault(canon, e)
+        if canon is not None:
+            by_fqn.setdefault(e.fqn, {}).setdefault(canon, e)
+    # Names without wrapper atoms (a source or target named by a compiled or wrapped model),
+    # for the names that do not match as they are; only where that name is unambiguous.
+    bare: dict[str, list[str]] = {}
+    for fqn in by_fqn:
+        bare.setdefault(strip_wrappers(fqn), []).append(fqn)
+
+    def state_of(fqn: str) -> dict[str, SrcEntry]:
+        if fqn in by_fqn:
+            return by_fqn[fqn]
+        found = bare.get(strip_wrappers(fqn), [])
+        return by_fqn[found[0]] if len(found) == 1 else {}
+
     used: set[str] = set()
     plan = []
     adam_skipped = []
     for t in targets:
-        have = by_fqn.get(t.fqn, {})
+        have = state_of(t.fqn)
         got: dict[str, str] = {}
         missing = []
         for dst, prefs in _wanted_keys(t, adam_into_muon).items():

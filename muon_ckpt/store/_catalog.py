@@ -142,8 +142,8 @@ class Catalog:
         st = self.storage
         out: dict[int, StepInfo] = {}
         names = st.listdir()
-        # A committed overwrite whose move into place was cut short (object stores): the step
-        # is read from there until a save finishes the move (``_swap_in``).
+        # A committed overwrite whose move into place was cut short: the step is read from
+        # there until a save finishes the move (``_swap_in``).
         moved = {
             step: name
             for name in names
@@ -154,8 +154,8 @@ class Catalog:
             step = parse_step_dirname(name.removeprefix(_OVERWRITE))
             if step is None:
                 continue
-            if name.startswith(_OVERWRITE) and (step in out and out[step].committed):
-                continue  # the step's own version stands (an overwrite not swapped in yet)
+            if name.startswith(_OVERWRITE) and step in out and out[step].status != UNCOMMITTED:
+                continue  # the step's own manifest stands (an overwrite not swapped in yet)
             info = StepInfo(step, name, UNCOMMITTED, problem="no manifest.json: not committed")
             try:
                 m = read_manifest(st, name, step)
@@ -167,6 +167,8 @@ class Catalog:
                 info.status, info.problem = COMMITTED, None
                 info.size, info.files = m.total_bytes, len(m.files)
                 info.time, info.world_size = m.time, m.world_size
+            if name.startswith(_OVERWRITE) and not info.committed:
+                continue  # an overwrite being written, or left by a crash: not a step
             if detail and not info.committed:
                 found = st.walk_info(name)
                 info.size = sum(int(i.get("size") or 0) for i in found.values())
@@ -176,8 +178,6 @@ class Catalog:
                     info.time = datetime.datetime.fromtimestamp(
                         max(times), datetime.timezone.utc
                     ).isoformat(timespec="seconds")
-            if name.startswith(_OVERWRITE) and not info.committed:
-                continue  # an overwrite being written, or left by a crash: not a step
             out[step] = info
         return sorted(out.values(), key=lambda s: s.step)
 
@@ -214,17 +214,19 @@ class Catalog:
 
     def dirname(self, step: int) -> str:
         """The directory that holds committed ``step``: its own, or the overwrite directory
-        of a move into place that was cut short (``_swap_in``)."""
+        of a move into place that a crash (or, on an object store, a failed copy) cut short
+        (``_swap_in``), while the step's own directory has no manifest."""
         own = step_dirname(step)
-        if self.storage.is_local or self.storage.exists(own, MANIFEST):
-            return own  # (locally the move is one atomic exchange)
+        if self.storage.exists(own, MANIFEST):
+            return own
         staged = _OVERWRITE + own
         return staged if self.storage.exists(staged, MANIFEST) else own
 
-    def manifest(self, step: int) -> Manifest:
-        """The valid manifest of ``step``, or the not-found / corrupt error."""
+    def manifest(self, step: int, dirname: str | None = None) -> Manifest:
+        """The valid manifest of ``step`` (in ``dirname``, default: ``dirname(step)``), or
+        the not-found / corrupt error."""
         try:
-            return read_manifest(self.storage, self.dirname(step), step)
+            return read_manifest(self.storage, dirname or self.dirname(step), step)
         except FileNotFoundError as e:
             raise self.not_found(step) from e
 
@@ -232,8 +234,14 @@ class Catalog:
         """``step``'s manifest with every file present at its size, and its DCP metadata
         (checksum-verified, safely unpickled). Raises CheckpointCorruptError naming the first
         bad file."""
-        m = self.manifest(step)
-        return m, check_files(self.storage, (self.dirname(step),), m)
+        _, m, md = self.checked_at(step)
+        return m, md
+
+    def checked_at(self, step: int) -> tuple[str, Manifest, Metadata]:
+        """``checked``, with the directory the step was read from."""
+        name = self.dirname(step)
+        m = self.manifest(step, name)
+        return name, m, check_files(self.storage, (name,), m)
 
     # ------------------------------------------------------------------ writing (rank 0)
     def begin(self, step: int, overwrite: bool) -> None:
@@ -338,14 +346,20 @@ class Catalog:
             st.exchange(staged, final)
             self._remove(staged)  # now the old version (or the symlink that was the step)
             return
-        self._remove(final)
         try:
+            self._remove(final)
             files = st.walk_files(staged)
             for fname in sorted(files):
                 if fname != MANIFEST:
                     st.copy((staged, fname), (final, fname))
             st.copy((staged, MANIFEST), (final, MANIFEST))
         except Exception as e:
+            try:
+                stands = st.exists(final, MANIFEST)  # the old version (its manifest goes first)
+            except Exception:
+                stands = False
+            if stands:
+                raise
             err = CheckpointStorageError(
                 f"{st.url_of(final)}: the new version of step {step} is committed, but moving "
                 f"it into place failed ({type(e).__name__}: {e}); until the next save moves "
@@ -357,10 +371,10 @@ class Catalog:
 
     def delete(self, step: int) -> None:
         """Uncommit (manifest first), then remove the files; also a committed overwrite of the
-        step not moved into place yet. A step directory that is a symlink (to another run's
+        step not moved into place yet (not one being written). A step directory that is a symlink (to another run's
         step) is unlinked: its target is never touched."""
         self._remove(step_dirname(step))
-        if not self.storage.is_local and self.storage.exists(_OVERWRITE + step_dirname(step)):
+        if self.storage.exists(_OVERWRITE + step_dirname(step), MANIFEST):
             self._remove(_OVERWRITE + step_dirname(step))
 
     def _remove(self, name: str) -> None:
