@@ -271,6 +271,16 @@ def test_import_from_a_safetensors_file_written_by_another_tool(tmp_path):
     assert "incomplete  fc1.bias: no source for moment2" in str(report)
 
 
+def _saved_by_the_manager(model: torch.nn.Module, tmp_path) -> tuple[object, str]:
+    """``model`` trained 2 steps with Muon and saved (step 2): (its optimizer, the run URL)."""
+    opt = make_muon(model)
+    url = str(tmp_path / "run")
+    with CheckpointManager(url, model=model, optimizer=opt) as mgr:
+        train(model, opt, 2)
+        mgr.save(2)
+    return opt, url
+
+
 def test_import_into_a_compiled_model_matches_canonical_names(tmp_path):
     """A checkpoint stores canonical FQNs (no ``_orig_mod.``); ``model=`` a compiled model
     imports every param's state, as the manager loads it, and the report names the params
@@ -278,11 +288,7 @@ def test_import_into_a_compiled_model_matches_canonical_names(tmp_path):
     (positional ids) imports too."""
     torch.manual_seed(0)
     src = TinyNet()
-    src_opt = make_muon(src)
-    url = str(tmp_path / "run")
-    with CheckpointManager(url, model=src, optimizer=src_opt) as mgr:
-        train(src, src_opt, 2)
-        mgr.save(2)
+    src_opt, url = _saved_by_the_manager(src, tmp_path)
     model, _ = _fresh()
     wrapped = torch.compile(model)
     opt = make_muon(model)
@@ -314,12 +320,7 @@ class _Holder(torch.nn.Module):
 
 def test_import_keeps_a_models_own_module_prefix(tmp_path):
     torch.manual_seed(0)
-    src = _Holder()
-    src_opt = make_muon(src)
-    url = str(tmp_path / "run")
-    with CheckpointManager(url, model=src, optimizer=src_opt) as mgr:
-        train(src, src_opt, 2)
-        mgr.save(2)
+    _, url = _saved_by_the_manager(_Holder(), tmp_path)
     dst = _Holder()
     opt = make_muon(dst)
     report = import_optimizer_state(opt, url, model=dst)
