@@ -11,7 +11,9 @@ import math
 import torch
 from torch import Tensor
 
-from optim._plan import local
+from optim._plan import grad_like_param, local
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def adamw_step(params: list[Tensor], group: dict, state: dict) -> None:
@@ -31,7 +33,7 @@ def adamw_step(params: list[Tensor], group: dict, state: dict) -> None:
         if not ps:
             continue
         p_l = [local(p) for p in ps]
-        g_l = [local(p.grad) for p in ps]
+        g_l = [local(grad_like_param(p)) for p in ps]  # (a Partial grad: reduced first)
         m_l = [local(state[p]["moment1"]) for p in ps]
         v_l = [local(state[p]["moment2"]) for p in ps]
         bc1 = 1.0 - b1**step
@@ -40,10 +42,18 @@ def adamw_step(params: list[Tensor], group: dict, state: dict) -> None:
             torch._foreach_mul_(p_l, 1.0 - lr * wd)
         torch._foreach_mul_(m_l, b1)
         torch._foreach_add_(m_l, torch._foreach_mul(g_l, 1.0 - b1))
-        g2 = torch._foreach_mul(g_l, g_l)
+        # The second moment in float32 for half-precision params (as torch.optim.AdamW's
+        # addcmul computes): a gradient of 256 squared overflows float16. Each step is still
+        # one rounding per element, so a shard gives the bits of the whole tensor.
+        g_w = [g.float() if g.dtype in _HALF else g for g in g_l]
+        v_w = [v.float() if v.dtype in _HALF else v for v in v_l]
+        g2 = torch._foreach_mul(g_w, g_w)
         torch._foreach_mul_(g2, 1.0 - b2)
-        torch._foreach_mul_(v_l, b2)
-        torch._foreach_add_(v_l, g2)
+        torch._foreach_mul_(v_w, b2)
+        torch._foreach_add_(v_w, g2)
+        for v, w in zip(v_l, v_w, strict=True):
+            if w is not v:
+                v.copy_(w)
         denom = torch._foreach_sqrt(v_l)
         torch._foreach_div_(denom, math.sqrt(bc2))
         torch._foreach_add_(denom, eps)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import numbers
 from typing import Any
 
@@ -39,14 +40,39 @@ def check_constructor(chunk_size: Any, warmup_step: Any, adjust_lr_fn: Any) -> N
         raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
 
 
+# torch's names for what Muon's groups call otherwise: given in a group, they would be ignored.
+_RENAMED = {"betas": "adamw_betas", "eps": "adamw_eps"}
+
+
+def check_keys(group: dict, gi: int) -> None:
+    """Raise ValueError for a key of a group as given by the user (constructor,
+    ``add_param_group``) that Muon would ignore: torch's name for a Muon hyperparameter, or a
+    near miss of one (a typo). Other keys are kept as they are (schedulers add their own)."""
+    where = _where(gi)
+    for key in group:
+        if key in GROUP_DEFAULTS or key in ("params", "names"):
+            continue
+        if key in _RENAMED:
+            raise ValueError(
+                f"{where}: {key!r} is torch.optim's name; Muon's groups take "
+                f"{_RENAMED[key]!r} (the value given would be ignored)"
+            )
+        close = difflib.get_close_matches(key, list(GROUP_DEFAULTS), n=1, cutoff=0.85)
+        if close:
+            raise ValueError(
+                f"{where}: unknown hyperparameter {key!r}; did you mean {close[0]!r}? (the "
+                "value given would be ignored)"
+            )
+
+
 def check_group(group: dict, gi: int) -> None:
     """Raise ValueError for the first bad hyperparameter or parameter of ``group``."""
     where = _where(gi)
     lr = group["lr"]
-    if not _is_number(lr) or lr < 0:
+    if not _is_number(lr) or not lr >= 0:  # (NaN too)
         raise ValueError(f"{where}: lr must be a number >= 0, got {lr!r}")
     wd = group["weight_decay"]
-    if not _is_number(wd) or wd < 0:
+    if not _is_number(wd) or not wd >= 0:
         raise ValueError(f"{where}: weight_decay must be a number >= 0, got {wd!r}")
     for key in ("use_muon", "nesterov", "none_grad"):
         if not isinstance(group[key], bool):
@@ -65,7 +91,7 @@ def check_group(group: dict, gi: int) -> None:
     ):
         raise ValueError(f"{where}: adamw_betas must be two numbers in [0, 1), got {betas!r}")
     eps = group["adamw_eps"]
-    if not _is_number(eps) or eps < 0:
+    if not _is_number(eps) or not eps >= 0:
         raise ValueError(f"{where}: adamw_eps must be a number >= 0, got {eps!r}")
 
     params = group["params"]

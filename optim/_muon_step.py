@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from optim._plan import Item, Plan, local
+from optim._plan import Item, Plan, grad_like_param, local
 from optim.newton_schulz import newton_schulz
 
 
@@ -45,7 +45,7 @@ def _momentum_updates(items: list[Item], state: dict) -> list[Tensor]:
         by_hp.setdefault((it.group["momentum"], it.group["nesterov"]), []).append(i)
     for (m, nesterov), idx in by_hp.items():
         bufs = [local(state[items[i].param]["momentum_buffer"]) for i in idx]
-        grads = [local(_grad_like_param(items[i].param)) for i in idx]
+        grads = [local(grad_like_param(items[i].param)) for i in idx]
         if bufs[0].device.type == "cuda":
             # CUDA: every element goes through the same kernel code wherever it sits in a
             # tensor, so the fused lerp is shard-invariant; it is also torch.optim.Muon's math.
@@ -94,13 +94,6 @@ def _large_update(buf: Tensor, grad: Tensor, m: float, nesterov: bool) -> Tensor
     else:
         upd.copy_(buf)
     return upd
-
-
-def _grad_like_param(p: Tensor) -> Tensor:
-    g = p.grad
-    if hasattr(g, "placements") and g.placements != p.placements:
-        g = g.redistribute(p.device_mesh, p.placements)
-    return g
 
 
 def _apply(it: Item, update_local: Tensor, adjust_lr_fn: str) -> None:

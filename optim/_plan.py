@@ -59,6 +59,15 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def grad_like_param(p: Tensor) -> Tensor:
+    """``p``'s grad with ``p``'s placements (a DTensor grad whose placements differ, e.g.
+    ``Partial`` for a replicated param, is redistributed first)."""
+    g = p.grad
+    if hasattr(g, "placements") and g.placements != p.placements:
+        g = g.redistribute(p.device_mesh, p.placements)
+    return g
+
+
 def _ns_cost(shape: torch.Size) -> float:
     a = shape[0]
     b = math.prod(shape) // max(a, 1)

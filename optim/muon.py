@@ -25,13 +25,13 @@ __all__ = ["Muon"]
 
 _SAVE_MSG = (
     "Muon.state_dict() was called while CPU offload is on: the optimizer states are parked in "
-    "CPU buffers. Call turn_off_cpu_offload() before checkpoint save (muon_ckpt's "
-    "CheckpointManager does this for you)."
+    "CPU buffers. Call turn_off_cpu_offload() before checkpoint save (or save with muon_ckpt's "
+    "CheckpointManager, which reads the states where they are, with offload on)."
 )
 _LOAD_MSG = (
     "Muon.load_state_dict() was called while CPU offload is on. Call turn_off_cpu_offload() "
-    "before checkpoint load, then turn_on_cpu_offload() again (muon_ckpt's CheckpointManager "
-    "does this for you)."
+    "before checkpoint load, then turn_on_cpu_offload() again (or load with muon_ckpt's "
+    "CheckpointManager, which writes the states where they are, with offload on)."
 )
 
 
@@ -82,6 +82,7 @@ class Muon(torch.optim.Optimizer):
         if isinstance(group.get("names"), tuple):
             group["names"] = list(group["names"])
         try:
+            _config.check_keys(group, gi)
             _config.check_group(group, gi)
             if gi > 0:
                 _config.check_same_mesh(self.param_groups)

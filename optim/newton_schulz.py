@@ -9,6 +9,8 @@ guards cost more than the kernels it fuses; compiled and eager agree within bf16
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -77,7 +79,10 @@ def newton_schulz(grads: list[Tensor], ns_steps: int = 5) -> list[Tensor]:
         if _compiled is None:
             _compiled = torch.compile(zeropower_via_newtonschulz, dynamic=False)
         fn = _compiled
+    rows, cols = shape[0], math.prod(shape[1:])  # (not -1: a matrix may have no rows)
+    if rows * cols == 0:  # nothing to orthogonalise (torch.optim.Muon steps these too)
+        return [torch.zeros(shape, dtype=torch.bfloat16, device=g.device) for g in grads]
     if len(grads) == 1:
-        return [fn(grads[0].reshape(shape[0], -1), ns_steps).reshape(shape)]
-    batch = torch.stack([g.reshape(shape[0], -1) for g in grads])
+        return [fn(grads[0].reshape(rows, cols), ns_steps).reshape(shape)]
+    batch = torch.stack([g.reshape(rows, cols) for g in grads])
     return [o.reshape(shape) for o in fn(batch, ns_steps).unbind(0)]

@@ -28,6 +28,18 @@ def _w(*shape):
         ({"adamw_betas": (0.9,)}, r"adamw_betas must be two numbers in \[0, 1\), got \(0\.9,\)"),
         ({"adamw_betas": (0.9, 1.2)}, r"adamw_betas must be two numbers in \[0, 1\)"),
         ({"adamw_eps": -1e-8}, r"adamw_eps must be a number >= 0, got -1e-08"),
+        ({"lr": float("nan")}, r"lr must be a number >= 0, got nan"),
+        ({"weight_decay": float("nan")}, r"weight_decay must be a number >= 0, got nan"),
+        ({"adamw_eps": float("nan")}, r"adamw_eps must be a number >= 0, got nan"),
+        (
+            {"betas": (0.5, 0.5)},
+            r"'betas' is torch\.optim's name; Muon's groups take 'adamw_betas'",
+        ),
+        ({"eps": 1.0}, r"'eps' is torch\.optim's name; Muon's groups take 'adamw_eps'"),
+        (
+            {"weight_decy": 0.5},
+            r"unknown hyperparameter 'weight_decy'; did you mean 'weight_decay'",
+        ),
         ({"names": ["a"]}, r"names has 1 entries but the group has 2 params"),
         ({"names": ["a", "a"]}, r"names must be unique, got duplicates \['a'\]"),
         ({"names": "ab"}, r"names must be a list of str"),
@@ -77,3 +89,25 @@ def test_add_param_group_then_step_works():
     a.grad, b.grad = torch.ones(4, 4), torch.ones(3)
     opt.step()
     assert set(opt.state[b]) == {"moment1", "moment2", "step"}
+
+
+def test_keys_a_scheduler_adds_are_kept():
+    """Keys Muon does not use but other tools put in groups (a scheduler's ``initial_lr``,
+    ``max_lr``) are accepted and kept."""
+    opt = Muon([{"params": [_w(4, 4)], "initial_lr": 0.02, "max_lr": 0.1}])
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=0.1, total_steps=10, cycle_momentum=False
+    )
+    sched.step()
+    assert opt.param_groups[0]["initial_lr"] == pytest.approx(0.1 / 25)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (0, 3, 3, 3), (5, 0), (4, 0, 3)])
+def test_matrices_without_elements_step(shape):
+    """A Muon matrix with no rows (or columns) steps, as torch.optim.Muon does for 2-D ones,
+    next to a matrix that does move."""
+    empty, full = _w(*shape), _w(4, 4)
+    opt = Muon([{"params": [empty, full]}])
+    empty.grad, full.grad = torch.zeros(shape), torch.ones(4, 4)
+    opt.step()
+    assert empty.shape == shape and not torch.equal(full.data, torch.zeros(4, 4))

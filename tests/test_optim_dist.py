@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from optim import Muon
 from tests._dist import dist_device, eight_ranks_reason, run_on_ranks
 
 # (name, shape, placement) — a mix of shapes: wide, tall, tiny, 4-D conv-like, uneven shards
@@ -207,3 +208,33 @@ def test_small_same_shape_matrices_batch_and_large_ones_stay_alone():
     # A chunk never splits a unit, so a 32-matrix unit makes a chunk larger than chunk_size.
     for it in plan.items:
         assert all(o.chunk == it.chunk for o in units[it.unit])
+
+
+def body_replicated_params_with_partial_grads(rank, world_size):
+    """Replicated DTensor params under data parallelism through DTensor: their grads are
+    ``Partial(sum)``; the Muon and the AdamW groups both reduce them before the update."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev = dist_device()
+    mesh = init_device_mesh(dev.type, (world_size,))
+    torch.manual_seed(0)
+    w0, b0, x0 = torch.randn(4, 4), torch.randn(4), torch.randn(6, 4)
+    w = torch.nn.Parameter(distribute_tensor(w0.clone().to(dev), mesh, [Replicate()]))
+    b = torch.nn.Parameter(distribute_tensor(b0.clone().to(dev), mesh, [Replicate()]))
+    x = distribute_tensor(x0.to(dev), mesh, [Shard(0)])
+    (x @ w + b).pow(2).sum().backward()
+    partial = [type(p.grad.placements[0]).__name__ for p in (w, b)]
+    opt = Muon([{"params": [w], "lr": 0.02}, {"params": [b], "use_muon": False, "lr": 0.1}])
+    opt.step()
+    return partial, w.to_local().cpu(), b.to_local().cpu(), w0, b0, x0
+
+
+def test_replicated_params_with_partial_grads_match_one_process():
+    results = run_on_ranks(body_replicated_params_with_partial_grads, 2)
+    partial, _, _, w0, b0, x0 = results[0]
+    assert partial == ["Partial", "Partial"]
+    w, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(b0.clone())
+    (x0 @ w + b).pow(2).sum().backward()
+    Muon([{"params": [w], "lr": 0.02}, {"params": [b], "use_muon": False, "lr": 0.1}]).step()
+    for _, w_local, b_local, *_ in results:  # every rank's replica: the one-process result
+        assert torch.equal(w_local, w.data) and torch.equal(b_local, b.data)

@@ -221,3 +221,23 @@ def test_hyperparameters_set_after_load_state_dict_reach_muon_groups():
     p.grad = torch.randn(8, 4)
     opt.step()
     assert torch.equal(p, before), "lr=0 after load_state_dict was ignored"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_adamw_second_moment_of_half_params_does_not_overflow(dtype):
+    """Half-precision params with gradients whose square overflows float16 (>= 256): the
+    second moment is computed in float32, as torch.optim.AdamW's addcmul does."""
+    ours, ref = (torch.nn.Parameter(torch.zeros(3, dtype=dtype)) for _ in range(2))
+    opt = Muon([{"params": [ours], "use_muon": False, "lr": 0.03, "adamw_betas": (0.9, 0.95)}])
+    torch_opt = torch.optim.AdamW(
+        [ref], lr=0.03, betas=(0.9, 0.95), weight_decay=0.0, foreach=False
+    )
+    for g in ([300.0, -1.0, 500.0], [1.0, 2.0, -3.0]):
+        ours.grad = torch.tensor(g, dtype=dtype)
+        ref.grad = ours.grad.clone()
+        opt.step()
+        torch_opt.step()
+    v = opt.state[ours]["moment2"]
+    assert torch.isfinite(v).all(), v
+    torch.testing.assert_close(v, torch_opt.state[ref]["exp_avg_sq"], rtol=1e-2, atol=0)
+    torch.testing.assert_close(ours.data, ref.data, rtol=2e-2, atol=1e-3)
