@@ -168,3 +168,37 @@ def test_bad_arguments_and_missing_checkpoint(tmp_path):
     with pytest.raises(CheckpointNotFoundError):
         export_safetensors(str(tmp_path / "nothing"), str(out))
     assert not out.exists() and not list(tmp_path.glob("x.safetensors*"))  # no tmp file either
+
+
+class _Rng:
+    """A ``rank_extra`` holding a tensor (an RNG state, per rank)."""
+
+    def __init__(self) -> None:
+        self.state = torch.arange(5, dtype=torch.uint8)
+
+    def state_dict(self) -> dict:
+        return {"cpu": self.state}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state = sd["cpu"]
+
+
+def test_rank_extra_tensors_are_extra_not_model_weights(tmp_path):
+    """A tensor of ``rank_extra`` is never exported as a model weight (the model's
+    safetensors and Hugging Face files load into the model strictly); ``include`` extra
+    exports it."""
+    from safetensors.torch import load_file
+
+    from muon_ckpt import export_hf
+
+    url = str(tmp_path / "run")
+    model = torch.nn.Linear(3, 2)
+    CheckpointManager(url, model=model, rank_extra={"rng": _Rng()}).save(1)
+    out = str(tmp_path / "model.safetensors")
+    export_safetensors(url, out)
+    assert sorted(load_file(out)) == ["model.bias", "model.weight"]
+    export_hf(url, str(tmp_path / "hf"))
+    torch.nn.Linear(3, 2).load_state_dict(load_file(str(tmp_path / "hf" / "model.safetensors")))
+    out = str(tmp_path / "extra.safetensors")
+    export_safetensors(url, out, include=("extra",))
+    assert sorted(load_file(out)) == ["rank_extra.0.rng.cpu"]

@@ -62,10 +62,13 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def section_of(key: str) -> str:
-    """model / optim / extra, for muon-ckpt keys and for foreign flattened DCP keys."""
+    """model / optim / extra, for muon-ckpt keys and for foreign flattened DCP keys (each
+    rank's ``rank_extra`` is extra state too, never the model's)."""
     head = key.split(".", 1)[0]
     if head in SECTIONS:
         return head
+    if head == "rank_extra":
+        return "extra"
     if head in ("state", "param_groups", "optimizer"):
         return "optim"
     return "model"
