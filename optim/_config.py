@@ -58,7 +58,7 @@ def check_keys(group: dict, gi: int) -> None:
                 f"{_RENAMED[key]!r} (the value given would be ignored)"
             )
         close = difflib.get_close_matches(key, list(GROUP_DEFAULTS), n=1, cutoff=0.85)
-        if close:
+        if close and close[0] not in key:  # (use_weight_decay, no_weight_decay: flags of theirs)
             raise ValueError(
                 f"{where}: unknown hyperparameter {key!r}; did you mean {close[0]!r}? (the "
                 "value given would be ignored)"

@@ -93,8 +93,10 @@ def test_add_param_group_then_step_works():
 
 def test_keys_a_scheduler_adds_are_kept():
     """Keys Muon does not use but other tools put in groups (a scheduler's ``initial_lr``,
-    ``max_lr``) are accepted and kept."""
-    opt = Muon([{"params": [_w(4, 4)], "initial_lr": 0.02, "max_lr": 0.1}])
+    ``max_lr``; a user's own flag that contains a Muon key, ``no_weight_decay``) are accepted
+    and kept."""
+    opt = Muon([{"params": [_w(4, 4)], "initial_lr": 0.02, "max_lr": 0.1, "no_weight_decay": True}])
+    assert opt.param_groups[0]["no_weight_decay"] is True
     sched = torch.optim.lr_scheduler.OneCycleLR(
         opt, max_lr=0.1, total_steps=10, cycle_momentum=False
     )

@@ -238,3 +238,31 @@ def test_replicated_params_with_partial_grads_match_one_process():
     Muon([{"params": [w], "lr": 0.02}, {"params": [b], "use_muon": False, "lr": 0.1}]).step()
     for _, w_local, b_local, *_ in results:  # every rank's replica: the one-process result
         assert torch.equal(w_local, w.data) and torch.equal(b_local, b.data)
+
+
+def body_partial_grad_of_a_shard_empty_on_one_rank(rank, world_size):
+    """A 2-element bias sharded over 3 ranks (the last one's shard empty) with a Partial grad
+    (a data-parallel batch through DTensor): the reduction is a collective every rank makes,
+    empty shard or not (a rank that skipped it left the others waiting)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev = dist_device()
+    mesh = init_device_mesh(dev.type, (world_size,))
+    torch.manual_seed(0)
+    b0, x0 = torch.randn(2), torch.randn(6, 2)
+    b = torch.nn.Parameter(distribute_tensor(b0.clone().to(dev), mesh, [Shard(0)]))
+    x = distribute_tensor(x0.to(dev), mesh, [Shard(0)])
+    (x + b).pow(2).sum().backward()
+    partial = type(b.grad.placements[0]).__name__
+    Muon([{"params": [b], "use_muon": False, "lr": 0.1}]).step()
+    return partial, b.full_tensor().cpu(), b0, x0
+
+
+def test_partial_grad_of_a_shard_empty_on_one_rank_steps_on_every_rank():
+    results = run_on_ranks(body_partial_grad_of_a_shard_empty_on_one_rank, 3, timeout=60)
+    partial, _, b0, x0 = results[0]
+    assert partial == "Partial"
+    b = torch.nn.Parameter(b0.clone())
+    (x0 + b).pow(2).sum().backward()
+    Muon([{"params": [b], "use_muon": False, "lr": 0.1}]).step()
+    assert all(torch.equal(full, b.data) for _, full, *_ in results)
