@@ -102,6 +102,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import fnmatch
 
     from muon_ckpt._values import read_values, value_text
+    from muon_ckpt.interop._export import section_of
     from muon_ckpt.io import CheckpointReader
     from muon_ckpt.store import resolve
 
@@ -127,8 +128,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "bytes": nbytes,
             }
         )
-    # Values: every non-tensor value (hyperparameters, extra state) and the tensors of extra.
-    shown = [x["key"] for x in rows if x["shape"] is None or x["key"].startswith("extra.")]
+    # Values: every non-tensor value (hyperparameters, extra state) and the tensors of extra
+    # (rank_extra's too).
+    shown = [x["key"] for x in rows if x["shape"] is None or section_of(x["key"]) == "extra"]
     values = read_values(reader, shown)
     for x in rows:
         x.update(values.get(x["key"], {}))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import re
 from typing import Any
 
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -44,6 +45,15 @@ def check_constructor(chunk_size: Any, warmup_step: Any, adjust_lr_fn: Any) -> N
 _RENAMED = {"betas": "adamw_betas", "eps": "adamw_eps"}
 
 
+def _extends(key: str, muon_key: str) -> bool:
+    """Whether ``key`` is a name of its own built on ``muon_key`` by whole words
+    (``no_weight_decay``, ``weight_decay_mult``), not a typo of it (``weight_decays``)."""
+    word = r"[a-z0-9]{2,}"
+    return (
+        re.fullmatch(rf"{word}_{re.escape(muon_key)}|{re.escape(muon_key)}_{word}", key) is not None
+    )
+
+
 def check_keys(group: dict, gi: int) -> None:
     """Raise ValueError for a key of a group as given by the user (constructor,
     ``add_param_group``) that Muon would ignore: torch's name for a Muon hyperparameter, or a
@@ -58,7 +68,7 @@ def check_keys(group: dict, gi: int) -> None:
                 f"{_RENAMED[key]!r} (the value given would be ignored)"
             )
         close = difflib.get_close_matches(key, list(GROUP_DEFAULTS), n=1, cutoff=0.85)
-        if close and close[0] not in key:  # (use_weight_decay, no_weight_decay: flags of theirs)
+        if close and not _extends(key, close[0]):
             raise ValueError(
                 f"{where}: unknown hyperparameter {key!r}; did you mean {close[0]!r}? (the "
                 "value given would be ignored)"

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 import optim._config as _config
 from offload import CPUOffloadPool, FrozenViews
@@ -308,19 +309,32 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
     def _active(self, plan: Plan) -> set[int]:
-        """ids of params with a grad; all ranks of the mesh must agree for exchanged ones."""
+        """ids of params with a grad; all ranks of the mesh must agree for those a step
+        exchanges: Muon's split matrices, and AdamW's DTensors (a Partial grad is reduced
+        across the ranks)."""
         active = {id(p) for g in self.param_groups for p in g["params"] if p.grad is not None}
-        exchanged = [it for it in plan.items if it.exchanged]
-        if exchanged:
+        checked = [(f"a Muon param of shape {tuple(it.gshape)}", it.param) for it in plan.items]
+        checked = [c for c, it in zip(checked, plan.items, strict=True) if it.exchanged]
+        checked += [
+            (f"an AdamW param of shape {tuple(p.shape)}", p)
+            for g in self.param_groups
+            if not g["use_muon"]
+            for p in g["params"]
+            if isinstance(p, DTensor) and p.device_mesh.size() > 1
+        ]
+        if checked:
+            mesh = checked[0][1].device_mesh  # (one mesh for all: _config.check_same_mesh)
             has = torch.tensor(
-                [id(it.param) in active for it in exchanged], dtype=torch.int32, device=plan.device
+                [id(p) in active for _, p in checked],
+                dtype=torch.int32,
+                device=checked[0][1].to_local().device,
             )
-            dist.all_reduce(has, group=plan.pg)
-            for it, n in zip(exchanged, has.tolist()):
-                if n not in (0, plan.world):
+            dist.all_reduce(has, group=mesh.get_group())
+            for (what, _), n in zip(checked, has.tolist(), strict=True):
+                if n not in (0, mesh.size()):
                     raise RuntimeError(
-                        f"a Muon param of shape {tuple(it.gshape)} has a grad on {n} of "
-                        f"{plan.world} ranks; every rank must have a grad for it, or none"
+                        f"{what} has a grad on {n} of {mesh.size()} ranks; every rank must "
+                        "have a grad for it, or none"
                     )
         return active
 

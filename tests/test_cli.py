@@ -362,3 +362,21 @@ def test_json_output_is_strict_json_with_non_finite_values(tmp_path, capsys):
     assert keys["extra.early.best"]["value"] == "inf"
     assert keys["extra.early.worst"]["value"] == "-inf"
     assert keys["extra.early.hist"]["summary"] == {"min": "nan", "max": "nan", "mean": "nan"}
+
+
+class _Rng:
+    def state_dict(self) -> dict[str, Any]:
+        return {"cpu": torch.arange(4, dtype=torch.uint8)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def test_inspect_shows_rank_extra_tensor_values(tmp_path, capsys):
+    url = str(tmp_path / "run")
+    with CheckpointManager(url, model=torch.nn.Linear(2, 2), rank_extra={"rng": _Rng()}) as m:
+        m.save(1)
+    rc, out, _ = cli(capsys, "inspect", url, "--json", "--keys", "rank_extra.*")
+    assert rc == 0
+    keys = {k["key"]: k for k in json.loads(out)["keys"]}
+    assert keys["rank_extra.0.rng.cpu"]["value"] == [0, 1, 2, 3]

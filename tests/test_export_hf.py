@@ -328,3 +328,18 @@ def test_plain_dcp_source_with_a_step_beside_the_model(tmp_path):
     export_hf(d, out)
     sd = load_file(os.path.join(out, "model.safetensors"))
     assert sorted(k for k in sd if k != "step") == sorted(src.state_dict())
+
+
+def test_plain_dcp_model_with_its_own_rank_extra_module_exports_it(tmp_path):
+    """Only muon-ckpt's ``rank_extra.<rank>.`` keys are per-rank state; a foreign model's own
+    submodule called ``rank_extra`` is model weights."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    src = nn.Module()
+    src.rank_extra = nn.Linear(2, 2)
+    src.head = nn.Linear(2, 2)
+    d = str(tmp_path / "dcp")
+    dcp.save(src.state_dict(), checkpoint_id=d, no_dist=True)
+    export_hf(d, str(tmp_path / "hf"))
+    assert sorted(load_file(str(tmp_path / "hf" / "model.safetensors"))) == sorted(src.state_dict())

@@ -40,6 +40,8 @@ def _w(*shape):
             {"weight_decy": 0.5},
             r"unknown hyperparameter 'weight_decy'; did you mean 'weight_decay'",
         ),
+        ({"weight_decays": 0.5}, r"unknown hyperparameter 'weight_decays'; did you mean"),
+        ({"momentumm": 0.5}, r"unknown hyperparameter 'momentumm'; did you mean 'momentum'"),
         ({"names": ["a"]}, r"names has 1 entries but the group has 2 params"),
         ({"names": ["a", "a"]}, r"names must be unique, got duplicates \['a'\]"),
         ({"names": "ab"}, r"names must be a list of str"),

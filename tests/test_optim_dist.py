@@ -266,3 +266,39 @@ def test_partial_grad_of_a_shard_empty_on_one_rank_steps_on_every_rank():
     (x0 + b).pow(2).sum().backward()
     Muon([{"params": [b], "use_muon": False, "lr": 0.1}]).step()
     assert all(torch.equal(full, b.data) for _, full, *_ in results)
+
+
+def body_grad_on_some_ranks_only(rank, world_size, use_muon):
+    """A replicated param that only rank 0's data reaches (a data-dependent branch): it has a
+    grad there and none on rank 1. Its reduction would pair with another param's on the other
+    rank, so the step refuses it on every rank, naming it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev = dist_device()
+    mesh = init_device_mesh(dev.type, (world_size,))
+    torch.manual_seed(0)
+    shape = (4, 4) if use_muon else (4,)
+    a, b = (
+        torch.nn.Parameter(distribute_tensor(torch.randn(shape).to(dev), mesh, [Replicate()]))
+        for _ in range(2)
+    )
+    x = distribute_tensor(torch.randn(6, 4).to(dev), mesh, [Shard(0)])
+    out = ((x @ b) if use_muon else (x * b)).sum()
+    if rank == 0:
+        out = out + ((x @ a) if use_muon else (x * a)).sum()
+    out.backward()
+    try:
+        Muon([{"params": [a, b], "use_muon": use_muon, "lr": 0.1}]).step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("use_muon", [True, False], ids=["muon", "adamw"])
+def test_a_grad_on_some_ranks_only_is_refused_on_every_rank(use_muon):
+    msgs = run_on_ranks(body_grad_on_some_ranks_only, 2, use_muon, timeout=60)
+    kind = "a Muon param of shape (4, 4)" if use_muon else "an AdamW param of shape (4,)"
+    for m in msgs:
+        assert (
+            m == f"{kind} has a grad on 1 of 2 ranks; every rank must have a grad for it, or none"
+        )

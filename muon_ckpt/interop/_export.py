@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,7 +68,7 @@ def section_of(key: str) -> str:
     head = key.split(".", 1)[0]
     if head in SECTIONS:
         return head
-    if head == "rank_extra":
+    if re.match(r"rank_extra\.\d+\.", key):  # (not a foreign model's own 'rank_extra')
         return "extra"
     if head in ("state", "param_groups", "optimizer"):
         return "optim"
