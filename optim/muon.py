@@ -313,10 +313,9 @@ class Muon(torch.optim.Optimizer):
         exchanges: Muon's split matrices, and AdamW's DTensors (a Partial grad is reduced
         across the ranks)."""
         active = {id(p) for g in self.param_groups for p in g["params"] if p.grad is not None}
-        checked = [(f"a Muon param of shape {tuple(it.gshape)}", it.param) for it in plan.items]
-        checked = [c for c, it in zip(checked, plan.items, strict=True) if it.exchanged]
+        checked = [("a Muon param", it.param) for it in plan.items if it.exchanged]
         checked += [
-            (f"an AdamW param of shape {tuple(p.shape)}", p)
+            ("an AdamW param", p)
             for g in self.param_groups
             if not g["use_muon"]
             for p in g["params"]
@@ -330,11 +329,11 @@ class Muon(torch.optim.Optimizer):
                 device=checked[0][1].to_local().device,
             )
             dist.all_reduce(has, group=mesh.get_group())
-            for (what, _), n in zip(checked, has.tolist(), strict=True):
+            for (what, p), n in zip(checked, has.tolist(), strict=True):
                 if n not in (0, mesh.size()):
                     raise RuntimeError(
-                        f"{what} has a grad on {n} of {mesh.size()} ranks; every rank must "
-                        "have a grad for it, or none"
+                        f"{what} of shape {tuple(p.shape)} has a grad on {n} of {mesh.size()} "
+                        "ranks; every rank must have a grad for it, or none"
                     )
         return active
 

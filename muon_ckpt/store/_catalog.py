@@ -371,8 +371,8 @@ class Catalog:
 
     def delete(self, step: int) -> None:
         """Uncommit (manifest first), then remove the files; also a committed overwrite of the
-        step not moved into place yet (not one being written). A step directory that is a symlink (to another run's
-        step) is unlinked: its target is never touched."""
+        step not moved into place yet (not one being written). A step directory that is a
+        symlink (to another run's step) is unlinked: its target is never touched."""
         self._remove(step_dirname(step))
         if self.storage.exists(_OVERWRITE + step_dirname(step), MANIFEST):
             self._remove(_OVERWRITE + step_dirname(step))
