@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from offload._host import FrozenViews, HostViews
+from offload._parked import park, unpark
 from offload._pinned import pinned_empty
 
 __all__ = ["CPUOffloadPool", "FrozenViews"]
@@ -54,6 +55,16 @@ class _Entry:
     key: tuple[torch.dtype, torch.device]
     offset: int = 0  # element offset inside the bucket's flat device buffer
     cold: bool = False  # made by new_offloaded: no data on the device yet, value zeros
+    what: str = "a tensor tracked by CPUOffloadPool"  # names it in OffloadedStateError
+    read: str = "CPUOffloadPool.host_views()"  # where its value can be read while offloaded
+
+    def park(self) -> None:
+        """Its storage is freed: any use of it but its metadata raises (``_parked``)."""
+        if self.local.numel():
+            park(self.obj, self.local, self.what, self.read)
+
+    def unpark(self) -> None:
+        unpark(self.obj, self.local)
 
 
 @dataclass
@@ -77,6 +88,12 @@ class _Bucket:
     d2h_done: dict = field(default_factory=dict)  # device -> CUDA event of the last offload
 
 
+def _labelled(e: _Entry, what: str | None, read: str | None) -> _Entry:
+    e.what = what or e.what
+    e.read = read or e.read
+    return e
+
+
 class CPUOffloadPool(HostViews):
     """Flat CPU parking space for tensors that are idle between uses.
 
@@ -96,8 +113,17 @@ class CPUOffloadPool(HostViews):
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
     # ------------------------------------------------------------------ registration
-    def track(self, tensor: Tensor, bucket: Hashable = 0) -> None:
-        """Manage ``tensor`` (resident on its device) as part of ``bucket``."""
+    def track(
+        self,
+        tensor: Tensor,
+        bucket: Hashable = 0,
+        *,
+        what: str | None = None,
+        read: str | None = None,
+    ) -> None:
+        """Manage ``tensor`` (resident on its device) as part of ``bucket``. ``what`` names it
+        and ``read`` says where its value can be read, in the error raised by any use of it
+        while it is offloaded (``OffloadedStateError``)."""
         if id(tensor) in self._managed:
             return
         local = _local(tensor)
@@ -106,9 +132,16 @@ class CPUOffloadPool(HostViews):
                 "CPUOffloadPool.track: the tensor has no storage (already freed); "
                 "track tensors while they hold their data"
             )
-        self._add(_Entry(tensor, local, bucket, (local.dtype, local.device)))
+        self._add(_labelled(_Entry(tensor, local, bucket, (local.dtype, local.device)), what, read))
 
-    def new_offloaded(self, like: Tensor, bucket: Hashable = 0) -> Tensor:
+    def new_offloaded(
+        self,
+        like: Tensor,
+        bucket: Hashable = 0,
+        *,
+        what: str | None = None,
+        read: str | None = None,
+    ) -> Tensor:
         """A new tracked tensor of ``like``'s shape, dtype and device (a DTensor with its
         placement for a DTensor), equal to zeros, that starts offloaded: no device memory is
         used until ``bucket`` is reloaded (if the bucket also holds resident tensors, it is
@@ -125,7 +158,11 @@ class CPUOffloadPool(HostViews):
             from torch.distributed.tensor import DTensor
 
             obj = DTensor(local, like._spec, requires_grad=False)
-        self._add(_Entry(obj, local, bucket, (local.dtype, local.device), cold=True))
+        entry = _labelled(
+            _Entry(obj, local, bucket, (local.dtype, local.device), cold=True), what, read
+        )
+        self._add(entry)
+        entry.park()
         return obj
 
     def _add(self, e: _Entry) -> None:
@@ -199,6 +236,7 @@ class CPUOffloadPool(HostViews):
                 for e in seg.entries:
                     n = e.local.numel()
                     if e.cold:
+                        e.unpark()
                         flat[e.offset : e.offset + n].zero_()
                         e.cold = False
                     else:
@@ -255,6 +293,8 @@ class CPUOffloadPool(HostViews):
                     cpu.copy_(seg.flat)
                 if nbytes:
                     seg.flat.untyped_storage().resize_(0)
+                    for e in seg.entries:
+                        e.park()
             b.offloaded = True
 
     def reload(self, bucket: Hashable | None = None) -> None:
@@ -269,6 +309,8 @@ class CPUOffloadPool(HostViews):
             for key, seg in b.segments.items():
                 cpu = self._host_range(seg)
                 nbytes = seg.numel * seg.flat.element_size()
+                for e in seg.entries:
+                    e.unpark()
                 if key[1].type == "cuda":
                     h2d, _ = self._side_streams(key[1])
                     prev = b.d2h_done.pop(key[1], None)

@@ -132,8 +132,10 @@ class Muon(torch.optim.Optimizer):
         if self._cpu_offload and fresh:
             pool = self._cpu_offload_pool
             pool.clear()
+            labels = self._labels()
             for p, key, bucket in self._offload_slots():
-                self.state[p][key] = pool.new_offloaded(p, bucket)
+                what, read = self._label(labels[id(p)], key)
+                self.state[p][key] = pool.new_offloaded(p, bucket, what=what, read=read)
             for g in self.param_groups:
                 for p in g["params"]:
                     if not g["use_muon"]:
@@ -160,16 +162,17 @@ class Muon(torch.optim.Optimizer):
                 out += [(p, k, ("adamw", gi)) for p in g["params"] for k in ("moment1", "moment2")]
         return out
 
-    def _state_buckets(self) -> dict[int, tuple[Tensor, Any]]:
-        """Map id(state tensor) -> (tensor, pool bucket) for every offloadable state."""
-        out: dict[int, tuple[Tensor, Any]] = {}
+    def _state_buckets(self) -> dict[int, tuple[Tensor, Any, Tensor, str]]:
+        """Map id(state tensor) -> (tensor, pool bucket, param, state key) for every
+        offloadable state."""
+        out: dict[int, tuple[Tensor, Any, Tensor, str]] = {}
         for p, key, bucket in self._offload_slots():
             t = self.state.get(p, {}).get(key)
             if t is not None:
-                out[id(t)] = (t, bucket)
+                out[id(t)] = (t, bucket, p, key)
         return out
 
-    def _pool_key_of(self, want: dict[int, tuple[Tensor, Any]]) -> tuple:
+    def _pool_key_of(self, want: dict[int, Any]) -> tuple:
         return (self._plan_key, tuple(sorted(want)))
 
     def _sync_pool(self) -> None:
@@ -180,9 +183,26 @@ class Muon(torch.optim.Optimizer):
             return
         pool = self._cpu_offload_pool
         pool.clear()
-        for t, bucket in want.values():
-            pool.track(t, bucket)
+        labels = self._labels()
+        for t, bucket, p, key in want.values():
+            what, read = self._label(labels[id(p)], key)
+            pool.track(t, bucket, what=what, read=read)
         self._pool_key = key
+
+    def _labels(self) -> dict[int, str]:
+        """id(param) -> how errors name it: its FQN (the group's ``names``) or its place."""
+        out = {}
+        for gi, g in enumerate(self.param_groups):
+            names = g.get("names")
+            for i, p in enumerate(g["params"]):
+                where = f"#{i} of param group {gi} (shape {tuple(p.shape)})"
+                out[id(p)] = repr(names[i]) if names else where
+        return out
+
+    @staticmethod
+    def _label(param: str, key: str) -> tuple[str, str]:
+        """What an offloaded state is called in errors, and where its value is read."""
+        return f"Muon state {key!r} of param {param}", f"optimizer.cpu_state(param)[{key!r}]"
 
     # ------------------------------------------------------------------ offload toggle
     @property
@@ -220,6 +240,18 @@ class Muon(torch.optim.Optimizer):
         """
         self._check_offload_on("cpu_state_views")
         return self._cpu_offload_pool.host_views()
+
+    def cpu_state(self, param: Tensor) -> dict[str, Tensor]:
+        """The state of ``param`` to read or write between steps, offload on or off: with
+        offload on, each offloaded state as the CPU tensor that holds its value (a view of the
+        pinned buffer: writing it sets the value the next step uses; valid until the next
+        ``step()`` or toggle), other entries (AdamW's ``step``) as they are; with offload off,
+        ``optimizer.state[param]`` itself."""
+        state = self.state.get(param, {})
+        if not self._cpu_offload:
+            return dict(state)
+        views = self.cpu_state_views()
+        return {k: views.get(id(v), v) for k, v in state.items()}
 
     def freeze_cpu_state(self) -> FrozenViews:
         """With CPU offload on: the values of every offloaded state now, as CPU views that keep
