@@ -17,6 +17,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
+
+# One intra-op thread, as in the rank processes (tests/_dist.py) and the scripts the tests
+# start: a reference computed in the test process then sums in the same order as they do,
+# whatever the host's core count (a 16-core host splits reductions differently).
+torch.set_num_threads(1)
 
 # moto needs credentials to exist; they are never sent anywhere but 127.0.0.1.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
