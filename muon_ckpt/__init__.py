@@ -17,6 +17,7 @@ from muon_ckpt._errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointStorageError,
+    CheckpointVersionError,
 )
 from muon_ckpt._version import __version__
 
@@ -55,6 +56,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointStorageError",
+    "CheckpointVersionError",
     "ExportSummary",
     "HFExportSummary",
     "HFLoadReport",

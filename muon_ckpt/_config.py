@@ -78,6 +78,8 @@ class ManagerConfig:
         resume_storage_options: fsspec options for ``resume_from`` (None: ``storage_options``).
         read_once: state several ranks load whole is read from storage by one rank and sent
             to the others (None: when the storage is remote or the ranks span hosts).
+        new_run: a first save without a load may start a new run where another run's steps
+            are (they are deleted once its first step is committed).
     """
 
     url: str
@@ -95,6 +97,7 @@ class ManagerConfig:
     collective_timeout: float = 600.0
     resume_storage_options: dict[str, Any] | None = None
     read_once: bool | None = None
+    new_run: bool = False
 
     @property
     def write_threads(self) -> int:
@@ -169,6 +172,8 @@ class ManagerConfig:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
         if self.read_once not in (None, True, False):
             raise ValueError(f"read_once must be None, True or False, got {self.read_once!r}")
+        if not isinstance(self.new_run, bool):
+            raise ValueError(f"new_run must be True or False, got {self.new_run!r}")
         if self.confirm not in CONFIRM_MODES:
             raise ValueError(f"confirm must be one of {CONFIRM_MODES}, got {self.confirm!r}")
 

@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointStorageError",
+    "CheckpointVersionError",
 ]
 
 
@@ -45,3 +46,8 @@ class CheckpointLeaseError(CheckpointError):
 
 class CheckpointCollectiveError(CheckpointError):
     """A rank did not join a save/load in time, joined another call, or a collective failed."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """A step was written by a newer muon-ckpt (a newer format): upgrade muon-ckpt. Such a
+    step is never loaded, deleted or written beside by this version."""

@@ -25,10 +25,12 @@ import hashlib
 import logging
 import operator
 import posixpath
+import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -36,7 +38,14 @@ import torch.distributed.checkpoint as dcp
 
 import muon_ckpt._collective as coll
 from muon_ckpt._config import ManagerConfig, checks_content
-from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from muon_ckpt._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+)
+from muon_ckpt._exit import finish_at_exit
 from muon_ckpt._flatten import (
     PARTS,
     FlatState,
@@ -47,6 +56,7 @@ from muon_ckpt._flatten import (
     prepare_optimizer_state,
 )
 from muon_ckpt._fqn import param_fqns
+from muon_ckpt._preempt import PreemptionWatch
 from muon_ckpt._rollback import Rollback
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.io import (
@@ -57,13 +67,18 @@ from muon_ckpt.io import (
     VerifyingReader,
     WriteSpec,
     dcp_failure,
+    interrupt_in,
 )
 from muon_ckpt.store import (
+    COMMITTED,
     CORRUPT,
     MAX_STEP,
-    UNCOMMITTED,
+    NEWER,
+    SUPERSEDED,
     Catalog,
     FileEntry,
+    SavePlan,
+    StepInfo,
     Storage,
     open_storage,
     parse_step_dirname,
@@ -127,6 +142,9 @@ class CheckpointManager:
             others over the process group. None (default): when the storage is remote or the
             ranks run on more than one host (on one host, the page cache already serves the
             other ranks' reads of a local file, faster than the process group).
+        new_run: a first ``save()`` without a ``load()`` starts a new run in ``url`` even
+            when it holds another run's committed steps: they are deleted (WARNING) once this
+            run's first step is committed. Without it, that save is refused.
 
     Save, load, wait and close are collectives: call them on every rank.
     """
@@ -155,6 +173,7 @@ class CheckpointManager:
         lease_seconds: float = 600.0,
         confirm: str = "checksum",
         read_once: bool | None = None,
+        new_run: bool = False,
     ) -> None:
         self.config = ManagerConfig(
             url=url,
@@ -172,6 +191,7 @@ class CheckpointManager:
             lease_seconds=lease_seconds,
             confirm=confirm,
             read_once=read_once,
+            new_run=new_run,
         )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
@@ -214,7 +234,13 @@ class CheckpointManager:
         n = CheckpointManager._instances[url_id] = CheckpointManager._instances.get(url_id, 0) + 1
         self._tag = f"muon_ckpt/{url_id}/{n}"
         self._calls = 0  # save/load calls so far: the handshake's sequence number
-        self._abandoned: list[int] = []  # newer steps of a line this run rewound from
+        # The run's line (store._lines): whether this manager loaded (or found nothing to
+        # load) or saved, the line id its commits carry, and the steps its next commit
+        # retires ((step, gen); gen None for a CORRUPT step): a rewind's newer steps.
+        self._resumed = False
+        self._line: str | None = None
+        self._abandoned: list[tuple[int, int | None]] = []
+        self._preempt: PreemptionWatch | None = None
         self._staging = HostStaging()  # host buffers allocated by the first save, then reused
         self._warned_budget = False
         self._warned_load = False
@@ -246,15 +272,27 @@ class CheckpointManager:
         return self.config.url
 
     def steps(self) -> list[int]:
-        """Committed steps at ``url``, ascending (this rank's own listing; not a collective).
-        A step being saved in the background is listed once it is committed."""
-        self._check_open()
+        """Committed steps at ``url``, ascending (this rank's own listing; not a collective;
+        also after ``close()``). A step being saved in the background is listed once it is
+        committed."""
         return self._catalog.committed_steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def step_info(self, step: int | None = None) -> StepInfo | None:
+        """What the manifest of committed ``step`` (default: the newest) says, read before
+        loading it: ``world_size`` (ranks that saved it), ``time``, ``size``, ``files``,
+        ``line``; None when nothing is committed. Not a collective."""
+        committed = [i for i in self._catalog.scan() if i.committed]
+        if step is None:
+            return committed[-1] if committed else None
+        found = next((i for i in committed if i.step == step), None)
+        if found is None:
+            raise self._catalog.not_found(step, [i.step for i in committed])
+        return found
 
     # ------------------------------------------------------------------ collectives
     def _join(self, call: str) -> None:
@@ -267,8 +305,13 @@ class CheckpointManager:
             coll.forget(f"{self._tag}/{self._calls - 2}")  # every rank is past that one
         timeout = self.config.collective_timeout
         coll.handshake(f"{self._tag}/{self._calls}", call, timeout)
-        if self._group is None:
-            self._group = coll.new_group(timeout)
+        self._ensure_group()
+
+    def _ensure_group(self) -> None:
+        """Make the manager's gloo group (a collective: every rank reaches it in the same
+        call)."""
+        if coll.is_dist() and self._group is None:
+            self._group = coll.new_group(self.config.collective_timeout)
             self._hosts = len(set(coll.all_gather(socket.gethostname(), self._group)))
 
     # ------------------------------------------------------------------ save
@@ -280,26 +323,36 @@ class CheckpointManager:
         raised here, without saving ``step`` (a call ``interval`` skips returns False without
         waiting). Raises CheckpointExistsError if ``step`` is committed already, unless
         ``overwrite``: the new version is written beside the committed step and replaces it
-        once committed (if this save fails, the old version stays). The first
-        save after ``load(step=k)`` rewound the run deletes the committed steps after ``k``.
+        once committed (if this save fails, the old version stays). The first save after
+        ``load(step=k)`` rewound the run retires the committed steps after ``k``, and deletes
+        them once it committed. After ``watch_preemption()``, every call (due or not) asks the
+        ranks whether one was signalled; if so it finishes the pending save, saves ``step``
+        and raises ``SystemExit(0)``.
         """
         self._check_open()
         step = self._check_step(step)
+        if self._preempt is not None and self._preempted():
+            self._save_and_exit(step)
         if not force and self.config.interval is not None and step % self.config.interval:
             return False
         self._join(f"save(step={step})")
         self.wait()
+        return self._save(step, overwrite, self.config.async_save)
+
+    def _save(self, step: int, overwrite: bool, background: bool) -> bool:
+        """One save (the handshake done, nothing pending): snapshot -> write -> commit."""
         t0 = time.perf_counter()
         group = self._group
-        coll.on_rank0(lambda: self._begin(step, overwrite), group)
-        self._abandoned = []
+        plan, self._line = coll.on_rank0(lambda: self._begin(step, overwrite), group)
+        # Retired by this save once it commits; until then, by the next save (_finished).
+        self._abandoned = [*((s, g) for s, g in plan.retires), *((s, None) for s in plan.drop)]
+        self._resumed = True
         t1 = time.perf_counter()
         # No collective between here and the outcome's all-gather but the budget's, which
         # every rank reaches (the configuration is the same everywhere): a rank that fails
         # goes straight to the next gather that all reach.
         error: Exception | None = None
         digests: dict[str, str] = {}
-        background = self.config.async_save
         need = 0
         try:
             digests = extra_digests(self._extra)
@@ -315,7 +368,7 @@ class CheckpointManager:
         release = None
         if error is None:
             try:
-                spec, release = self._snapshot(step, flat, views, keep, background)
+                spec, release = self._snapshot(step, flat, views, keep, background, plan)
             except Exception as e:  # every rank must learn of it before any starts to write
                 error = e
         outcome = coll.all_gather((error is None, digests), group)
@@ -330,15 +383,57 @@ class CheckpointManager:
                 raise differs
             self._raise_failed(step, error, failed)
         t2 = time.perf_counter()
-        spec.overwrite = overwrite
         spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
         job = SaveJob(spec, finish=lambda: self._finished(spec, release))
         if background:
+            finish_at_exit(self)  # the interpreter's exit waits for it (_exit)
             job.start()
             self._pending = job
         else:
             job.run()
         return True
+
+    # ------------------------------------------------------------------ preemption
+    def watch_preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> None:
+        """Opt in: after one of ``signals`` (default SIGTERM, what SLURM, Kubernetes and
+        torchrun's agent send before they kill), the next ``save(step)`` on every rank
+        finishes the pending save, saves ``step`` (synchronously, due or not) and raises
+        ``SystemExit(0)``. Installs signal handlers (main thread only); ``close()`` puts the
+        previous ones back. Each ``save()`` call then makes one small collective (the ranks
+        agree on whether one was signalled), so every rank must call ``save()`` every step."""
+        self._check_open()
+        if self._preempt is None:
+            self._preempt = PreemptionWatch(signals)
+
+    def _preempted(self) -> bool:
+        """Whether any rank received a watched signal (every rank asks at every save())."""
+        if self._preempt is None:
+            return False
+        self._ensure_group()
+        try:
+            return self._preempt.agreed(self._group)
+        except RuntimeError as e:
+            raise coll.comm_failure(e, "agreeing on preemption") from e
+
+    def _save_and_exit(self, step: int) -> None:
+        """Preempted: finish the pending save, save ``step`` unless it is committed, exit 0."""
+        if coll.rank() == 0 and self._preempt is not None and self._preempt.received:
+            _log.warning(
+                "preempted (%s): finishing the pending save, then saving step %d",
+                signal.Signals(self._preempt.received).name,
+                step,
+            )
+        self._join(f"save(step={step}) on preemption")
+        try:
+            self.wait()
+        except CheckpointError as e:  # that step is lost; the current one is what matters now
+            _log.error("preempted: %s", e)
+        done = coll.on_rank0(lambda: step in self._catalog.committed_steps(), self._group)
+        if not done:
+            self._save(step, overwrite=False, background=False)
+        if coll.rank() == 0:
+            _log.warning("preempted: step %d is committed; exiting with code 0", step)
+        raise SystemExit(0)
 
     @staticmethod
     def _raise_failed(step: int, error: Exception | None, failed: list[int]) -> None:
@@ -355,29 +450,34 @@ class CheckpointManager:
                 "own error says why); nothing was written and every committed step is intact"
             )
 
-    def _begin(self, step: int, overwrite: bool) -> None:
-        """Rank 0, before a save: ready ``step``, drop the steps a rewind abandoned (first if
-        ``step`` is one of them, else after ``step`` was found free to save)."""
-        if step not in self._abandoned:
-            self._catalog.begin(step, overwrite)
-        if self._abandoned:
-            self._catalog.lease.acquire()  # one writer: before deleting anything
-            gone = [
-                s.step
-                for s in self._catalog.scan()
-                if s.step in self._abandoned and s.status != UNCOMMITTED
-            ]
+    def _begin(self, step: int, overwrite: bool) -> tuple[SavePlan, str]:
+        """Rank 0, before a save: ready ``step`` and decide what it retires (``Catalog.begin``);
+        the line id its commit carries (this run's, or a new one)."""
+        plan = self._catalog.begin(
+            step,
+            overwrite=overwrite,
+            resumed=self._resumed,
+            new_run=self.config.new_run,
+            abandon=self._abandoned,
+        )
+        replaced = plan.replacing
+        if replaced and not self._resumed:
             _log.warning(
-                "%s: this run was rewound to an earlier step; deleting the steps of the "
-                "abandoned line before saving step %d: %s",
+                "%s: new_run=True: starting a new run here; the steps of the previous one %s "
+                "are deleted once step %d is committed",
+                self.url,
+                replaced,
+                step,
+            )
+        elif replaced:
+            _log.warning(
+                "%s: this run was rewound to an earlier step; step %d retires the steps of "
+                "the abandoned line %s, which are deleted once it is committed",
                 self.url,
                 step,
-                gone,
+                replaced,
             )
-            for s in gone:
-                self._catalog.delete(s)
-        if step in self._abandoned:
-            self._catalog.begin(step, overwrite)
+        return plan, self._line or uuid.uuid4().hex[:16]
 
     def _build(self) -> tuple[FlatState, dict[int, torch.Tensor], set[str]]:
         """The flat state to save, the offloaded states' host views, and their keys."""
@@ -418,6 +518,7 @@ class CheckpointManager:
         views: dict[int, torch.Tensor],
         keep: set[str],
         background: bool,
+        plan: SavePlan,
     ) -> tuple[WriteSpec, Any]:
         """The state of this moment, as DCP will write it: (spec, release)."""
         opt, limit = self._optimizer, self.config.max_staging_bytes
@@ -446,8 +547,12 @@ class CheckpointManager:
             step=step,
             sd=staged,
             staging=self._staging,
+            world_size=coll.world_size(),
             io_threads=self.config.write_threads,
             keep_last=self.config.keep_last,
+            plan=plan,
+            line=self._line,
+            optimizer=_type_name(self._optimizer),
             confirm=self.config.confirm,
             group=self._group,
             gate=self._write_gate if background else None,
@@ -476,6 +581,8 @@ class CheckpointManager:
         """In the caller's thread, once a save's job has ended (committed or not)."""
         if release is not None:
             release()
+        if spec.committed_at is not None:
+            self._abandoned = []  # retired by that commit
         t = spec.timings
         t["total"] = sum(t.get(k, 0.0) for k in ("blocked", "dcp_save", "commit", "retention"))
         self.last_save_timings = dict(spec.timings)
@@ -501,6 +608,7 @@ class CheckpointManager:
         *,
         strict: bool = True,
         parts: tuple[str, ...] | list[str] | None = None,
+        elastic: bool = False,
     ) -> int | None:
         """Load ``step`` in place; return the step loaded.
 
@@ -510,8 +618,12 @@ class CheckpointManager:
         the model, the optimizer and ``extra`` as they were, on every rank. ``strict=False``
         loads what matches and leaves the rest as it is (``last_load_report`` says what, also
         logged). ``parts``: a subset of ``("model", "optim", "extra", "rank_extra")`` to load
-        (default: all). On a fresh run (nothing committed, no ``resume_from``) returns None and
-        changes nothing. A pending asynchronous save is committed first.
+        (default: all). ``elastic``: at another world size than the save's, load everything
+        but ``rank_extra`` (each rank's own state, left as it is, with a WARNING) instead of
+        refusing; ``step_info()`` tells the saved world size before loading. On a fresh run
+        (nothing committed, no ``resume_from``) returns None, logs it (INFO) and changes
+        nothing. A pending asynchronous save is committed first. A step written by a newer
+        muon-ckpt is never skipped: CheckpointVersionError says to upgrade.
         """
         self._check_open()
         if step is not None:
@@ -524,7 +636,22 @@ class CheckpointManager:
             t0 = time.perf_counter()
             d = coll.on_rank0(functools.partial(self._decide, step, skipped), self._group)
             if d is None:
+                self._resumed, self._line, self._abandoned = True, None, []
+                if coll.rank() == 0:
+                    tried = "" if self._resume is None else " nor in resume_from"
+                    _log.info("no committed step in %s%s: starting fresh", self.url, tried)
                 return None
+            if elastic and "rank_extra" in chosen_parts and d.world_size != coll.world_size():
+                chosen_parts = tuple(p for p in chosen_parts if p != "rank_extra")
+                if self._rank_extra and coll.rank() == 0:
+                    _log.warning(
+                        "step %d was saved on %d rank(s), this run has %d: loading everything "
+                        "but rank_extra %s, which keeps its current values (elastic=True)",
+                        d.step,
+                        d.world_size,
+                        coll.world_size(),
+                        sorted(self._rank_extra),
+                    )
             decided = time.perf_counter() - t0
             chosen, skipped = d.step, d.skipped
             catalog = self._resume[0] if d.from_resume and self._resume else self._catalog
@@ -536,7 +663,7 @@ class CheckpointManager:
             corrupt = all(kind == "corrupt" for kind, _ in bad.values())
             if step is not None or not corrupt:
                 if error is not None:
-                    raise error
+                    raise self._explained(error, d, chosen_parts)
                 raise CheckpointError(
                     f"loading {where} failed on rank(s) {sorted(bad)} ({bad[min(bad)][1]}); "
                     "this rank's model, optimizer and extra state are as they were"
@@ -555,14 +682,18 @@ class CheckpointManager:
             # buffers of device tensors (page-locked) are what every later save stages into.
             # Also on an interrupt: release waits for the backup's copies into them.
             self._staging.release("cpu")
-        self._abandoned = newer = d.newer
-        if newer and coll.rank() == 0:
+        self._abandoned = d.newer
+        self._resumed = True
+        # A plain resume continues the line; a rewind (or a start from resume_from) begins one.
+        self._line = d.line if not d.newer and not d.from_resume else None
+        if d.newer and coll.rank() == 0:
             _log.warning(
                 "%s: loaded step %d while newer steps %s exist; the first save of this run "
-                "deletes them (to keep them, resume into another url with resume_from)",
+                "retires them and deletes them once it is committed (to keep them, resume "
+                "into another url with resume_from)",
                 self.url,
                 chosen,
-                newer,
+                [s for s, _ in d.newer],
             )
         if report is None:  # (set whenever no rank failed)
             raise AssertionError("a load that succeeded without a report")
@@ -596,7 +727,9 @@ class CheckpointManager:
         try:
             try:
                 model = self._model if "model" in parts else None
-                kept = self._extra | self._rank_extra | module_extra_states(model)
+                kept = module_extra_states(model)  # what the load may change, to restore
+                kept |= self._extra if "extra" in parts else {}
+                kept |= self._rank_extra if "rank_extra" in parts else {}
                 rollback = Rollback(self._optimizer, kept, self._staging)
                 flat, report = self._prepare(d, where, strict, parts, rollback)
             except Exception as e:
@@ -614,6 +747,21 @@ class CheckpointManager:
             self._undo(rollback)
             raise
         return bad, error, report, rollback
+
+    def _explained(self, error: Exception, d: _Decision, parts: tuple[str, ...]) -> Exception:
+        """``error``, with what explains a mismatch that another optimizer type would."""
+        ours = _type_name(self._optimizer)
+        saved = d.optimizer
+        if not isinstance(error, CheckpointMismatchError) or "optim" not in parts:
+            return error
+        if ours is None or saved is None or saved == ours:
+            return error
+        return CheckpointMismatchError(
+            f"{error}. The checkpoint's optimizer state was saved by {saved}, this optimizer "
+            f"is {ours}: optimizer types differ, and so do their states and param groups. To "
+            "carry the state over, load(parts=('model', 'extra', 'rank_extra')) and convert "
+            "it with import_optimizer_state(optimizer, url) (AdamW moments, Muon momentum)"
+        )
 
     def _undo(self, rollback: Rollback | None) -> None:
         """Put back what a failed load changed on this rank; free the host backup."""
@@ -644,8 +792,8 @@ class CheckpointManager:
             raise CheckpointMismatchError(
                 f"{where} was saved on {d.world_size} rank(s), this run has "
                 f"{coll.world_size()}: rank_extra holds each rank's own state and loads back "
-                "only at the same world size; load(parts=('model', 'optim', 'extra')) loads "
-                "the rest"
+                "only at the same world size; load(elastic=True) loads the rest and leaves "
+                "rank_extra as it is"
             )
         opt = self._optimizer if "optim" in parts else None
         fresh = prepare_optimizer_state(opt) if opt is not None else set()
@@ -707,6 +855,9 @@ class CheckpointManager:
                 no_dist=not coll.is_dist(),
             )
         except DCP_ERRORS as e:
+            stop = interrupt_in(e)
+            if stop is not None:  # Ctrl-C in the middle: itself, not a failure (undone above)
+                raise stop from None
             raise dcp_failure(e, f"loading {where}") from e
         except RuntimeError as e:  # DCP's own collectives: a rank died or stopped answering
             raise coll.comm_failure(e, f"loading {where}") from e
@@ -723,14 +874,34 @@ class CheckpointManager:
 
     def _decide(self, step: int | None, skipped: list[_Skip]) -> _Decision | None:
         """Rank 0: what to load, or None on a fresh run. Without ``step``, a step whose files
-        fail the checks is skipped (WARNING) for the next older one, then ``resume_from``."""
+        fail the checks is skipped (WARNING) for the next older one, then ``resume_from``; a
+        step of a newer format is never skipped (CheckpointVersionError)."""
         skipped = list(skipped)
         tried = {(s.from_resume, s.step) for s in skipped}
         scan = self._catalog.scan()
-        present = [s.step for s in scan if s.status != UNCOMMITTED]
+        newer_format = [s for s in scan if s.status == NEWER]
+        if newer_format and (step is None or step in [s.step for s in newer_format]):
+            raise CheckpointVersionError(
+                f"{self.url}: step(s) {[s.step for s in newer_format]} were written by a newer "
+                "muon-ckpt; this version neither reads them nor resumes an older step past "
+                f"them. Upgrade muon-ckpt. ({newer_format[-1].problem})"
+            )
+        # What a save after this load abandons: newer committed (with their commit's gen)
+        # or CORRUPT steps; superseded ones are already retired, newer-format ones never are.
+        present = [
+            (s.step, (s.gen or 0) if s.committed else None)
+            for s in scan
+            if s.status in (COMMITTED, CORRUPT)
+        ]
         steps = [s.step for s in scan if s.committed]
         if step is not None:
             if step not in steps:
+                gone = next((s for s in scan if s.step == step and s.status == SUPERSEDED), None)
+                if gone is not None:
+                    raise CheckpointNotFoundError(
+                        f"{self.url!r}: step {step} is not loadable: it was {gone.problem}. "
+                        f"Committed steps: {', '.join(map(str, steps)) or 'none'}"
+                    )
                 raise self._catalog.not_found(step, steps)
             candidates = [(self._catalog, step, False)]
         else:
@@ -760,12 +931,23 @@ class CheckpointManager:
                 _log.warning("skipping step %d of %s: %s", s, catalog.storage.url, e)
                 skipped.append(_Skip(from_resume, s, str(e)))
                 continue
-            newer = present if from_resume else [n for n in present if n > s]
+            newer = present if from_resume else [(n, g) for n, g in present if n > s]
             if step is None:
                 for info in scan:
-                    if info.status == CORRUPT and info.step in newer:
+                    if info.status == CORRUPT and info.step in {n for n, _ in newer}:
                         _log.warning("skipping step %d: %s", info.step, info.problem)
-            return _Decision(from_resume, s, m.world_size, m.files, md, newer, skipped, where)
+            return _Decision(
+                from_resume,
+                s,
+                m.world_size,
+                m.files,
+                md,
+                newer,
+                skipped,
+                where,
+                line=None if from_resume else m.line,
+                optimizer=m.extra.get("optimizer"),
+            )
         raise CheckpointCorruptError(
             f"{self.url}: no committed step loads cleanly; "
             + "; ".join(
@@ -775,8 +957,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Finish a pending save (its failure is raised here); the manager cannot be used
-        afterwards. Idempotent."""
+        """Finish a pending save (its failure is raised here), give the write lease back and
+        put back the signal handlers ``watch_preemption`` replaced; the manager cannot save or
+        load afterwards (``steps()`` still works). Idempotent. Call it before
+        ``torch.distributed.destroy_process_group()``: a pending save needs the process group.
+        """
         if self._closed:
             return
         try:
@@ -784,6 +969,8 @@ class CheckpointManager:
         finally:
             self._staging.release()
             self._closed = True
+            if self._preempt is not None:
+                self._preempt.restore()
             if self._calls > 1:  # every rank is past that handshake (not surely past the last)
                 # Housekeeping only: the store's host (rank 0's process) may be gone already.
                 with contextlib.suppress(RuntimeError):
@@ -791,6 +978,19 @@ class CheckpointManager:
             if coll.rank() == 0:  # the next job may write at once
                 with contextlib.suppress(CheckpointError):
                     self._catalog.lease.release()
+
+    def _close_at_exit(self) -> None:
+        """The interpreter is exiting (``_exit``): commit the pending save, or log at ERROR
+        why it was not."""
+        if self._closed:
+            return
+        job = self._pending
+        if job is not None and not job.done():
+            _log.info("waiting for the asynchronous save of step %d before exiting", job.step)
+        try:
+            self.close()
+        except Exception as e:  # the errors of a save name the step
+            _log.error("at exit: %s", e)
 
     def __enter__(self) -> CheckpointManager:
         self._check_open()
@@ -842,9 +1042,11 @@ class _Decision:
     world_size: int  # ranks that saved it
     files: dict[str, FileEntry]
     metadata: Any
-    newer: list[int]  # steps of url that a save after this load abandons
+    newer: list[tuple[int, int | None]]  # steps of url a save after this load retires: (step, gen)
     skipped: list[_Skip]
     dirname: str  # the step's directory (Catalog.dirname)
+    line: str | None = None  # the line the step belongs to (its manifest's)
+    optimizer: str | None = None  # the type of the optimizer that saved it (its manifest's)
 
 
 def _outcome(error: Exception | None) -> tuple[str, str] | None:
@@ -870,6 +1072,11 @@ def _differing_extra(step: int, digests: list[dict[str, str]]) -> CheckpointErro
                 "state (a data position per rank, RNG state) in rank_extra. Nothing was written."
             )
     return None
+
+
+def _type_name(obj: object | None) -> str | None:
+    """``module.Class`` of ``obj``'s type (None for None): how manifests name the optimizer."""
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _fmt(t: dict[str, float]) -> str:

@@ -13,6 +13,7 @@ import torch
 
 from muon_ckpt import (
     CheckpointCorruptError,
+    CheckpointExistsError,
     CheckpointManager,
     export_hf,
     export_safetensors,
@@ -80,14 +81,22 @@ def test_manager_ls_and_verify_agree_on_a_damaged_manifest(run, capsys, how):
     rc, out, _ = _cli(capsys, "verify", run["url"], "--step", "3", *run["flags"])
     assert rc == 1 and out.startswith("step 3: FAILED")
 
-    # A new save never overwrites the damaged step, nor removes it as a leftover.
+    # A save of a manager that loaded nothing is refused (the url holds a run): it never
+    # overwrites the damaged step, nor removes it as a leftover.
     model2 = TinyNet()
     mgr2 = CheckpointManager(
         run["url"], model=model2, optimizer=make_muon(model2), storage_options=run["opts"]
     )
+    with pytest.raises(CheckpointExistsError, match="without having loaded anything"):
+        mgr2.save(4)
+    assert mgr2.steps() == [1, 2]
+    assert run["storage"].exists(step_dirname(3), MANIFEST)
+    # Resumed at step 2, the damaged step 3 belongs to the abandoned line: the next commit
+    # retires it, and it is deleted once that commit is made (README "Rewinds").
+    assert mgr2.load() == 2
     assert mgr2.save(4)
     assert mgr2.steps() == [1, 2, 4]
-    assert run["storage"].exists(step_dirname(3), MANIFEST)
+    assert not run["storage"].exists(step_dirname(3))
 
 
 def _flip_or_truncate(st: Storage, name: str, how: str) -> None:

@@ -198,7 +198,13 @@ def test_an_overwrite_cut_short_while_moved_into_place_keeps_the_step_loadable(f
     restarted = _model(-1.0)
     assert _mgr(f, restarted, direct=True).load() == 20
     assert all(torch.all(p == 21.0) for p in restarted.parameters())  # the new version
-    assert _mgr(f, _model(30.0), direct=True).save(30)  # finishes the move first
+    model = _model(-1.0)
+    restarted_mgr = _mgr(f, model, direct=True)
+    assert restarted_mgr.load() == 20
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(30.0)
+    assert restarted_mgr.save(30)  # finishes the move first
     names = Storage(f["url"], f["direct"]).listdir()
     assert not [n for n in names if n.startswith("overwrite-")], names
     _loads_whole(f, 30)

@@ -25,9 +25,11 @@ def _mgr(url, opts, model=None, opt=None, **kw) -> CheckpointManager:
 
 
 def _save_states(url, opts, steps, **kw) -> dict[int, dict]:
-    """Train one run, saving after each step in ``steps``; return the snapshot of each."""
+    """Train one run (resuming the url's, if it has one), saving after each step in
+    ``steps``; return the snapshot of each."""
     model, opt = tiny_run()
     mgr = _mgr(url, opts, model, opt, **kw)
+    mgr.load()
     snaps, done = {}, 0
     for s in steps:
         tiny_train(model, opt, s - done, seed=s)
@@ -103,8 +105,9 @@ def test_saving_a_committed_step_needs_overwrite(storage_url):
     url, opts = storage_url
     snaps = _save_states(url, opts, [2])
     model, opt = tiny_run(seed=5)
-    tiny_train(model, opt, 1, seed=5)
     mgr = _mgr(url, opts, model, opt)
+    assert mgr.load() == 2
+    tiny_train(model, opt, 1, seed=5)
     with pytest.raises(CheckpointExistsError, match="overwrite=True") as ei:
         mgr.save(2)
     assert isinstance(ei.value, FileExistsError)
@@ -137,7 +140,9 @@ def test_uncommitted_step_is_invisible_and_removed_by_the_next_save(storage_url)
     assert got == 1
     assert_same(snap, snaps[1])
     model, opt = tiny_run()
-    _mgr(url, opts, model, opt, keep_last=5).save(3)
+    mgr = _mgr(url, opts, model, opt, keep_last=5)
+    assert mgr.load() == 1  # a restart after the crash
+    mgr.save(3)
     assert st.listdir() == [LEASE, "step-00000001", "step-00000003"]
 
 

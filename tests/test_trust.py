@@ -356,21 +356,27 @@ def test_retention_unlinks_a_symlinked_step_never_its_target(tmp_path):
     assert mgr.steps() == [4]
     assert not os.path.lexists(os.path.join(b, step_dirname(2)))
     _run_a_intact(a)
-    # Run A's next save does not treat its step 2 as a leftover.
+    # Run A's next save (a restart) does not treat its step 2 as a leftover.
     model, opt = _fresh()
-    CheckpointManager(a["url"], model=model, optimizer=opt).save(4)
+    mgr_a = CheckpointManager(a["url"], model=model, optimizer=opt)
+    assert mgr_a.load() == 3
+    mgr_a.save(4)
     _run_a_intact(a, (1, 2, 3, 4))
 
 
 def test_prune_and_overwrite_unlink_a_symlinked_step_never_its_target(tmp_path, capsys):
     a, b = _symlinked_runs(tmp_path)
     model, opt = _fresh()
-    CheckpointManager(b, model=model, optimizer=opt).save(5)
+    mgr = CheckpointManager(b, model=model, optimizer=opt)
+    assert mgr.load() == 2
+    mgr.save(5)
     assert main(["prune", b, "--keep", "1"]) == 0
     assert "deleted 1 step(s): 2" in capsys.readouterr().out
     _run_a_intact(a)
     a2, b2 = _symlinked_runs(tmp_path / "again")
     model, opt = _fresh()
-    CheckpointManager(b2, model=model, optimizer=opt).save(2, overwrite=True)
+    mgr = CheckpointManager(b2, model=model, optimizer=opt)
+    assert mgr.load() == 2
+    mgr.save(2, overwrite=True)
     assert not os.path.islink(os.path.join(b2, step_dirname(2)))
     _run_a_intact(a2)

@@ -59,8 +59,9 @@ def test_second_writer_is_refused_and_writes_nothing(tmp_path):
     try:
         _wait_for(ready, p)
         model = _model()
-        _fill(model, 2.0)
         mgr = CheckpointManager(url, model=model)
+        assert mgr.load() == 1  # the second job resumes the run: only the lease stops it
+        _fill(model, 2.0)
         with pytest.raises(CheckpointLeaseError, match=rf"another job holds .*pid {p.pid}\b"):
             mgr.save(2)
         st = Storage(url)
@@ -110,6 +111,7 @@ def test_lease_lost_during_a_save_is_not_committed(tmp_path):
     mgr.save(1)
     spec_gate = __import__("threading").Event()
     mgr2 = CheckpointManager(url, model=_model(), async_save=True)
+    assert mgr2.load() == 1
     mgr2._write_gate = spec_gate  # the write starts when the test says so
     mgr2.save(2)
     now = time.time()
@@ -126,6 +128,7 @@ def child_overwrite_forever(url: str, progress: str, base: int) -> None:
     torch.set_num_threads(1)
     model = _model()
     mgr = CheckpointManager(url, model=model, io_threads=2)
+    mgr.load()
     fd = os.open(progress, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     v = base
     while True:
@@ -209,6 +212,8 @@ def test_an_overwrite_stopped_before_its_rename_is_read_where_it_was_committed(
     got = _model()
     assert CheckpointManager(url, model=got).load() == 2
     assert all(torch.all(q == 2.0) for q in got.parameters())
+    mgr = CheckpointManager(url, model=model)
+    assert mgr.load() == 2
     _fill(model, 3.0)
-    assert CheckpointManager(url, model=model).save(3)  # finishes the move first
+    assert mgr.save(3)  # finishes the move first
     assert st.exists(step_dirname(2)) and not st.exists("overwrite-" + step_dirname(2))

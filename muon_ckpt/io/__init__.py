@@ -8,7 +8,7 @@ same in one process, for import, export and inspect). ``SafeLoadPlanner`` and ``
 keep DCP from unpickling untrusted bytes and turn its failures into muon-ckpt errors.
 """
 
-from muon_ckpt.io._dcp import DCP_ERRORS, SafeLoadPlanner, dcp_failure
+from muon_ckpt.io._dcp import DCP_ERRORS, SafeLoadPlanner, dcp_failure, interrupt_in
 from muon_ckpt.io._open import CheckpointReader
 from muon_ckpt.io._reader import VerifyingReader
 from muon_ckpt.io._save import SaveJob, WriteSpec
@@ -23,4 +23,5 @@ __all__ = [
     "VerifyingReader",
     "WriteSpec",
     "dcp_failure",
+    "interrupt_in",
 ]

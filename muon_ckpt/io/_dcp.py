@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from muon_ckpt._errors import CheckpointError, CheckpointStorageError
 from muon_ckpt.store import is_storage_failure
 
-__all__ = ["DCP_ERRORS", "SafeLoadPlanner", "dcp_failure"]
+__all__ = ["DCP_ERRORS", "SafeLoadPlanner", "dcp_failure", "interrupt_in"]
 
 # What a failed dcp.save/dcp.load raises: DCP's CheckpointException derives from BaseException.
 DCP_ERRORS = (Exception, CheckpointException)
@@ -49,6 +49,21 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def interrupt_in(e: BaseException) -> BaseException | None:
+    """The interrupt (KeyboardInterrupt, SystemExit: a BaseException that is not an
+    Exception) that a failed ``dcp.save``/``dcp.load`` wraps, if any: DCP turns everything
+    raised inside it into a CheckpointException, and a Ctrl-C must leave as itself."""
+    if not isinstance(e, Exception):
+        failures: dict[int, Any] = getattr(e, "failures", None) or {}
+        for v in failures.values():
+            cause = v[0] if isinstance(v, tuple) else v
+            if isinstance(cause, BaseException) and not isinstance(cause, Exception):
+                return cause
+        if not hasattr(e, "failures"):
+            return e
+    return None
 
 
 def dcp_failure(e: BaseException, what: str) -> CheckpointError:

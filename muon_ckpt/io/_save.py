@@ -31,10 +31,10 @@ import torch.distributed.checkpoint as dcp
 
 import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointError
-from muon_ckpt.io._dcp import DCP_ERRORS, dcp_failure
+from muon_ckpt.io._dcp import DCP_ERRORS, dcp_failure, interrupt_in
 from muon_ckpt.io._staging import HostStaging, StagedSavePlanner
 from muon_ckpt.io._writer import ChecksumWriter, FileRecords
-from muon_ckpt.store import Catalog, FileEntry, confirm_files, step_dirname, write_dirname
+from muon_ckpt.store import Catalog, FileEntry, SavePlan, confirm_files, step_dirname, write_dirname
 
 __all__ = ["SaveJob", "WriteSpec", "write_and_commit"]
 
@@ -49,11 +49,14 @@ class WriteSpec:
     step: int
     sd: dict[str, Any]  # host tensors (or the live ones, for a synchronous save) and objects
     staging: HostStaging
+    world_size: int  # ranks that took the snapshot (the process group it needs)
     io_threads: int
     keep_last: int | None
+    plan: SavePlan  # rank 0's decisions: generation, retired steps, written beside or not
+    line: str | None = None  # the line of steps the commit continues (the manifest's)
+    optimizer: str | None = None  # the optimizer's type (the manifest's extra, for messages)
     group: Any = None  # process group of the collectives (None: the default group)
     confirm: str = "checksum"  # how the storage's copy is confirmed before the commit (_confirm)
-    overwrite: bool = False  # replace a committed step (written beside it, then swapped in)
     gate: threading.Event | None = None  # tests: the write starts once this is set
     timings: dict[str, float] = field(default_factory=dict)
     committed_at: float | None = None  # time.perf_counter() once the step was committed
@@ -63,9 +66,16 @@ def write_and_commit(w: WriteSpec) -> None:
     storage, step = w.catalog.storage, w.step
     if w.gate is not None:
         w.gate.wait()
+    if coll.world_size() != w.world_size:  # each rank would commit its own part alone
+        raise CheckpointError(
+            f"saving step {step}: the snapshot was taken on {w.world_size} rank(s) but the "
+            f"process group now has {coll.world_size()} (was it destroyed? call close() or "
+            "wait() before torch.distributed.destroy_process_group()); step "
+            f"{step} is not committed"
+        )
     t0 = time.perf_counter()
     records = FileRecords()
-    dirname = write_dirname(step, w.overwrite)
+    dirname = write_dirname(step, w.plan.beside)
     writer = ChecksumWriter(storage, dirname, records, w.io_threads)
     try:
         dcp.save(
@@ -76,6 +86,9 @@ def write_and_commit(w: WriteSpec) -> None:
             no_dist=not coll.is_dist(),
         )
     except DCP_ERRORS as e:
+        stop = interrupt_in(e)
+        if stop is not None:  # Ctrl-C (or an exit) in the middle: itself, not a failure
+            raise stop from None
         raise dcp_failure(e, f"saving step {step} to {storage.url!r}") from e
     except RuntimeError as e:  # DCP's own collectives: a rank died or stopped answering
         raise coll.comm_failure(e, f"saving step {step}") from e
@@ -96,8 +109,10 @@ def write_and_commit(w: WriteSpec) -> None:
             if err is not None:
                 raise err
             files.update(part)
-        extra = {"io_threads": w.io_threads, "keys": len(w.sd)}
-        m = w.catalog.commit(step, coll.world_size(), files, extra, overwrite=w.overwrite)
+        extra: dict[str, Any] = {"io_threads": w.io_threads, "keys": len(w.sd)}
+        if w.optimizer is not None:
+            extra["optimizer"] = w.optimizer
+        m = w.catalog.commit(step, w.world_size, files, extra, plan=w.plan, line=w.line)
         _log.info(
             "committed step %d to %s: %d files, %d bytes, written in %.2f s",
             step,
@@ -107,19 +122,25 @@ def write_and_commit(w: WriteSpec) -> None:
             t1 - t0,
         )
 
-    def retain() -> None:
+    def tidy() -> None:
         try:
-            deleted = w.catalog.retain(w.keep_last, step)
+            replaced, deleted = w.catalog.tidy(w.keep_last, step, w.plan.drop)
         except Exception as e:  # the step is committed: a failed clean-up does not undo that
             _log.warning("retention after step %d failed (steps kept): %s", step, e)
             return
+        if replaced:
+            _log.warning(
+                "%s: deleted steps %s, replaced by this run's line (a rewind or a new run)",
+                storage.url,
+                replaced,
+            )
         if deleted:
             _log.info("retention (keep_last=%d) deleted steps %s", w.keep_last, deleted)
 
     coll.on_rank0(commit, w.group)
     t2 = w.committed_at = time.perf_counter()
-    if w.keep_last is not None:
-        coll.on_rank0(retain, w.group)
+    if w.keep_last is not None or w.plan.retires or w.plan.drop:
+        coll.on_rank0(tidy, w.group)
         w.timings["retention"] = time.perf_counter() - t2
     w.timings.update(
         dcp_save=t1 - t0,

@@ -5,14 +5,7 @@ delete, retention), ``resolve``/``verify``/``prune`` (for the CLI and interop), 
 names and ``Manifest``, and DCP's metadata read without unpickling untrusted bytes.
 """
 
-from muon_ckpt.store._catalog import (
-    COMMITTED,
-    CORRUPT,
-    UNCOMMITTED,
-    Catalog,
-    StepInfo,
-    write_dirname,
-)
+from muon_ckpt.store._catalog import Catalog, write_dirname
 from muon_ckpt.store._checksum import (
     CHUNK_BYTES,
     Checksum,
@@ -42,9 +35,11 @@ from muon_ckpt.store._layout import (
     step_dirname,
 )
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, LEASE, Lease
+from muon_ckpt.store._lines import SavePlan
 from muon_ckpt.store._metadata import bytes_keys, parse_metadata, tensor_entries
 from muon_ckpt.store._probe import open_storage
 from muon_ckpt.store._resolve import Resolved, VerifyResult, prune, resolve, verify
+from muon_ckpt.store._steps import COMMITTED, CORRUPT, NEWER, SUPERSEDED, UNCOMMITTED, StepInfo
 from muon_ckpt.store._storage import (
     DEFAULT_TIMEOUT,
     Storage,
@@ -65,6 +60,8 @@ __all__ = [
     "MANIFEST",
     "MAX_STEP",
     "METADATA",
+    "NEWER",
+    "SUPERSEDED",
     "UNCOMMITTED",
     "Catalog",
     "Checksum",
@@ -73,6 +70,7 @@ __all__ = [
     "Lease",
     "Manifest",
     "Resolved",
+    "SavePlan",
     "StepInfo",
     "Storage",
     "VerifyResult",

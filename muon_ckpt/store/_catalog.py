@@ -1,37 +1,30 @@
 """The one catalog of what is stored under a run root: used by the manager and the CLI alike.
 
-A step directory ``step-XXXXXXXX`` is
-
-* COMMITTED when its ``manifest.json`` is present and valid: it parses, and its ``step`` is
-  the directory's step. Only committed steps are listed by ``steps()``, loaded, counted and
-  deleted by retention, and verified;
-* CORRUPT when its manifest is present but invalid: never loaded (``load(step=)`` names the
-  problem), never deleted by retention or leftover clean-up, shown as such by ``ls``, failed
-  by ``verify``;
-* UNCOMMITTED without a manifest (a save that crashed or is running): ignored, and removed
-  by the next save.
-
-Only canonical names count (``step-`` and exactly 8 digits); ``ignored()`` lists the other
-``step-*`` names for ``ls``. Nothing a step's files say can make a reader leave its directory:
-the manifest names plain files in it, the DCP metadata only files the manifest lists, local
-files are read only when regular (no FIFO, device or symlink), and no more than their size.
+Steps and their status are in ``_steps`` (COMMITTED, SUPERSEDED, NEWER, CORRUPT,
+UNCOMMITTED); which committed steps are live, and what a save retires, in ``_lines``. Only
+canonical names of directories count (``step-`` and exactly 8 digits); ``ignored()`` lists
+the other ``step-*`` entries (a plain file named like a step among them) for ``ls``. Nothing
+a step's files say can make a reader leave its directory: the manifest names plain files in
+it, the DCP metadata only files the manifest lists, local files are read only when regular
+(no FIFO, device or symlink), and no more than their size.
 
 Commit protocol: every rank's files are closed (and fsynced, locally) and confirmed on the
 storage (``_confirm``) before rank 0 checks the write lease (``_lease``) and writes the
 manifest, LAST, with every file's size and checksums, and reads it back. Deleting a step removes
 the manifest FIRST, so a crash while deleting leaves an uncommitted directory, never a
 committed step with missing files; a step directory that is a symlink is unlinked, never
-followed. An overwrite is written beside the committed step (``overwrite-step-XXXXXXXX``),
-committed there, then swapped in (locally one atomic ``renameat2(RENAME_EXCHANGE)``), so a
-crash never leaves fewer committed steps than before (object stores: see ``_swap_in``).
-Writing operations run on rank 0 only; the manager broadcasts the outcome.
+followed. A step written where a step already is (an overwrite, a rewind's or a new run's
+replacement) is written beside it (``overwrite-step-XXXXXXXX``), committed there, then
+swapped in (locally one atomic ``renameat2(RENAME_EXCHANGE)``), so a crash never leaves fewer
+committed steps than before (object stores: see ``_swap_in``). Deletions of retired steps and
+retention come after the commit (``tidy``). Writing operations run on rank 0 only; the
+manager broadcasts the outcome.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -39,15 +32,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from muon_ckpt._errors import (
     CheckpointCorruptError,
-    CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointStorageError,
+    CheckpointVersionError,
 )
 from muon_ckpt._version import __version__
 from muon_ckpt.store._checksum import Checksum
 from muon_ckpt.store._layout import (
     MANIFEST,
-    MAX_MANIFEST_BYTES,
     METADATA,
     STEP_PREFIX,
     FileEntry,
@@ -56,21 +48,22 @@ from muon_ckpt.store._layout import (
     step_dirname,
 )
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, Lease
+from muon_ckpt.store._lines import SavePlan, mark_superseded, plan_save
 from muon_ckpt.store._metadata import check_paths, check_ranges, parse_metadata
+from muon_ckpt.store._steps import (
+    COMMITTED,
+    CORRUPT,
+    NEWER,
+    SUPERSEDED,
+    UNCOMMITTED,
+    StepInfo,
+    read_manifest,
+    read_step,
+)
 from muon_ckpt.store._storage import Storage
 
-__all__ = [
-    "COMMITTED",
-    "CORRUPT",
-    "UNCOMMITTED",
-    "Catalog",
-    "StepInfo",
-    "check_files",
-    "read_manifest",
-    "write_dirname",
-]
+__all__ = ["Catalog", "check_files", "write_dirname"]
 
-COMMITTED, CORRUPT, UNCOMMITTED = "committed", "corrupt", "uncommitted"
 _OVERWRITE = "overwrite-"  # prefix of the directory an overwrite is written to
 
 _log = logging.getLogger("muon_ckpt")
@@ -82,51 +75,6 @@ def write_dirname(step: int, overwrite: bool) -> str:
     return _OVERWRITE + step_dirname(step) if overwrite else step_dirname(step)
 
 
-@dataclass
-class StepInfo:
-    """One ``step-*`` directory and its status."""
-
-    step: int
-    dirname: str
-    status: str
-    size: int | None = None  # bytes: the manifest's total, else what the listing shows
-    files: int | None = None
-    time: str | None = None  # ISO 8601 UTC: the manifest's, else the newest file's
-    world_size: int | None = None
-    problem: str | None = None  # why the step is not loadable
-
-    @property
-    def committed(self) -> bool:
-        return self.status == COMMITTED
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "committed": self.committed}
-
-
-def _mtime(info: dict[str, Any]) -> float | None:
-    for k in ("mtime", "LastModified", "last_modified", "created"):
-        v = info.get(k)
-        if isinstance(v, datetime.datetime):
-            return v.timestamp()
-        if isinstance(v, (int, float)):
-            return float(v)
-    return None
-
-
-def read_manifest(storage: Storage, dirname: str, step: int | None) -> Manifest:
-    """The valid manifest of ``dirname`` (``step``: the step it must name). Raises
-    FileNotFoundError when absent, CheckpointCorruptError when invalid."""
-    where = storage.url_of(dirname, MANIFEST)
-    data = storage.read_bytes(dirname, MANIFEST, limit=MAX_MANIFEST_BYTES)
-    m = Manifest.from_json(data, where)
-    if step is not None and m.step != step:
-        raise CheckpointCorruptError(
-            f"{where}: the manifest says step {m.step} but lies in the directory of step "
-            f"{step}; the step cannot be trusted. Load another step or delete this one"
-        )
-    return m
-
-
 class Catalog:
     """The steps under ``storage``'s root. Writers (``begin``/``commit``) hold the run's
     write lease, expiring ``lease_seconds`` after their last save."""
@@ -136,59 +84,42 @@ class Catalog:
         self.lease = Lease(storage, lease_seconds)
 
     # ------------------------------------------------------------------ reading
-    def scan(self, *, detail: bool = False) -> list[StepInfo]:
-        """Every step directory, oldest first, with its status (``detail``: also size, file
-        count and time of the steps that are not committed, from a listing)."""
-        st = self.storage
-        out: dict[int, StepInfo] = {}
-        names = st.listdir()
-        # A committed overwrite whose move into place was cut short: the step is read from
-        # there until a save finishes the move (``_swap_in``).
-        moved = {
-            step: name
-            for name in names
-            if name.startswith(_OVERWRITE)
-            and (step := parse_step_dirname(name[len(_OVERWRITE) :])) is not None
-        }
-        for name in [n for n in names if parse_step_dirname(n) is not None] + list(moved.values()):
-            step = parse_step_dirname(name.removeprefix(_OVERWRITE))
-            if step is None:
+    def _step_dirs(self) -> tuple[dict[int, list[str]], list[str]]:
+        """step -> its directories (its own first, then an overwrite's), and the names that
+        look like steps but are not directories with canonical names (``ignored``)."""
+        steps: dict[int, list[str]] = {}
+        junk = []
+        for name, is_dir in self.storage.list_dirs().items():
+            base = name.removeprefix(_OVERWRITE)
+            if not base.startswith(STEP_PREFIX):
                 continue
-            if name.startswith(_OVERWRITE) and step in out and out[step].status != UNCOMMITTED:
-                continue  # the step's own manifest stands (an overwrite not swapped in yet)
-            info = StepInfo(step, name, UNCOMMITTED, problem="no manifest.json: not committed")
-            try:
-                m = read_manifest(st, name, step)
-            except FileNotFoundError:
-                pass
-            except CheckpointCorruptError as e:
-                info.status, info.problem = CORRUPT, str(e)
-            else:
-                info.status, info.problem = COMMITTED, None
-                info.size, info.files = m.total_bytes, len(m.files)
-                info.time, info.world_size = m.time, m.world_size
-            if name.startswith(_OVERWRITE) and not info.committed:
-                continue  # an overwrite being written, or left by a crash: not a step
-            if detail and not info.committed:
-                found = st.walk_info(name)
-                info.size = sum(int(i.get("size") or 0) for i in found.values())
-                info.files = len(found)
-                times = [t for t in (_mtime(i) for i in found.values()) if t is not None]
-                if times:
-                    info.time = datetime.datetime.fromtimestamp(
-                        max(times), datetime.timezone.utc
-                    ).isoformat(timespec="seconds")
-            out[step] = info
-        return sorted(out.values(), key=lambda s: s.step)
+            step = parse_step_dirname(base)
+            if step is None or not is_dir:
+                junk.append(name)
+                continue
+            dirs = steps.setdefault(step, [])
+            dirs.insert(len(dirs) if name.startswith(_OVERWRITE) else 0, name)
+        return steps, junk
+
+    def scan(self, *, detail: bool = False) -> list[StepInfo]:
+        """Every step, oldest first, with its status (``detail``: also size, file count and
+        time of the steps that are not committed, from a listing)."""
+        steps, _ = self._step_dirs()
+        out = []
+        for step, names in sorted(steps.items()):
+            info = _pick([read_step(self.storage, n, step) for n in names])
+            if info is not None:
+                if detail and not info.committed:
+                    info = read_step(self.storage, info.dirname, step, detail=True)
+                out.append(info)
+        mark_superseded(out)
+        return out
 
     def ignored(self) -> list[str]:
-        """Names under the root that look like steps but are not canonical (``step-`` and
-        exactly 8 digits): never listed, loaded or deleted."""
-        return [
-            n
-            for n in self.storage.listdir()
-            if n.startswith(STEP_PREFIX) and parse_step_dirname(n) is None
-        ]
+        """Entries under the root that look like steps but are not: names other than ``step-``
+        and exactly 8 digits, and plain files (or anything not a directory) named like a
+        step. Never listed, loaded or deleted."""
+        return self._step_dirs()[1]
 
     def committed_steps(self) -> list[int]:
         return [s.step for s in self.scan() if s.committed]
@@ -197,9 +128,10 @@ class Catalog:
         """The error for a step (None: any step) that is not committed here."""
         infos = self.scan()
         steps = [s.step for s in infos if s.committed] if steps is None else steps
-        bad = next((s for s in infos if s.step == step and s.status == CORRUPT), None)
+        bad = next((s for s in infos if s.step == step and s.status in (CORRUPT, NEWER)), None)
         if bad is not None:
-            return CheckpointCorruptError(str(bad.problem))
+            cls = CheckpointVersionError if bad.status == NEWER else CheckpointCorruptError
+            return cls(str(bad.problem))
         have = ", ".join(map(str, steps)) if steps else "none"
         url = self.storage.url
         if step is None:
@@ -213,14 +145,15 @@ class Catalog:
         )
 
     def dirname(self, step: int) -> str:
-        """The directory that holds committed ``step``: its own, or the overwrite directory
-        of a move into place that a crash (or, on an object store, a failed copy) cut short
-        (``_swap_in``), while the step's own directory has no manifest."""
+        """The directory that holds ``step``: its own, or the overwrite directory of a move
+        into place that a crash (or, on an object store, a failed copy) cut short
+        (``_swap_in``) when that one holds the later commit."""
         own = step_dirname(step)
-        if self.storage.exists(own, MANIFEST):
-            return own
         staged = _OVERWRITE + own
-        return staged if self.storage.exists(staged, MANIFEST) else own
+        if not self.storage.exists(staged, MANIFEST):
+            return own
+        info = _pick([read_step(self.storage, n, step) for n in (own, staged)])
+        return own if info is None else info.dirname
 
     def manifest(self, step: int, dirname: str | None = None) -> Manifest:
         """The valid manifest of ``step`` (in ``dirname``, default: ``dirname(step)``), or
@@ -244,44 +177,50 @@ class Catalog:
         return name, m, check_files(self.storage, (name,), m)
 
     # ------------------------------------------------------------------ writing (rank 0)
-    def begin(self, step: int, overwrite: bool) -> None:
-        """Ready a save of ``step``: take the write lease; refuse a committed (or corrupt)
-        step unless ``overwrite`` (it stays until the new version is committed:
-        ``write_dirname``); remove the leftovers of crashed saves (an overwrite that was
-        committed but not swapped in is finished first)."""
+    def begin(
+        self,
+        step: int,
+        *,
+        overwrite: bool = False,
+        resumed: bool = True,
+        new_run: bool = False,
+        abandon: list[tuple[int, int | None]] | None = None,
+    ) -> SavePlan:
+        """Ready a save of ``step``: take the write lease; finish or remove the leftovers of
+        crashed saves (an overwrite that was committed but not swapped in is finished first);
+        decide what the save retires and refuse what it must not do (``_lines.plan_save``:
+        a committed or corrupt step without ``overwrite``, another run's steps, a newer
+        format); remove uncommitted directories."""
         self.lease.acquire()
         st = self.storage
-        for name in st.listdir():
-            if name.startswith(_OVERWRITE):
-                self._finish_or_drop(name)
-        infos = {s.step: s for s in self.scan()}
-        have = infos.get(step)
-        if have is not None and have.status != UNCOMMITTED and not overwrite:
-            what = "committed" if have.committed else f"present but CORRUPT ({have.problem})"
-            raise CheckpointExistsError(
-                f"{st.url_of(have.dirname)}: step {step} is already {what}; pass "
-                "overwrite=True to replace it, or save another step"
-            )
-        for s in infos.values():
+        steps, _ = self._step_dirs()
+        for s, names in steps.items():
+            for name in names[1:] if names[0] == step_dirname(s) else names:
+                self._finish_or_drop(name, s)
+        infos = self.scan()
+        plan = plan_save(
+            infos,
+            st.url,
+            step,
+            overwrite=overwrite,
+            resumed=resumed,
+            new_run=new_run,
+            abandon=list(abandon or ()),
+        )
+        for s in infos:
             if s.status == UNCOMMITTED:
                 st.rm(s.dirname)
+        return plan
 
-    def _finish_or_drop(self, name: str) -> None:
-        """An ``overwrite-`` directory left by a crash: finish the move when it is committed
-        and its step is not (an object store's swap was cut short); else remove it (an
+    def _finish_or_drop(self, name: str, step: int) -> None:
+        """An ``overwrite-`` directory left by a crash: finish the move when it holds the
+        step's later commit (an object store's swap was cut short); else remove it (an
         overwrite that never committed, or the old version an exchange left behind)."""
-        step = parse_step_dirname(name[len(_OVERWRITE) :])
-        finish = False
-        if step is not None:
-            try:
-                read_manifest(self.storage, name, step)
-                read_manifest(self.storage, step_dirname(step), step)
-            except FileNotFoundError:  # the staged one is committed, the step's is gone
-                finish = self.storage.exists(name, MANIFEST)
-            except CheckpointCorruptError:
-                finish = False
-        if finish and step is not None:
-            _log.warning("finishing the interrupted overwrite of step %d", step)
+        own = step_dirname(step)
+        infos = [read_step(self.storage, n, step) for n in (own, name)]
+        picked = _pick(infos)
+        if picked is not None and picked.dirname == name:
+            _log.warning("finishing the interrupted replacement of step %d", step)
             self._swap_in(name, step)
         else:
             self._remove(name)
@@ -293,12 +232,14 @@ class Catalog:
         files: dict[str, FileEntry],
         extra: dict[str, Any],
         *,
-        overwrite: bool = False,
+        plan: SavePlan,
+        line: str | None = None,
     ) -> Manifest:
         """Check that every recorded file is there with its size and that this job still
-        holds the lease, then write the manifest and read it back; an overwrite is then
-        swapped in for the step it replaces."""
-        st, name = self.storage, write_dirname(step, overwrite)
+        holds the lease, then write the manifest (with ``plan``'s generation and retired
+        commits, and ``line``) and read it back; a step written beside the one it replaces
+        is then swapped in."""
+        st, name = self.storage, write_dirname(step, plan.beside)
         listed = st.walk_files(name)
         for fname, entry in sorted(files.items()):
             if listed.get(fname) != entry.size:
@@ -318,6 +259,9 @@ class Catalog:
             torch_version=torch.__version__,
             muon_ckpt_version=__version__,
             extra=extra,
+            gen=plan.gen,
+            line=line,
+            retires=list(plan.retires),
         )
         data = manifest.to_json()
         self.lease.check()
@@ -328,7 +272,7 @@ class Catalog:
                 f"{st.url_of(name, MANIFEST)}: read back other bytes than were written (the "
                 f"upload was damaged); step {step} is NOT committed. Check the storage"
             )
-        if overwrite:
+        if plan.beside:
             self._swap_in(name, step)
         return manifest
 
@@ -384,16 +328,46 @@ class Catalog:
         self.storage.rm(name, MANIFEST)
         self.storage.rm(name)
 
-    def retain(self, keep_last: int, just_saved: int | None = None) -> list[int]:
-        """Delete the oldest committed steps beyond ``keep_last``; never the newest one nor
-        ``just_saved`` (the step just committed, after its files were confirmed on the
-        storage: the newest step that verified). Returns the deleted steps."""
-        steps = self.committed_steps()
+    def tidy(
+        self, keep_last: int | None, just_saved: int, drop: list[int] = ()
+    ) -> tuple[list[int], list[int]]:
+        """After a commit: delete the superseded steps and the CORRUPT steps in ``drop`` (a
+        replaced line's), then the oldest committed steps beyond ``keep_last``, never the
+        newest one nor ``just_saved`` (the step just committed, after its files were confirmed
+        on the storage: the newest step that verified). Returns (the replaced steps deleted,
+        the steps retention deleted)."""
+        infos = self.scan()
+        gone = [
+            i.step
+            for i in infos
+            if i.status == SUPERSEDED or (i.status == CORRUPT and i.step in drop)
+        ]
+        for s in gone:
+            self.delete(s)
+        if keep_last is None:
+            return gone, []
+        steps = [i.step for i in infos if i.committed]
         keep = set(steps[-keep_last:]) | {just_saved}
         victims = [s for s in steps if s not in keep]
         for s in victims:
             self.delete(s)
-        return victims
+        return gone, victims
+
+
+def _pick(infos: list[StepInfo]) -> StepInfo | None:
+    """Which of a step's directories (its own first, then an overwrite's) stands for it: the
+    committed one with the later commit (its own on a tie, or when none is committed, unless
+    it has no manifest); an overwrite's directory only when committed (anything else there is
+    a leftover, not a step). A directory of a newer format always stands."""
+    own = infos[0] if infos and not infos[0].dirname.startswith(_OVERWRITE) else None
+    staged = [i for i in infos if i.dirname.startswith(_OVERWRITE) and i.status == COMMITTED]
+    if own is not None and own.status == NEWER:
+        return own
+    best = own
+    for i in staged:
+        if best is None or best.status != COMMITTED or (i.gen or 0) > (best.gen or 0):
+            best = i
+    return best
 
 
 def check_files(storage: Storage, parts: tuple[str, ...], m: Manifest) -> Metadata:

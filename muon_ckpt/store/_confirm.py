@@ -23,9 +23,8 @@ no read-back here.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt._threads import run_all
 from muon_ckpt.store._checksum import file_checksum
 from muon_ckpt.store._layout import FileEntry
 from muon_ckpt.store._storage import Storage
@@ -71,6 +70,4 @@ def confirm_files(
                 f"({want.size} bytes)",
             )
 
-    with ThreadPoolExecutor(max(1, min(threads, len(files)))) as ex:
-        for f in [ex.submit(one, n) for n in sorted(files)]:
-            f.result()
+    run_all(threads, one, sorted(files), name="-confirm")

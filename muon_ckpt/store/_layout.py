@@ -25,7 +25,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointVersionError
+from muon_ckpt._version import __version__
 
 STEP_PREFIX = "step-"
 MANIFEST = "manifest.json"
@@ -36,6 +37,7 @@ KEY_FORMAT_VERSION = 1
 
 MAX_STEP = 10**8 - 1  # 8 digits
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is read up to this size, no further
+MAX_INT = (1 << 63) - 1  # every integer of a manifest is below 2**63 (a file size, a count)
 
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 # A file of a step: one plain name inside the step directory (DCP writes no subdirectories).
@@ -132,13 +134,13 @@ class FileEntry:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FileEntry:
-        size = int(d["size"])
-        chunk = None if d.get("chunk_bytes") is None else int(d["chunk_bytes"])
+        size = _bounded("size", d["size"])
+        chunk = None if d.get("chunk_bytes") is None else _bounded("chunk_bytes", d["chunk_bytes"])
         sums = [k for k in ("crc32c", "crc32") if d.get(k) is not None]
         if len(sums) != 1:
             raise ValueError(f"a file entry needs one of crc32c or crc32, found {sorted(d)}")
         digest = str(d[sums[0]])
-        cuts = None if d.get("cuts") is None else [int(c) for c in d["cuts"]]
+        cuts = None if d.get("cuts") is None else [_bounded("cuts", c) for c in d["cuts"]]
         if size < 0 or (chunk is not None and chunk < 1):
             raise ValueError(f"size {size} and chunk_bytes {chunk} must be >= 0 and >= 1")
         if cuts is not None and (chunk is None or any(not 0 < c < size for c in cuts)):
@@ -166,6 +168,13 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     key_format_version: int = KEY_FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    # The run's history (``Catalog``): ``gen`` orders commits (one more than any commit in the
+    # root when it was made; 0 in manifests written before it existed), ``line`` names the
+    # line of steps it continues, ``retires`` lists the commits ``[step, gen]`` it replaced
+    # (a rewind's newer steps, another run's steps): no load resumes those.
+    gen: int = 0
+    line: str | None = None
+    retires: list[tuple[int, int]] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         d = asdict(self)
@@ -178,33 +187,81 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
+        """The manifest in ``data``: CheckpointVersionError for a newer format (checked
+        first: a newer manifest may look invalid to this version), CheckpointCorruptError for
+        anything invalid, integers out of bounds included."""
         try:
             d = json.loads(data)  # nesting is bounded: too deep raises RecursionError
+            if not isinstance(d, dict):
+                raise ValueError(f"it holds a JSON {type(d).__name__}, not an object")
             if d.get("format") != FORMAT:
-                raise ValueError(f"format is {d.get('format')!r}, expected {FORMAT!r}")
-            if int(d["format_version"]) > FORMAT_VERSION:
-                raise ValueError(
-                    f"format_version {d['format_version']} is newer than this muon-ckpt "
-                    f"understands ({FORMAT_VERSION}); upgrade muon-ckpt"
-                )
-            files = {k: _file_entry(k, v) for k, v in d["files"].items()}
+                raise ValueError(f"format is {str(d.get('format'))[:40]!r}, expected {FORMAT!r}")
+            version = _bounded("format_version", d["format_version"])
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise _unreadable(where, e) from e
+        if version > FORMAT_VERSION:
+            raise CheckpointVersionError(
+                f"{where}: written by a newer muon-ckpt (format_version {version}; this "
+                f"muon-ckpt {__version__} reads up to {FORMAT_VERSION}): upgrade muon-ckpt. "
+                "This version never loads, deletes or writes beside such a step"
+            )
+        try:
+            files = {k: _file_entry(k, v) for k, v in _mapping("files", d["files"]).items()}
+            step = _bounded("step", d["step"])
+            if step > MAX_STEP:
+                raise ValueError(f"step {step} has more than 8 digits")
+            retires = [_retired(r) for r in d.get("retires") or []]
+            line = d.get("line")
+            if line is not None and not (isinstance(line, str) and _LINE_RE.fullmatch(line)):
+                raise ValueError(f"line {str(line)[:40]!r} is not an id of 1-64 letters/digits")
             return cls(
-                step=int(d["step"]),
-                world_size=int(d["world_size"]),
+                step=step,
+                world_size=_bounded("world_size", d["world_size"], low=1),
                 files=files,
                 time=str(d["time"]),
                 torch_version=str(d["torch_version"]),
                 muon_ckpt_version=str(d["muon_ckpt_version"]),
                 format=d["format"],
-                format_version=int(d["format_version"]),
-                key_format_version=int(d.get("key_format_version", 1)),
-                extra=dict(d.get("extra", {})),
+                format_version=version,
+                key_format_version=_bounded("key_format_version", d.get("key_format_version", 1)),
+                extra=dict(_mapping("extra", d.get("extra", {}))),
+                gen=_bounded("gen", d.get("gen", 0)),
+                line=line,
+                retires=retires,
             )
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-            raise CheckpointCorruptError(
-                f"{where}: manifest is unreadable ({e}); the step cannot be trusted. "
-                "Load another step (muon-ckpt ls lists them) or delete this one"
-            ) from e
+            raise _unreadable(where, e) from e
+
+
+_LINE_RE = re.compile(r"[A-Za-z0-9]{1,64}")
+
+
+def _unreadable(where: str, e: BaseException) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{where}: manifest is unreadable ({str(e)[:300]}); the step cannot be trusted. "
+        "Load another step (muon-ckpt ls lists them) or delete this one"
+    )
+
+
+def _bounded(name: str, v: Any, *, low: int = 0) -> int:
+    """``v`` if it is a JSON integer in ``[low, 2**63)``: anything else in a manifest is
+    corrupt (a 4,300-digit size must not reach arithmetic or formatting)."""
+    if type(v) is not int or not low <= v <= MAX_INT:
+        shown = repr(v) if type(v) is not int else f"an integer of {v.bit_length()} bits"
+        raise ValueError(f"{name} must be an integer in [{low}, 2**63), found {shown[:40]}")
+    return v
+
+
+def _mapping(name: str, v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ValueError(f"{name} must be a JSON object, found a {type(v).__name__}")
+    return v
+
+
+def _retired(r: Any) -> tuple[int, int]:
+    if not isinstance(r, list) or len(r) != 2:
+        raise ValueError(f"retires must hold [step, gen] pairs, found {str(r)[:40]!r}")
+    return _bounded("a retired step", r[0]), _bounded("a retired gen", r[1])
 
 
 def _file_entry(name: str, v: Any) -> FileEntry:
@@ -213,10 +270,11 @@ def _file_entry(name: str, v: Any) -> FileEntry:
             f"it lists the file {name[:80]!r}: a checkpoint holds plain file names inside "
             "its step directory only (no '/', '..' or absolute paths)"
         )
+    _mapping(f"file {name!r}", v)
     for k in ("size", "chunk_bytes"):
         x = v.get(k)
-        if (x is not None or k == "size") and (not isinstance(x, int) or isinstance(x, bool)):
-            raise ValueError(f"file {name!r}: {k} {x!r} is not an int")
+        if x is not None or k == "size":
+            _bounded(f"file {name!r}: {k}", x)
     cuts = v.get("cuts")
     if cuts is not None and (not isinstance(cuts, list) or not all(type(c) is int for c in cuts)):
         raise ValueError(f"file {name!r}: cuts must be a list of ints")

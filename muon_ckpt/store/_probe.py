@@ -33,6 +33,34 @@ def _check_url(field: str, url: str) -> None:
         )
 
 
+# Options a local path takes (fsspec's own, and the local filesystem's): anything else in
+# storage_options was meant for a remote filesystem, whose URL this is not.
+_LOCAL_OPTIONS = frozenset(
+    {"auto_mkdir", "skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
+)
+
+
+def _check_options(field: str, url: str, storage: Storage, options: dict[str, Any]) -> None:
+    """Options that cannot be what the user meant: remote options with a local path, an
+    endpoint without a scheme."""
+    if storage.is_local:
+        foreign = sorted(set(options) - _LOCAL_OPTIONS)
+        if foreign:
+            raise ValueError(
+                f"{field} {url!r} is a local path, but storage_options has {foreign}: options "
+                "of a remote filesystem (s3fs, gcsfs, ...). Give the remote URL "
+                "(s3://bucket/prefix, gs://...), or drop those options"
+            )
+    endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get(
+        "endpoint_url"
+    )
+    if isinstance(endpoint, str) and "://" not in endpoint:
+        raise ValueError(
+            f"storage_options endpoint_url {endpoint!r} (for {field} {url!r}) has no scheme: "
+            f"write http://{endpoint} or https://{endpoint}"
+        )
+
+
 def _probe_options(options: dict[str, Any], timeout: float | None) -> dict[str, Any]:
     cfg = dict(options.get("config_kwargs") or {})
     bound = min(_PROBE_TIMEOUT, timeout or _PROBE_TIMEOUT)
@@ -92,6 +120,7 @@ def open_storage(
         storage = Storage(url, options, timeout=timeout)
     except ValueError as e:
         raise ValueError(f"{field}: {e}") from e
+    _check_options(field, url, storage, options)
     if probe and storage.object_store:
         bucket = storage.root.strip("/").split("/", 1)[0]
         try:

@@ -10,13 +10,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from muon_ckpt._errors import CheckpointNotFoundError
 from muon_ckpt._progress import progress_bar
-from muon_ckpt.store._catalog import (
-    CORRUPT,
-    UNCOMMITTED,
-    Catalog,
-    check_files,
-    read_manifest,
-)
+from muon_ckpt.store._catalog import Catalog, check_files
 from muon_ckpt.store._checksum import file_checksum
 from muon_ckpt.store._layout import (
     MANIFEST,
@@ -26,6 +20,7 @@ from muon_ckpt.store._layout import (
     parse_step_dirname,
 )
 from muon_ckpt.store._metadata import check_paths, parse_metadata
+from muon_ckpt.store._steps import CORRUPT, UNCOMMITTED, read_manifest
 from muon_ckpt.store._storage import Storage
 
 __all__ = ["PruneResult", "Resolved", "VerifyResult", "prune", "resolve", "verify"]

@@ -191,8 +191,10 @@ class Storage:
 
     # ------------------------------------------------------------------ queries
     def exists(self, *parts: str) -> bool:
+        p = self.path(*parts)
         with self._calling("checking", *parts):
-            return self.fs.exists(self.path(*parts))
+            self.fs.invalidate_cache(p)  # another process may have written or deleted it
+            return self.fs.exists(p)
 
     def isfile(self, *parts: str) -> bool:
         with self._calling("checking", *parts):
@@ -227,6 +229,25 @@ class Storage:
         except FileNotFoundError:
             return []
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+    def list_dirs(self, *parts: str) -> dict[str, bool]:
+        """Base name -> whether it is a directory, for every entry directly under ``parts``
+        (locally a symlink to a directory counts as one); {} when ``parts`` does not exist."""
+        p = self.path(*parts)
+        try:
+            with self._calling("listing", *parts):
+                self.fs.invalidate_cache(p)
+                entries = self.fs.ls(p, detail=True)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for e in entries:
+            name = posixpath.basename(str(e["name"]).rstrip("/"))
+            is_dir = e.get("type") == "directory"
+            if not is_dir and self.is_local and e.get("islink"):
+                is_dir = os.path.isdir(self.path(*parts, name))
+            out[name] = is_dir
+        return dict(sorted(out.items()))
 
     def walk_files(self, *parts: str) -> dict[str, int]:
         """Relative path -> size of every file below ``parts``."""

@@ -1,0 +1,58 @@
+"""A pending save is committed before the interpreter exits, whatever ends the script.
+
+At exit, Python runs the threading module's exit hooks, then joins the threads that are not
+daemons, then runs ``atexit``. One of those hooks is ``concurrent.futures``': after it, no
+executor takes work (asyncio's ``getaddrinfo`` for S3, for one), so a background save that
+still has requests to make would fail ("cannot schedule new futures after interpreter
+shutdown"). Managers with a pending save are closed by a hook registered after
+``concurrent.futures``' (the hooks run last-registered first): the save finishes while the
+interpreter is whole, on every rank, and its failure is logged at ERROR naming the step.
+The exit code cannot be changed from there without skipping the other exit handlers
+(``os._exit``), so it stays what the script made it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from typing import Any, Protocol
+
+__all__ = ["finish_at_exit"]
+
+_log = logging.getLogger("muon_ckpt")
+
+
+class _Closing(Protocol):
+    def _close_at_exit(self) -> None: ...
+
+
+_managers: weakref.WeakSet[Any] = weakref.WeakSet()
+_lock = threading.Lock()
+_registered = False
+
+
+def finish_at_exit(manager: _Closing) -> None:
+    """Close ``manager`` (``_close_at_exit``) when the interpreter exits, unless it is gone."""
+    global _registered
+    with _lock:
+        _managers.add(manager)
+        if _registered:
+            return
+        import concurrent.futures.thread  # noqa: F401  (its hook first, so ours runs before)
+
+        register = getattr(threading, "_register_atexit", None)  # CPython >= 3.9
+        if register is not None:
+            register(_close_all)
+        else:  # pragma: no cover - other interpreters: after the threads were joined
+            atexit.register(_close_all)
+        _registered = True
+
+
+def _close_all() -> None:
+    for manager in list(_managers):
+        try:
+            manager._close_at_exit()
+        except BaseException as e:  # one manager's failure must not keep the others open
+            _log.error("closing %r at exit failed: %s: %s", manager, type(e).__name__, e)

@@ -1,0 +1,64 @@
+"""Preemption: a signal (SIGTERM by default) becomes "finish the pending save, save the
+current step, exit with code 0", on every rank, at the next ``save()``.
+
+A handler cannot save in the middle of a forward or an optimizer step, so it only sets a
+flag. Every ``save(step)`` call of a watching manager (due or not) then asks the other ranks
+whether any of them got the signal (one all-reduce of one integer on the manager's gloo
+group), so that all ranks decide at the same step. Nothing is installed unless asked
+(``CheckpointManager.watch_preemption``); ``close()`` puts the previous handlers back.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PreemptionWatch"]
+
+_log = logging.getLogger("muon_ckpt")
+
+
+class PreemptionWatch:
+    """Signal handlers that set ``received`` (installed from the main thread)."""
+
+    def __init__(self, signals: Iterable[int]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError(
+                "watch_preemption() installs signal handlers, which Python allows only in "
+                "the main thread; call it from there"
+            )
+        self.received: int | None = None  # the signal number, once one came
+        self._previous: dict[int, Any] = {}
+        for s in dict.fromkeys(int(s) for s in signals):
+            self._previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        # Only a flag: a handler runs between two bytecodes of whatever the main thread does.
+        if self.received is None:
+            self.received = signum
+
+    def agreed(self, group: Any) -> bool:
+        """Whether any rank received a signal (a collective of ``group``'s ranks)."""
+        flag = torch.tensor([self.received or 0], dtype=torch.int32)
+        if group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        signum = int(flag.item())
+        if signum and self.received is None:
+            self.received = signum  # another rank's
+        return bool(signum)
+
+    def restore(self) -> None:
+        """Put the handlers back that were there before (main thread only: elsewhere, at
+        exit, they are left as they are)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()

@@ -1,0 +1,128 @@
+"""A run's history: which committed steps are live, and what a save retires.
+
+A url holds one line of steps. Every commit has a generation (``gen``: one more than any
+commit in the root when it was made; 0 in manifests older than this rule) and may list
+commits it retires (``retires``: ``[step, gen]`` pairs). A retired commit is SUPERSEDED: no
+load resumes it, retention does not count it, and the save after the one that retired it (or
+that save itself, once committed) deletes it. A save retires
+
+* after a rewind (a load of a step older than the newest, asked for or fallen back to): the
+  newer steps, which belong to the abandoned line;
+* when a run starts over in a used url (``new_run``): every committed step there;
+* and, always, every superseded commit that is still there, so that a retirement outlives
+  the commit that made it (retention deletes old commits first).
+
+So deleting happens only after a commit, and a process that dies between a commit and the
+deletions leaves a url whose next load resumes the new line. A first save of a manager that
+has not loaded anything is refused where the url holds committed steps (another run's), and
+every save where it holds a step of a newer format (this version must not write beside or
+delete what it cannot read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from muon_ckpt._errors import CheckpointExistsError, CheckpointVersionError
+from muon_ckpt.store._steps import COMMITTED, CORRUPT, NEWER, SUPERSEDED, UNCOMMITTED, StepInfo
+
+__all__ = ["SavePlan", "mark_superseded", "plan_save"]
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """What rank 0 decided before a save writes anything."""
+
+    gen: int  # the commit's generation
+    retires: list[tuple[int, int]]  # commits [step, gen] that it supersedes
+    drop: list[int]  # CORRUPT steps of the replaced line, deleted after the commit
+    replacing: list[int]  # the steps this save newly retires or drops (not those carried)
+    beside: bool  # write beside the step's directory, swapped in at the commit (an overwrite,
+    # or a step being replaced)
+
+
+def mark_superseded(infos: list[StepInfo]) -> None:
+    """Set the status of every committed step that a commit retired to SUPERSEDED."""
+    retired: dict[tuple[int, int], int] = {}
+    for i in infos:
+        if i.status in (COMMITTED, SUPERSEDED):
+            for pair in i.retires:
+                retired.setdefault(pair, i.step)
+    for i in infos:
+        by = retired.get((i.step, i.gen or 0))
+        if i.status == COMMITTED and by is not None:
+            i.status = SUPERSEDED
+            i.problem = (
+                f"replaced by the line of step {by} (a rewind, or a new run in this url); "
+                "never loaded, and deleted by the next save"
+            )
+
+
+def plan_save(
+    infos: list[StepInfo],
+    url: str,
+    step: int,
+    *,
+    overwrite: bool,
+    resumed: bool,
+    new_run: bool,
+    abandon: list[tuple[int, int | None]],
+) -> SavePlan:
+    """Decide a save of ``step`` over the scan ``infos`` of ``url``. ``resumed``: the
+    manager loaded (or found nothing to load) or saved before; ``abandon``: the steps newer
+    than the one it loaded (``(step, gen)``, gen None for a CORRUPT one), which this save
+    retires. Raises CheckpointVersionError or CheckpointExistsError, writing nothing."""
+    newer = [i.step for i in infos if i.status == NEWER]
+    if newer:
+        raise CheckpointVersionError(
+            f"{url}: step(s) {newer} were written by a newer muon-ckpt; saving step {step} "
+            "next to them could make a newer version resume the wrong steps, and this version "
+            "never deletes them. Upgrade muon-ckpt, or save this run to another url. Nothing "
+            "was written"
+        )
+    by_step = {i.step: i for i in infos}
+    live = [i for i in infos if i.status == COMMITTED]
+    carried = [(i.step, i.gen or 0) for i in infos if i.status == SUPERSEDED]
+    retires: list[tuple[int, int]] = []
+    drop: list[int] = []
+    if not resumed and live:
+        if not new_run:
+            raise CheckpointExistsError(_foreign(url, step, live))
+        retires += [(i.step, i.gen or 0) for i in live]
+        drop += [i.step for i in infos if i.status == CORRUPT]
+    for s, g in abandon:
+        info = by_step.get(s)
+        if info is None:
+            continue
+        if g is None and info.status == CORRUPT:
+            drop.append(s)
+        elif info.status == COMMITTED and (info.gen or 0) == g:
+            retires.append((s, g))
+    replacing = sorted({s for s, _ in retires} | set(drop))
+    replaced = {s for s, _ in carried} | set(replacing)
+    have = by_step.get(step)
+    taken = have is not None and have.status in (COMMITTED, CORRUPT) and step not in replaced
+    if taken and not overwrite:
+        what = "committed" if have.committed else f"present but CORRUPT ({have.problem})"
+        raise CheckpointExistsError(
+            f"{url}: step {step} is already {what}; pass overwrite=True to replace it, or "
+            "save another step"
+        )
+    gen = 1 + max((i.gen or 0 for i in infos if i.status in (COMMITTED, SUPERSEDED)), default=0)
+    beside = overwrite or (have is not None and have.status != UNCOMMITTED)
+    return SavePlan(gen, sorted(set(retires + carried)), sorted(set(drop)), replacing, beside)
+
+
+def _foreign(url: str, step: int, live: list[StepInfo]) -> str:
+    steps = [i.step for i in live]
+    shown = ", ".join(map(str, steps[-8:])) + (f" ({len(steps)} in all)" if len(steps) > 8 else "")
+    newest = live[-1]
+    return (
+        f"{url}: holds committed steps {shown} of another run (the newest, step "
+        f"{newest.step}, saved {newest.time or 'at an unknown time'}), and this manager saves "
+        f"step {step} without having loaded anything: two runs would mix in one url (a "
+        "restart would resume whichever step is newest, and retention would delete the "
+        "other's steps). Call load() first to resume that run, give this run another url, "
+        "or pass new_run=True to start a new run here (the steps there are deleted once this "
+        "run's first step is committed). Nothing was written"
+    )

@@ -1,0 +1,121 @@
+"""One step directory: its manifest read, and its status.
+
+A step directory ``step-XXXXXXXX`` is
+
+* COMMITTED when its ``manifest.json`` is present and valid (it parses, within bounds, and
+  its ``step`` is the directory's step) and no later commit retired it (``_lines``): listed
+  by ``steps()``, loaded, counted and deleted by retention, verified;
+* SUPERSEDED when it is committed but a later commit retired it (a rewind's abandoned line,
+  another run's steps): never loaded or counted, deleted by the next save;
+* NEWER when its manifest is of a newer format than this version reads: never loaded,
+  deleted or written beside (``load()`` and ``save()`` say "upgrade muon-ckpt");
+* CORRUPT when its manifest is present but invalid: never loaded, never deleted by
+  retention or leftover clean-up;
+* UNCOMMITTED without a manifest (a save that crashed or is running): ignored, and removed
+  by the next save.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointVersionError
+from muon_ckpt.store._layout import MANIFEST, MAX_MANIFEST_BYTES, Manifest
+from muon_ckpt.store._storage import Storage
+
+__all__ = [
+    "COMMITTED",
+    "CORRUPT",
+    "NEWER",
+    "SUPERSEDED",
+    "UNCOMMITTED",
+    "StepInfo",
+    "read_manifest",
+    "read_step",
+]
+
+COMMITTED, CORRUPT, UNCOMMITTED = "committed", "corrupt", "uncommitted"
+NEWER, SUPERSEDED = "newer", "superseded"
+
+
+@dataclass
+class StepInfo:
+    """One ``step-*`` directory and its status."""
+
+    step: int
+    dirname: str
+    status: str
+    size: int | None = None  # bytes: the manifest's total, else what the listing shows
+    files: int | None = None
+    time: str | None = None  # ISO 8601 UTC: the manifest's, else the newest file's
+    world_size: int | None = None
+    problem: str | None = None  # why the step is not loadable
+    gen: int | None = None  # the commit's generation (_lines), from the manifest
+    line: str | None = None  # the line of steps it belongs to, from the manifest
+    retires: list[tuple[int, int]] = field(default_factory=list, repr=False)
+
+    @property
+    def committed(self) -> bool:
+        return self.status == COMMITTED
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        del d["retires"]
+        return {**d, "committed": self.committed}
+
+
+def read_manifest(storage: Storage, dirname: str, step: int | None) -> Manifest:
+    """The valid manifest of ``dirname`` (``step``: the step it must name). Raises
+    FileNotFoundError when absent, CheckpointVersionError for a newer format,
+    CheckpointCorruptError when invalid."""
+    where = storage.url_of(dirname, MANIFEST)
+    data = storage.read_bytes(dirname, MANIFEST, limit=MAX_MANIFEST_BYTES)
+    m = Manifest.from_json(data, where)
+    if step is not None and m.step != step:
+        raise CheckpointCorruptError(
+            f"{where}: the manifest says step {m.step} but lies in the directory of step "
+            f"{step}; the step cannot be trusted. Load another step or delete this one"
+        )
+    return m
+
+
+def read_step(storage: Storage, name: str, step: int, *, detail: bool = False) -> StepInfo:
+    """The status of directory ``name`` of ``step`` (SUPERSEDED is decided over all steps,
+    by ``_lines.mark_superseded``); ``detail``: size, file count and time of a directory
+    that is not committed, from a listing."""
+    info = StepInfo(step, name, UNCOMMITTED, problem="no manifest.json: not committed")
+    try:
+        m = read_manifest(storage, name, step)
+    except FileNotFoundError:
+        pass
+    except CheckpointVersionError as e:
+        info.status, info.problem = NEWER, str(e)
+    except CheckpointCorruptError as e:
+        info.status, info.problem = CORRUPT, str(e)
+    else:
+        info.status, info.problem = COMMITTED, None
+        info.size, info.files = m.total_bytes, len(m.files)
+        info.time, info.world_size = m.time, m.world_size
+        info.gen, info.line, info.retires = m.gen, m.line, list(m.retires)
+    if detail and not info.committed:
+        found = storage.walk_info(name)
+        info.size = sum(int(i.get("size") or 0) for i in found.values())
+        info.files = len(found)
+        times = [t for t in (_mtime(i) for i in found.values()) if t is not None]
+        if times:
+            info.time = datetime.datetime.fromtimestamp(
+                max(times), datetime.timezone.utc
+            ).isoformat(timespec="seconds")
+    return info
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    for k in ("mtime", "LastModified", "last_modified", "created"):
+        v = info.get(k)
+        if isinstance(v, datetime.datetime):
+            return v.timestamp()
+        if isinstance(v, (int, float)):
+            return float(v)
+    return None
