@@ -23,11 +23,12 @@ from muon_ckpt import (
 )
 from muon_ckpt.cli import main
 from tests._ckpt import TinyNet, make_muon, three_step_run
-from tests._crafted import MiB, StepEditor, craft_step, peak_growth, saved
+from tests._crafted import MiB, StepEditor, bomb_item, craft_step, peak_growth, saved
 
 # Peak resident memory a command may add on these tiny steps (< 100 KiB each), crafted or
 # not: reading threads' buffers and torch's own; far below what an inflating item reaches.
 MEMORY_BOUND = 64 * MiB
+INFLATED = 256 * MiB  # what the crafted items of the memory tests expand to in torch.load
 
 MOMENTUM = "optim.state.fc1.weight.momentum_buffer"  # a [12, 8] tensor: load, import, export
 LR = "optim.param_groups.fc1.weight.lr"  # a stored object: load, export, inspect
@@ -93,6 +94,91 @@ def _outcomes(run: dict[str, Any], tmp_path: Any, capsys: Any) -> dict[str, tupl
 def _falls_back(run: dict[str, Any]) -> None:
     model, opt = _fresh()
     assert CheckpointManager(run["url"], model=model, optimizer=opt).load() == 2
+
+
+# ------------------------------------------------------------------ items that inflate (#4)
+@pytest.mark.parametrize("how", ["deflated", "overlapping"])
+@pytest.mark.parametrize("key", [MOMENTUM, LR], ids=["tensor_item", "object_item"])
+def test_an_item_that_inflates_is_corrupt_within_a_memory_bound(
+    local_run, tmp_path, capsys, how, key
+):
+    """Issue 31 #4: an item of a few hundred KiB whose record is deflated, or whose zip
+    entries overlap one stored record, made torch.load allocate INFLATED bytes (and a
+    1 GiB per 70 KiB, without bound, with both). Its values are the stored ones, so only
+    the expansion is wrong: every command refuses it (or does not read it) within the bound."""
+
+    def edit(ed: StepEditor) -> None:
+        value = _stored_value(ed, key) if key == MOMENTUM else torch.tensor([0.02])
+        if how == "deflated":
+            item = bomb_item(value, INFLATED, deflate=True)
+        else:
+            item = bomb_item(value, 1 * MiB, deflate=False, aliases=INFLATED // MiB)
+        ed.replace_item(key, item)
+
+    craft_step(local_run["storage"], 3, edit)
+    size = os.path.getsize(local_run["storage"].path("step-00000003", StepEditor.NEW_FILE))
+    assert size < 2 * MiB
+    got = _outcomes(local_run, tmp_path, capsys)
+    readers = {"load", "export"} | ({"import"} if key == MOMENTUM else {"inspect"})
+    for name, (grew, out) in got.items():
+        assert grew < MEMORY_BOUND, (name, grew // MiB, out)
+        if name in readers:
+            assert isinstance(out, CheckpointCorruptError), (name, out)
+            assert key in str(out) and StepEditor.NEW_FILE in str(out), (name, out)
+        else:
+            assert not isinstance(out, Exception) or isinstance(out, CheckpointCorruptError)
+    _falls_back(local_run)
+
+
+@pytest.mark.parametrize("storage_url", ["memory", "s3"], indirect=True)
+def test_remote_reads_refuse_inflating_items_too(storage_url):
+    """The remote read paths (streamed with checksums, ranged reads with verify="size") make
+    the same checks as the local one: a deflated tensor item and an object item whose zip
+    entries overlap are corrupt within the bound, and load() falls back."""
+    url, opts = storage_url
+    run = three_step_run(url, opts)
+
+    def edit(ed: StepEditor) -> None:
+        value = _stored_value(ed, MOMENTUM)
+        ed.replace_item(MOMENTUM, bomb_item(value, INFLATED, deflate=True))
+        lr = bomb_item(torch.tensor([0.02]), MiB, deflate=False, aliases=INFLATED // MiB)
+        ed.replace_item(LR, lr)
+
+    craft_step(run["storage"], 3, edit)
+    for verify in ("checksum", "size"):
+        model, opt = _fresh()
+        mgr = CheckpointManager(
+            url, model=model, optimizer=opt, storage_options=opts, verify=verify
+        )
+        grew, out = peak_growth(lambda m=mgr: m.load(step=3))
+        assert grew < MEMORY_BOUND and isinstance(out, CheckpointCorruptError), (verify, out)
+        assert StepEditor.NEW_FILE in str(out), out
+        assert mgr.load() == 2
+
+
+@pytest.mark.parametrize("how", ["dtype", "larger", "transposed"])
+def test_an_item_whose_tensor_is_not_its_chunk_is_corrupt(local_run, tmp_path, capsys, how):
+    """Issue 31 #4: a stored tensor of another dtype (cast silently on load) or another shape
+    than its chunk declares (silently narrowed to the chunk: rows the metadata does not
+    describe) is corrupt, naming the file and the key."""
+
+    def edit(ed: StepEditor) -> None:
+        v = _stored_value(ed, MOMENTUM)
+        other = {
+            "dtype": v.double(),
+            "larger": torch.cat([v, v]),
+            "transposed": v.t().contiguous(),
+        }[how]
+        ed.replace_item(MOMENTUM, saved(other))
+
+    craft_step(local_run["storage"], 3, edit)
+    got = _outcomes(local_run, tmp_path, capsys)
+    for name in ("load", "import", "export", "export_hf"):
+        grew, out = got[name]
+        assert grew < MEMORY_BOUND, (name, grew // MiB, out)
+        assert isinstance(out, CheckpointCorruptError), (name, out)
+        assert MOMENTUM in str(out) and StepEditor.NEW_FILE in str(out), (name, out)
+    _falls_back(local_run)
 
 
 # ------------------------------------------------------------------ chunks that do not tile (#6, #5)
