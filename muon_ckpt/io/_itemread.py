@@ -240,7 +240,7 @@ class FileLoad:
     given. ``bytes_read``: what this load read from the file; ``file_size``: its size.
     ``shared``: the keys of targets whose memory overlaps another target's (never read into
     directly: ``_direct_target``). ``chunks``: what the metadata declares for each stored
-    item (a stored tensor that is not its chunk is a CheckpointCorruptError).
+    item (a stored tensor that is not its chunk is refused: ``_stored.UntrustedItem``).
     """
 
     def __init__(
