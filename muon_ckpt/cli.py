@@ -18,6 +18,18 @@ from muon_ckpt._version import __version__
 __all__ = ["main"]
 
 
+def _printable(text: Any) -> str:
+    """``text`` with every character a terminal would act on escaped as Python writes it
+    (``\\x1b``, ``\\r``, ``\\n``, ``\\u202e``): names, times, values and messages that come
+    from a checkpoint must not clear the screen, move the cursor or reorder a row (a bidi
+    override). Everything the text commands print from a checkpoint goes through it; --json
+    output is escaped by JSON."""
+    s = str(text)
+    if s.isprintable():  # (the common case: no copy)
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)
+
+
 def _json(doc: Any) -> str:
     """``doc`` as one JSON document (RFC 8259): a non-finite float (an ``extra`` value such as
     a best loss of inf, a NaN in a tensor) is written as the string ``"inf"``, ``"-inf"`` or
@@ -77,9 +89,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(_json(doc))
         return 0
     for name in ignored:
-        print(f"ignored: {name} (not a step directory name: step- and exactly 8 digits)")
+        print(
+            f"ignored: {_printable(name)} (not a step directory name: step- and exactly 8 digits)"
+        )
     if not steps:
-        print(f"no step directories at {args.url}")
+        print(f"no step directories at {_printable(args.url)}")
         return 0
     print(f"{'STEP':>10}  {'STATUS':<11}  {'SIZE':>10}  {'FILES':>5}  {'WORLD':>5}  TIME")
     for s in steps:
@@ -87,7 +101,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         world = "-" if s.world_size is None else str(s.world_size)
         print(
             f"{s.step:>10}  {status:<11}  {_human(s.size):>10}  {s.files:>5}  {world:>5}  "
-            f"{s.time or '-'}"
+            f"{_printable(s.time or '-')}"
         )
     done = [s.step for s in steps if s.committed]
     corrupt = [s for s in steps if s.status == "corrupt"]
@@ -95,7 +109,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     bad = f"{len(corrupt)} CORRUPT, " if corrupt else ""
     print(f"{len(done)} committed, {bad}{len(steps) - len(done) - len(corrupt)} uncommitted{tail}")
     for s in corrupt:
-        print(f"step {s.step}: CORRUPT: {s.problem}")
+        print(f"step {s.step}: CORRUPT: {_printable(s.problem)}")
     return 0
 
 
@@ -150,13 +164,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     extra = ""
     if r.manifest is not None:
         extra = f", saved {r.manifest.time} by {r.manifest.world_size} rank(s)"
-    print(f"{desc} ({r.kind}{extra})")
-    width = max([len(x["key"]) for x in rows] + [3])
+    print(_printable(f"{desc} ({r.kind}{extra})"))
+    keys = [_printable(x["key"]) for x in rows]
+    width = max([len(k) for k in keys] + [3])
     print(f"{'KEY':<{width}}  {'SHAPE':<16}  {'DTYPE':<10}  {'BYTES':>10}  VALUE")
-    for x in rows:
+    for key, x in zip(keys, rows, strict=True):
         shape = "-" if x["shape"] is None else "(" + ", ".join(map(str, x["shape"])) + ")"
-        value = value_text(x) if ("value" in x or "summary" in x) else ""
-        line = f"{x['key']:<{width}}  {shape:<16}  {x['dtype']:<10}  {_human(x['bytes']):>10}"
+        value = _printable(value_text(x)) if ("value" in x or "summary" in x) else ""
+        line = f"{key:<{width}}  {shape:<16}  {x['dtype']:<10}  {_human(x['bytes']):>10}"
         print(f"{line}  {value}".rstrip())
     print(f"{len(rows)} keys, {_human(total)} of tensors")
     return 0
@@ -297,14 +312,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(_json(doc))
         return 0
     where = f"step {doc['step']}" if doc["step"] is not None else args.url
-    print(f"exported {where}: {doc['tensors']} tensors, {_human(doc['bytes'])} -> {doc['out']}")
+    out = f"{doc['tensors']} tensors, {_human(doc['bytes'])} -> {doc['out']}"
+    print(_printable(f"exported {where}: {out}"))
     for section, files in doc.get("files", {}).items():
         shards = f"{len(files) - 1} shards + {files[-1]}" if len(files) > 1 else files[0]
-        print(f"  {section}: {shards}")
+        print(_printable(f"  {section}: {shards}"))
     if doc["skipped"]:
         print(
             f"not exported (non-tensor values): {len(doc['skipped'])} keys, "
-            f"e.g. {doc['skipped'][0]}"
+            f"e.g. {_printable(doc['skipped'][0])}"
         )
     return 0
 
@@ -449,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(e: BaseException) -> str:
-    msg = " ".join(str(e).split()) or repr(e)
+    msg = _printable(" ".join(str(e).split())) or repr(e)
     return f"{type(e).__name__}: {msg}"
 
 

@@ -141,3 +141,18 @@ def test_optimizer_that_is_not_muon():
     model = TinyNet()
     with pytest.raises(TypeError, match="needs a Muon optimizer"):
         import_optimizer_state(torch.optim.AdamW(model.parameters()), {"state": {}})
+
+
+def test_a_torch_save_file_that_inflates_is_refused_within_a_memory_bound(tmp_path):
+    """A 70 KiB torch.save file whose record is deflated (256 MiB for torch.load) is refused
+    before torch.load runs, naming the file (issue 31 #4: the same check as a checkpoint's
+    items)."""
+    from tests._crafted import MiB, bomb_item, peak_growth
+
+    path = tmp_path / "bomb.pt"
+    path.write_bytes(bomb_item(torch.zeros(2, 2), 256 * MiB, deflate=True))
+    _, opt, before = _fresh()
+    grew, out = peak_growth(lambda: import_optimizer_state(opt, str(path)))
+    assert isinstance(out, CheckpointCorruptError) and "bomb.pt" in str(out), out
+    assert grew < 64 * MiB, grew // MiB
+    assert _unchanged(opt, before)

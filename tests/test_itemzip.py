@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from muon_ckpt.io import _itemread
-from muon_ckpt.io._itemzip import EDGE, Layout, parse_layout
+from muon_ckpt.io._itemzip import EDGE, Layout, parse_layout, unbounded_records
 from tests._ckpt import file_layout
+from tests._crafted import bomb_item
 
 
 def _cases() -> dict[str, torch.Tensor]:
@@ -278,3 +279,29 @@ def test_a_record_that_claims_to_be_large_is_not_read():
 
     assert parse_layout(read, len(item)) is None
     assert max(sizes) <= EDGE, sizes
+
+
+def _bounded(data: bytes) -> str | None:
+    return unbounded_records(lambda lo, hi: data[lo:hi], len(data))
+
+
+def test_what_torch_load_may_read_is_bounded_by_the_item():
+    """Issue 31 #4: torch.save's own items pass (a tensor, an object holding many tensors, a
+    scalar); an item with a deflated record, with directory entries that overlap one record,
+    with an encrypted record or with a record outside the item does not, however torch.load
+    would take it."""
+    for obj in (_cases()["f32"], {"a": [torch.ones(3), torch.zeros(2, 2)] * 50, "b": 1.5}, 0.02):
+        assert _bounded(_saved(obj)) is None
+    value = torch.arange(96.0).view(12, 8)
+    assert "compressed" in _bounded(bomb_item(value, 1 << 20, deflate=True))
+    assert "overlap" in _bounded(bomb_item(value, 1 << 16, deflate=False, aliases=2))
+    good = _saved(_cases()["f32"])
+    zf = zipfile.ZipFile(io.BytesIO(good))
+    cd = zf.start_dir
+    encrypted = bytearray(good)
+    encrypted[cd + 8] |= 1  # the first directory entry's flags: encrypted
+    assert "encrypted" in _bounded(bytes(encrypted))
+    outside = bytearray(good)
+    struct.pack_into("<L", outside, cd + 42, len(good))  # its local header past the item
+    assert "outside" in _bounded(bytes(outside))
+    assert "not a zip" in _bounded(b"PK" + bytes(100))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 import struct
 import sys
 from collections.abc import Iterable, Iterator
@@ -25,7 +26,7 @@ from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._tensors import tensor_bytes
 from muon_ckpt.store import Storage
 
-__all__ = ["DTYPES", "SafetensorsFile", "TensorInfo", "write_safetensors"]
+__all__ = ["DTYPES", "SafetensorsFile", "TensorInfo", "parse_header", "write_safetensors"]
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -43,7 +44,8 @@ DTYPES: dict[str, torch.dtype] = {
     "C64": torch.complex64,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024
+_MAX_HEADER = 100 * 1024 * 1024  # as the safetensors package
+MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class TensorInfo:
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def _check_little_endian() -> None:
@@ -84,32 +86,7 @@ class SafetensorsFile:
                     "the file is truncated or not a safetensors file"
                 )
             raw = f.read(n)
-        try:
-            header = json.loads(raw)
-            if not isinstance(header, dict):
-                raise ValueError("header is not a JSON object")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointCorruptError(f"{where}: header is not valid JSON ({e})") from e
-        meta = header.pop("__metadata__", None) or {}
-        self.metadata: dict[str, str] = {str(k): str(v) for k, v in meta.items()}
-        base = 8 + n
-        self.tensors: dict[str, TensorInfo] = {}
-        for name, d in header.items():
-            try:
-                dtype = DTYPES[d["dtype"]]
-                shape = tuple(int(s) for s in d["shape"])
-                b, e = (int(x) for x in d["data_offsets"])
-            except (KeyError, TypeError, ValueError) as err:
-                raise CheckpointCorruptError(
-                    f"{where}: entry {name!r} is malformed ({err!r}); expected dtype in "
-                    f"{sorted(DTYPES)}, a shape and data_offsets"
-                ) from err
-            if e - b != _nbytes(dtype, shape) or b < 0 or base + e > size:
-                raise CheckpointCorruptError(
-                    f"{where}: entry {name!r} ({d['dtype']} {list(shape)}) has data_offsets "
-                    f"[{b}, {e}] that do not match its size or the file size {size}"
-                )
-            self.tensors[name] = TensorInfo(dtype, shape, base + b, base + e)
+        self.tensors, self.metadata = parse_header(raw, 8 + n, size, where)
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor ``name`` (a new CPU tensor); ``rows=(start, stop)``: only those rows of
@@ -130,6 +107,94 @@ class SafetensorsFile:
                 "bytes); the file is truncated"
             )
         return torch.frombuffer(bytearray(data), dtype=info.dtype).reshape(shape)
+
+
+_SHORT = reprlib.Repr()  # (keyword arguments need Python 3.12)
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist = 2, 4, 8
+_SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 60, 40, 60
+
+
+def _short(v: Any) -> str:
+    """``v`` for an error message, cut short without rendering all of it (a crafted
+    header's values can be megabytes)."""
+    return _SHORT.repr(v)
+
+
+def parse_header(
+    raw: bytes, base: int, size: int, where: str
+) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The tensors and ``__metadata__`` of a header ``raw`` whose data starts at byte ``base``
+    of a file of ``size`` bytes. Time and memory linear in the header's size: every shape is
+    checked (at most MAX_DIMS plain integers below 2**63) before its product is taken, and
+    messages show values cut short. Anything the format does not allow is a
+    CheckpointCorruptError naming the file (``where``): the tensors' bytes, in offset order,
+    must follow each other from the data's start to the file's end, as the safetensors
+    package requires."""
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
+        raise CheckpointCorruptError(
+            f"{where}: header is not valid JSON ({type(e).__name__}: {str(e)[:200]})"
+        ) from e
+    if not isinstance(header, dict):
+        raise CheckpointCorruptError(
+            f"{where}: header is a JSON {type(header).__name__}, expected an object of "
+            "name -> {dtype, shape, data_offsets}"
+        )
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointCorruptError(
+            f"{where}: __metadata__ is {_short(meta)}; expected an object of strings"
+        )
+    tensors = {name: _tensor_info(name, d, base, size, where) for name, d in header.items()}
+    at = base
+    for name, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if info.begin != at:
+            what = "overlaps the tensor before it" if info.begin < at else "leaves a gap before it"
+            raise CheckpointCorruptError(
+                f"{where}: tensor {_short(name)} (data_offsets from {info.begin - base}) "
+                f"{what}; a safetensors file stores its tensors one after another"
+            )
+        at = info.end
+    if at != size:
+        raise CheckpointCorruptError(
+            f"{where}: its tensors end at byte {at}, the file at {size}; it is truncated or "
+            "has bytes no tensor takes"
+        )
+    return tensors, meta
+
+
+_EXPECTED = (
+    f"expected dtype in {sorted(DTYPES)}, a shape of at most {MAX_DIMS} integers in "
+    "[0, 2**63) and data_offsets [begin, end]"
+)
+
+
+def _tensor_info(name: str, d: Any, base: int, size: int, where: str) -> TensorInfo:
+    d_type = d.get("dtype") if isinstance(d, dict) else None
+    dtype = DTYPES.get(d_type) if isinstance(d_type, str) else None
+    shape = d.get("shape") if isinstance(d, dict) else None
+    offsets = d.get("data_offsets") if isinstance(d, dict) else None
+    ok = (
+        dtype is not None
+        and isinstance(shape, list)
+        and len(shape) <= MAX_DIMS
+        and all(type(v) is int and 0 <= v < 1 << 63 for v in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(type(v) is int and v >= 0 for v in offsets)
+    )
+    if not ok:
+        raise CheckpointCorruptError(f"{where}: entry {_short(name)} is {_short(d)}; {_EXPECTED}")
+    b, e = offsets
+    nbytes = _nbytes(dtype, tuple(shape))
+    if e - b != nbytes or base + e > size:
+        raise CheckpointCorruptError(
+            f"{where}: entry {_short(name)} ({d['dtype']} {shape}) has data_offsets [{b}, {e}] "
+            f"that do not match its size ({nbytes} bytes) or the file size {size}"
+        )
+    return TensorInfo(dtype, tuple(shape), base + b, base + e)
 
 
 def write_safetensors(

@@ -26,7 +26,7 @@ import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from muon_ckpt.interop._hflayout import OPTIMIZER_STEM, index_name, read_set, single_name
 from muon_ckpt.interop._safetensors import SafetensorsFile
-from muon_ckpt.io import CheckpointReader
+from muon_ckpt.io import CheckpointReader, unbounded_records
 from muon_ckpt.store import Storage, resolve, tensor_entries
 
 __all__ = ["STATE_PREFIXES", "Source", "SrcEntry", "open_source"]
@@ -219,6 +219,23 @@ def _from_flat_mapping(sd: Mapping[str, Any], where: str) -> Source:
     return _TensorsSource(tensors, where)
 
 
+def _check_bounded(f: Any, size: int, source: str) -> None:
+    """A torch.save zip whose records torch.load cannot expand beyond the file's size (the
+    same check as a checkpoint's items: ``io._itemzip.unbounded_records``)."""
+
+    def read(lo: int, hi: int) -> bytes:
+        f.seek(lo)
+        return f.read(hi - lo)
+
+    why = unbounded_records(read, size)
+    f.seek(0)
+    if why is not None:
+        raise CheckpointCorruptError(
+            f"{source!r}: not loaded: the file {why}, so torch.load could allocate far more "
+            "than its size; torch.save writes its records stored, apart from each other"
+        )
+
+
 def open_source(
     source: Any,
     *,
@@ -248,6 +265,8 @@ def open_source(
             return _SafetensorsSource([f], f"safetensors file {source}", f.metadata.get("step"))
         if head[:2] == b"PK" or head[:1] == b"\x80":
             with storage.open() as f:
+                if head[:2] == b"PK":
+                    _check_bounded(f, storage.size(), source)
                 try:
                     sd = torch.load(f, map_location="cpu", weights_only=True)
                 except Exception as e:

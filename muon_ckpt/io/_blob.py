@@ -1,14 +1,15 @@
 """One stored item already in memory (a remote read) into its targets, without ``torch.load``.
 
 DCP's reader ``torch.load``s every item into fresh memory and copies it into the target. Here
-the item's zip records are parsed in memory (``_itemzip``) and its tensor bytes viewed in place and copied into each target
-(narrowed to the part a resharded target takes). An item that is not a plain dense tensor
-goes through ``torch.load(weights_only=True)``, as in DCP; a non-tensor item to the planner.
+the item's zip records are parsed in memory (``_itemzip``) and its tensor bytes viewed in place
+and copied into each target (narrowed to the part a resharded target takes), once the stored
+tensor is the one its chunk declares. An item that is not a plain dense tensor goes through
+``torch.load(weights_only=True)``, as in DCP, and a non-tensor item to the planner, each once
+its zip cannot expand beyond its bytes (``_stored``).
 """
 
 from __future__ import annotations
 
-import io
 import warnings
 from typing import Any
 
@@ -17,32 +18,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt.io._itemread import _narrow, commit_part, commit_slices, slice_spans
-from muon_ckpt.io._itemzip import EDGE, parse_layout
+from muon_ckpt.io._itemzip import EDGE, Layout, parse_layout
 from muon_ckpt.io._ranged import SpanReader
+from muon_ckpt.io._stored import StoredChunks, load_object, load_stored
 from muon_ckpt.store import FileEntry, check_chunks, chunk_span
 
-__all__ = ["Capture", "WholeItems", "fetch_items", "load_blob"]
-
-
-class WholeItems:
-    """Whether a read item takes its whole stored chunk (from the DCP metadata's chunk sizes),
-    not a slice of it (a resharded rank's rows)."""
-
-    def __init__(self, metadata: Any) -> None:
-        self._md = metadata
-        self._by_fqn: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
-
-    def __call__(self, item: ReadItem) -> bool:
-        if item.type == LoadItemType.BYTE_IO:
-            return True
-        fqn = item.storage_index.fqn
-        table = self._by_fqn.get(fqn)
-        if table is None:
-            meta = self._md.state_dict_metadata.get(fqn)
-            chunks = getattr(meta, "chunks", None) or []
-            table = self._by_fqn[fqn] = {tuple(c.offsets): tuple(c.sizes) for c in chunks}
-        sizes = table.get(tuple(item.storage_index.offset or ()))
-        return sizes is not None and not any(item.storage_offsets) and tuple(item.lengths) == sizes
+__all__ = ["Capture", "fetch_items", "load_blob"]
 
 
 class Capture:
@@ -53,31 +34,41 @@ class Capture:
         self.buf = buf
 
 
-def load_blob(data: Any, reqs: list[ReadItem] | Capture, planner: LoadPlanner, where: str) -> None:
+def load_blob(
+    data: Any,
+    reqs: list[ReadItem] | Capture,
+    planner: LoadPlanner,
+    where: str,
+    chunks: StoredChunks,
+) -> None:
     """``data``: the whole stored item that ``reqs`` read from (a bytes-like object, viewed in
-    place, only read)."""
+    place, only read); ``chunks``: what the metadata declares for it."""
     if isinstance(reqs, Capture):
         reqs.buf[:] = memoryview(data).cast("B")
         return
     if reqs[0].type == LoadItemType.BYTE_IO:
         for req in reqs:
-            planner.load_bytes(req, io.BytesIO(data))
+            load_object(data, req, planner.load_bytes, where)
         return
     view = memoryview(data).cast("B")
     lay = parse_layout(lambda lo, hi: view[lo:hi], len(view))
-    if lay is None:
-        src = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    elif lay.nbytes == 0:
-        src = torch.empty(lay.size, dtype=lay.dtype)
-    else:
-        with warnings.catch_warnings():
-            # bytes are read-only: torch warns that writing the view would be undefined; the
-            # view is only the source of the copies below.
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(data, dtype=torch.uint8, count=lay.nbytes, offset=lay.start)
-        src = flat.view(lay.dtype).as_strided(lay.size, lay.stride, lay.offset)
+    src = load_stored(data, reqs[0], chunks, where) if lay is None else _view(data, lay)
+    if lay is not None:
+        chunks.check(reqs[0], lay.size, lay.dtype, where)
     for req in reqs:
         commit_part(planner, req, _narrow(src, req.storage_offsets, req.lengths), where)
+
+
+def _view(data: Any, lay: Layout) -> torch.Tensor:
+    """The stored tensor of layout ``lay``, viewed in the item's bytes ``data``."""
+    if lay.nbytes == 0:
+        return torch.empty(lay.size, dtype=lay.dtype)
+    with warnings.catch_warnings():
+        # bytes are read-only: torch warns that writing the view would be undefined; the
+        # view is only the source of the copies below.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=torch.uint8, count=lay.nbytes, offset=lay.start)
+    return flat.view(lay.dtype).as_strided(lay.size, lay.stride, lay.offset)
 
 
 def fetch_items(
@@ -87,18 +78,18 @@ def fetch_items(
     items: dict[int, tuple[int, list[ReadItem] | Capture]],
     planner: LoadPlanner,
     entry: FileEntry | None,
-    whole: Any = None,
+    chunks: StoredChunks,
 ) -> int:
     """The stored items of remote file ``name`` that this rank reads (offset -> (length, read
     items)), one ranged read each; with ``entry`` (a format-2 entry: checksums on), each read
     is widened to whole checksum chunks and checked before the item is loaded. An item of
-    which every read item takes a slice (``whole``: ``WholeItems``) is read in part: its zip
-    records at both ends, then the span of the slices' elements. Returns the bytes read."""
+    which every read item takes a slice (``chunks.whole``) is read in part: its zip records
+    at both ends, then the span of the slices' elements. Returns the bytes read."""
     chunked = entry is not None and entry.chunk_bytes is not None
     entry = entry if chunked else None
 
     def in_part(reqs: list[ReadItem] | Capture) -> bool:
-        return whole is not None and isinstance(reqs, list) and not any(map(whole, reqs))
+        return isinstance(reqs, list) and not any(map(chunks.whole, reqs))
 
     # One open file, items in file order. Each run of whole items without a gap between
     # them is read ahead (in requests of up to STREAM_BLOCK: one cat_file per item was 2.6x
@@ -120,11 +111,11 @@ def fetch_items(
         for off in offs:
             length, reqs = items[off]
             if in_part(reqs):
-                done, got = _fetch_slices(f, off, length, reqs, planner, where, entry)
+                done, got = _fetch_slices(f, off, length, reqs, planner, where, entry, chunks)
                 read += got
                 if done:
                     continue
-            read += _fetch_one(f, off, length, reqs, planner, where, entry)
+            read += _fetch_one(f, off, length, reqs, planner, where, entry, chunks)
     return read
 
 
@@ -136,6 +127,7 @@ def _fetch_slices(
     planner: LoadPlanner,
     where: str,
     entry: FileEntry | None,
+    chunks: StoredChunks,
 ) -> tuple[bool, int]:
     """The slices ``reqs`` take of the item at ``off``, read in part (``fetch_items``):
     whether they were loaded (not when the item's records cannot be parsed from its ends:
@@ -162,6 +154,7 @@ def _fetch_slices(
     lay = parse_layout(lambda a, b: spans.view(off + a, off + b), length)
     if lay is None:
         return False, count[0]
+    chunks.check(reqs[0], lay.size, lay.dtype, where)
     parts, lo, hi = slice_spans(lay, reqs)
     isz, data_at = lay.dtype.itemsize, off + lay.start
     view = None
@@ -180,6 +173,7 @@ def _fetch_one(
     planner: LoadPlanner,
     where: str,
     entry: FileEntry | None,
+    chunks: StoredChunks,
 ) -> int:
     lo, hi = chunk_span(entry, off, off + length) if entry is not None else (off, off + length)
     f.seek(lo)
@@ -197,5 +191,5 @@ def _fetch_one(
             "restore this file"
         )
     data = raw if (lo, hi) == (off, off + length) else raw[off - lo : off - lo + length]
-    load_blob(data, reqs, planner, where)
+    load_blob(data, reqs, planner, where, chunks)
     return got

@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from muon_ckpt._errors import CheckpointError, CheckpointStorageError
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointStorageError
+from muon_ckpt.io._stored import UntrustedItem
 from muon_ckpt.store import is_storage_failure
 
 __all__ = ["DCP_ERRORS", "SafeLoadPlanner", "dcp_failure", "interrupt_in"]
@@ -69,7 +70,8 @@ def interrupt_in(e: BaseException) -> BaseException | None:
 def dcp_failure(e: BaseException, what: str) -> CheckpointError:
     """The CheckpointError to raise for a failed ``dcp.save``/``dcp.load``: DCP wraps the
     failures of every rank (``CheckpointException.failures``); a CheckpointError raised by one
-    of ours inside DCP comes back as itself (same class and message), anything else as a
+    of ours inside DCP comes back as itself (same class and message), an untrusted stored item
+    (``_stored``) as a CheckpointCorruptError, anything else as a
     CheckpointError (a CheckpointStorageError when the storage failed) naming ``what`` and
     the first cause."""
     if isinstance(e, CheckpointError):
@@ -79,6 +81,8 @@ def dcp_failure(e: BaseException, what: str) -> CheckpointError:
     for c in causes:
         if isinstance(c, CheckpointError):
             return type(c)(str(c))
+        if isinstance(c, UntrustedItem):  # (its file's checksum found nothing, or none ran)
+            return CheckpointCorruptError(str(c))
     first = causes[0] if causes else e
     ranks = f" on rank(s) {sorted(failures)}" if failures else ""
     cls = CheckpointStorageError if is_storage_failure(first) else CheckpointError

@@ -19,15 +19,16 @@ Here, for a local file:
   (``_ranged``): the rows of a resharded slice, not the whole item, each chunk checked
   against the manifest's per-chunk checksums when it has them.
 
-Anything this module does not recognise (another pickle, several storages, a compressed
-record, a big-endian file, a DCP storage transform) is loaded the way DCP does it: the item's
-bytes through ``torch.load(weights_only=True)``.
+Anything this module does not recognise (another pickle, several storages, a big-endian file)
+is loaded the way DCP does it: the item's bytes through ``torch.load(weights_only=True)``, once
+its zip cannot expand beyond its own bytes (``_stored``: no compressed or overlapping records).
+A stored tensor must be the chunk the metadata declares (shape and dtype), whichever way it is
+read.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 from concurrent.futures import Future
@@ -41,6 +42,7 @@ from muon_ckpt._tensors import tensor_bytes
 from muon_ckpt.io._itemzip import EDGE, Layout, parse_layout
 from muon_ckpt.io._mapped import MappedFile, Unmappable, mapped_reads
 from muon_ckpt.io._ranged import SpanReader
+from muon_ckpt.io._stored import StoredChunks, load_object, load_stored
 from muon_ckpt.store import Checksum, FileEntry, open_regular
 from offload import pinned_empty
 
@@ -237,7 +239,8 @@ class FileLoad:
     bytes the targets need are read, and checked against ``entry``'s per-chunk checksums when
     given. ``bytes_read``: what this load read from the file; ``file_size``: its size.
     ``shared``: the keys of targets whose memory overlaps another target's (never read into
-    directly: ``_direct_target``).
+    directly: ``_direct_target``). ``chunks``: what the metadata declares for each stored
+    item (a stored tensor that is not its chunk is refused: ``_stored.UntrustedItem``).
     """
 
     def __init__(
@@ -248,11 +251,13 @@ class FileLoad:
         checksum: Checksum | None,
         entry: FileEntry | None = None,
         *,
+        chunks: StoredChunks,
         window: tuple[int, int] | None = None,
         buffers: ReadBuffers | None = None,
         shared: frozenset[str] = frozenset(),
     ) -> None:
         self._path, self._where, self._planner = path, where, planner
+        self._chunks = chunks
         self._shared = shared
         self._sum, self._verify = checksum, checksum is not None
         self._window = window
@@ -458,16 +463,17 @@ class FileLoad:
         if reqs[0].type == LoadItemType.BYTE_IO:
             data = self._whole_item(fd, offset, length)
             for req in reqs:
-                self._planner.load_bytes(req, io.BytesIO(data))
+                load_object(data, req, self._planner.load_bytes, self._where)
             return
         edges = _Edges(fd, offset, length, self._pread)
         lay = item_layout(edges)
         if lay is None:  # not a plain dense tensor: DCP's way, torch.load of the item
             data = self._whole_item(fd, offset, length)
-            src = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            src = load_stored(data, reqs[0], self._chunks, self._where)
             for req in reqs:
                 self._deliver(req, src)
             return
+        self._chunks.check(reqs[0], lay.size, lay.dtype, self._where)
         target = self._direct_target(reqs, lay)
         if not self._verify and (target is None or self._spans.verifies):
             self._load_ranged(fd, offset, length, lay, reqs)

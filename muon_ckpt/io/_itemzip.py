@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import functools
 import io
+import itertools
 import math
 import pickle
 import pickletools
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EDGE", "Layout", "parse_layout"]
+__all__ = ["EDGE", "Layout", "parse_layout", "unbounded_records"]
 
 # Bytes read at each end of an item: its zip records before the tensor's bytes (local headers,
 # the pickle) and after them (the central directory) are well under 1 KiB each in a
@@ -191,7 +192,9 @@ def _parse_pickle(data: bytes) -> _TensorRecord | None:
 Read = Callable[[int, int], Any]  # (lo, hi) -> bytes [lo, hi) of the item
 
 
-def _directory(read: Read, length: int) -> tuple[int, int, int] | None:
+def _directory(
+    read: Read, length: int, max_records: int = _MAX_RECORDS
+) -> tuple[int, int, int] | None:
     """(records, offset, size) of the central directory, from the end records."""
     tail_at = max(0, length - EDGE)
     tail = bytes(read(tail_at, length))
@@ -211,7 +214,7 @@ def _directory(read: Read, length: int) -> tuple[int, int, int] | None:
         if sig != b"PK\x06\x06" or disk or cd_disk:
             return None
         end = eocd64
-    if count > _MAX_RECORDS or cd_size > _MAX_DIRECTORY or cd_off + cd_size > end:
+    if count > max_records or cd_size > _MAX_DIRECTORY or cd_off + cd_size > end:
         return None
     return count, cd_off, cd_size
 
@@ -324,3 +327,56 @@ def parse_layout(read: Read, length: int) -> Layout | None:
         return Layout(start, nbytes, dtype, soff, size, stride)
     except Exception:
         return None
+
+
+# Records an item handed to torch.load may have: a torch.save of an object writes one per
+# storage (tensor) plus six; a directory entry takes at least 46 bytes, so this many fit in
+# _MAX_DIRECTORY anyway.
+_MAX_LOADED_RECORDS = _MAX_DIRECTORY // _CENTRAL.size
+
+
+def unbounded_records(read: Read, length: int) -> str | None:
+    """None when ``torch.load`` of this item (a zip of ``length`` bytes) allocates no more
+    than the item's own bytes for its records, else why not (``the item ...``, for an error
+    message). So: a
+    central directory found from the end records, every record stored (a deflated one
+    expands up to a thousandfold) and not encrypted, its local header and bytes inside the
+    item before the directory, and no two records sharing a byte (entries that overlap make
+    torch.load read the same bytes as many times as there are entries). torch.load itself
+    refuses a storage whose declared size differs from its record's."""
+    found = _directory(read, length, _MAX_LOADED_RECORDS)
+    if found is None:
+        return "is not a zip as torch.save writes it (no end of central directory)"
+    count, cd_off, cd_size = found
+    cd = bytes(read(cd_off, cd_off + cd_size))
+    spans: list[tuple[int, int, str]] = []
+    p = 0
+    for _ in range(count):
+        if p + _CENTRAL.size > len(cd):
+            return "has a truncated central directory"
+        head = _CENTRAL.unpack_from(cd, p)
+        sig, flags, method, csize, size = head[0], head[3], head[4], head[8], head[9]
+        nlen, elen, clen, local = head[10], head[11], head[12], head[16]
+        name = cd[p + _CENTRAL.size : p + _CENTRAL.size + nlen].decode("utf-8", "replace")
+        extra = cd[p + _CENTRAL.size + nlen : p + _CENTRAL.size + nlen + elen]
+        p += _CENTRAL.size + nlen + elen + clen
+        fields = _zip64(extra, [size, csize, local])
+        if sig != b"PK\x01\x02" or fields is None:
+            return "has a malformed central directory"
+        size, csize, local = fields
+        if method != 0 or flags & 1 or csize != size:
+            return f"has a compressed or encrypted record {name[:100]!r} (torch.save stores them)"
+        if local + _LOCAL.size > cd_off:
+            return f"has a record {name[:100]!r} outside the item"
+        sig, _, _, method, _, _, _, _, _, lnlen, lelen = _LOCAL.unpack(
+            bytes(read(local, local + _LOCAL.size))
+        )
+        end = local + _LOCAL.size + lnlen + lelen + size
+        if sig != b"PK\x03\x04" or method != 0 or end > cd_off:
+            return f"has a record {name[:100]!r} outside the item, or malformed"
+        spans.append((local, end, name))
+    spans.sort()
+    for (_, b, x), (c, _, y) in itertools.pairwise(spans):
+        if c < b:
+            return f"has records {x[:100]!r} and {y[:100]!r} that overlap"
+    return None

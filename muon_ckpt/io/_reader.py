@@ -12,8 +12,8 @@ Used by the manager's ``load`` and, in one process, by import, export and inspec
 * remote files with ``verify="checksum"`` (``_remote``): a file read completely is streamed
   front to back, chaining the checksum, each stored blob handed to DCP as it arrives; a file
   needed only in part is read by slices;
-* remote files with ``verify="size"``: DCP's own reads, file by file in parallel (sizes were
-  checked when the step was chosen).
+* remote files with ``verify="size"``: ranged reads of the items, file by file in parallel
+  (sizes were checked when the step was chosen).
 
 Which files a rank checks whole: the ones it owns (the rank that wrote it, modulo this world
 size) and, with ``check_unread``, the owned files it does not read at all. So on N ranks every
@@ -38,11 +38,11 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt._tensors import local_tensor, overlapping
-from muon_ckpt.io._blob import WholeItems
 from muon_ckpt.io._itemread import FileLoad, ReadBuffers
 from muon_ckpt.io._ranged import corrupt_chunk
 from muon_ckpt.io._remote import ServingFileSystem, read_remote
 from muon_ckpt.io._shared import agree, distribute, plan_shared
+from muon_ckpt.io._stored import StoredChunks, UntrustedItem
 from muon_ckpt.io._tasks import prefer_corruption, run_all
 from muon_ckpt.store import (
     Checksum,
@@ -99,7 +99,7 @@ class VerifyingReader(FileSystemReader):
         self._verdict_lock = threading.Lock()
         self._verdicts: dict[str, BaseException | None] = {}
         self._group = group  # with world_size > 1: shared items are read once (_shared)
-        self.whole = WholeItems(metadata)  # whether a read item takes its whole stored chunk
+        self.chunks = StoredChunks(metadata)  # what the metadata declares for each stored chunk
         self.captures: dict[str, dict[int, memoryview]] = {}  # read here for other ranks
         self.timings: dict[str, float] = {}  # "read": wall time of read_data
         self.bytes_read = 0  # bytes this reader read from storage
@@ -210,10 +210,6 @@ class VerifyingReader(FileSystemReader):
         return corrupt_chunk(entry, bad[0], self.where(name)) if bad else None
 
     # ------------------------------------------------------------------ reading
-    def read_items(self, plan: Any, planner: Any, items: list[Any]) -> None:
-        """DCP's own reader on a subset of this rank's plan."""
-        super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-
     def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
         t0 = time.perf_counter()
         share = None
@@ -221,7 +217,7 @@ class VerifyingReader(FileSystemReader):
             share = plan_shared(
                 plan.items,
                 self.storage_data,
-                self.whole,
+                self.chunks.whole,
                 self.owner,
                 self._rank,
                 self._group,
@@ -243,7 +239,9 @@ class VerifyingReader(FileSystemReader):
         t1 = time.perf_counter()
         if share is not None:
             agree(error, self._rank, self._group)
-            distribute(share, planner, self.where, self._rank, self._world, self._group)
+            distribute(
+                share, planner, self.where, self.chunks, self._rank, self._world, self._group
+            )
         self.timings = {"read": t1 - t0, "share": time.perf_counter() - t1}
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
@@ -254,22 +252,18 @@ class VerifyingReader(FileSystemReader):
         needs go straight into their targets, a file to check is checksummed on the way (one
         that is not read, only checksummed). Files are split into parts (``_split``), so that
         the threads share the work however few and uneven the files are; a checked file is
-        then checked window by window against the manifest's per-chunk checksums. A file with
-        items that need DCP's own reader (a storage transform) is one task, as is a file
-        whose manifest has one checksum for all of it (format 1)."""
+        then checked window by window against the manifest's per-chunk checksums. A file
+        whose manifest has one checksum for all of it (format 1) is one task. (No item needs
+        DCP's own reader: the metadata's check refuses storage transforms.)"""
         self._shared_targets = _shared_targets(planner, plan.items)
         per_file: dict[str, dict[int, tuple[int, list[Any]]]] = {}
-        dcp_items: dict[str, list[Any]] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]
-            if getattr(info, "transform_descriptors", None):  # (absent in older torch)
-                dcp_items.setdefault(info.relative_path, []).append(item)
-                continue
             slot = per_file.setdefault(info.relative_path, {})
             slot.setdefault(info.offset, (info.length, []))[1].append(item)
         captures = self.captures
-        check = self.to_check(set(per_file) | set(dcp_items) | set(captures))
-        names = sorted(set(per_file) | set(dcp_items) | set(captures) | check)
+        check = self.to_check(set(per_file) | set(captures))
+        names = sorted(set(per_file) | set(captures) | check)
         work = sum(e.size for n in names if (e := self.entry(n)) is not None)
         part_bytes = max(PART_BYTES, -(-work // (4 * self.threads)))
         local = threading.local()
@@ -286,10 +280,7 @@ class VerifyingReader(FileSystemReader):
             loads, caps, verify = per_file.get(name, {}), captures.get(name, {}), name in check
             entry = self.entry(name)
             size = entry.size if entry is not None else 0
-            if name in dcp_items:
-                run = partial(self._mixed_file, name, plan, planner, dcp_items[name], verify)
-                tasks.append((size, partial(run, loads, caps, buffers)))
-            elif verify and (entry is None or entry.chunk_bytes is None):
+            if verify and (entry is None or entry.chunk_bytes is None):
                 tasks.append((size, partial(self._whole_file, name, planner, loads, caps)))
             else:
                 for offs, window, n in _split(loads, caps, entry if verify else None, part_bytes):
@@ -305,24 +296,6 @@ class VerifyingReader(FileSystemReader):
         finally:
             for b in made:
                 b.settle()
-
-    def _mixed_file(
-        self,
-        name: str,
-        plan: Any,
-        planner: Any,
-        dcp_items: list[Any],
-        verify: bool,
-        loads: dict[int, tuple[int, list[Any]]],
-        caps: dict[int, memoryview],
-        buffers: Callable[[], ReadBuffers],
-    ) -> None:
-        """A file with items for DCP's own reader: checked by its own pass."""
-        if verify:
-            self.fetch_and_check(name)
-        self.read_items(plan, planner, dcp_items)
-        if loads or caps:
-            self._load_file(name, loads, planner, False, caps, buffers())
 
     def _whole_file(
         self,
@@ -364,6 +337,7 @@ class VerifyingReader(FileSystemReader):
             planner,
             whole,
             part,
+            chunks=self.chunks,
             window=window,
             buffers=buffers,
             shared=self._shared_targets,
@@ -372,7 +346,7 @@ class VerifyingReader(FileSystemReader):
         def run() -> Checksum | None:
             try:
                 return load.run(items, capture)
-            except (CheckpointError, OSError):
+            except (CheckpointError, OSError, UntrustedItem):
                 raise
             except Exception as e:
                 hint = (

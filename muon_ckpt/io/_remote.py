@@ -36,10 +36,10 @@ _Msg = tuple[str, int, "bytes | None", "BaseException | None"]
 
 
 class ServingFileSystem(DelegatingFileSystem):
-    """DCP's filesystem for a remote step (``Storage`` underneath): DCP's own reads (items with
-    a storage transform) go through it, through ``step.open`` and only for files directly
-    inside the step directory (the metadata's paths were checked when it was read; this is the
-    second line)."""
+    """DCP's filesystem for a remote step (``Storage`` underneath): every item is read by this
+    package's readers, but should DCP read a file itself, it goes through ``step.open`` and
+    only for files directly inside the step directory (the metadata's paths were checked
+    when it was read; this is the second line)."""
 
     def __init__(self, step: Storage) -> None:
         super().__init__(dcp_filesystem(step))
@@ -78,7 +78,7 @@ def read_remote(r: VerifyingReader, plan: Any, planner: Any, *, stream: bool) ->
     def fetch(name: str) -> None:
         items = {off: (lengths[(name, off)], reqs) for off, reqs in slices[name].items()}
         entry = r.entry(name) if stream else None
-        r.count(fetch_items(r.step, name, r.where(name), items, planner, entry, r.whole))
+        r.count(fetch_items(r.step, name, r.where(name), items, planner, entry, r.chunks))
 
     if not stream:
         run_all(r.threads, fetch, sorted(slices))
@@ -94,7 +94,7 @@ def read_remote(r: VerifyingReader, plan: Any, planner: Any, *, stream: bool) ->
             pos = pos + lengths[(name, off)] if off == pos else -1
         entry = r.entry(name)
         every = all(
-            isinstance(reqs, Capture) or all(map(r.whole, reqs)) for reqs in by_off.values()
+            isinstance(reqs, Capture) or all(map(r.chunks.whole, reqs)) for reqs in by_off.values()
         )
         covers = entry is not None and pos == entry.size
         (streamed if covers and (name in check or every) else sliced).append(name)
@@ -180,7 +180,9 @@ def _stream_files(
                 done += 1
                 continue
             prefer_corruption(
-                lambda n=name, o=off, d=data: load_blob(d, slices[n][o], planner, r.where(n)),
+                lambda n=name, o=off, d=data: load_blob(
+                    d, slices[n][o], planner, r.where(n), r.chunks
+                ),
                 lambda n=name: file_verdict(n),
             )
     finally:

@@ -47,6 +47,7 @@ from muon_ckpt import _collective as coll
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt._tensors import tensor_bytes
 from muon_ckpt.io._blob import load_blob
+from muon_ckpt.io._stored import StoredChunks
 
 __all__ = ["MESSAGE_BYTES", "SharePlan", "agree", "distribute", "plan_shared"]
 
@@ -97,9 +98,6 @@ def plan_shared(
     kept: list[ReadItem] = []
     for item in items:
         info = storage_data[item.storage_index]
-        if getattr(info, "transform_descriptors", None):  # DCP's own reader: not shared
-            kept.append(item)
-            continue
         key = (info.relative_path, info.offset, info.length)
         by_key.setdefault(key, []).append(item)
         whole[key] = whole.get(key, False) or whole_item(item)
@@ -176,6 +174,7 @@ def distribute(
     plan: SharePlan,
     planner: Any,
     where: Callable[[str], str],
+    chunks: StoredChunks,
     rank: int,
     world: int,
     group: Any,
@@ -201,7 +200,7 @@ def distribute(
             data = view[at : at + s.length]
             at += s.length
             try:
-                load_blob(data, plan.wanted[s.key], planner, where(s.name))
+                load_blob(data, plan.wanted[s.key], planner, where(s.name), chunks)
             except BaseException as e:  # keep sending: the others wait for the messages
                 error.append(e)
                 return

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt.io._stored import UntrustedItem
 
 __all__ = ["prefer_corruption", "run_all"]
 
@@ -16,7 +17,8 @@ T = TypeVar("T")
 
 def prefer_corruption(run: Callable[[], T], verdict: Callable[[], BaseException | None]) -> T:
     """``run()``; if it raises (a damaged item often fails to parse before its file's checksum
-    is known), raise the corruption that ``verdict()`` finds instead, when there is one."""
+    is known), raise the corruption that ``verdict()`` finds instead, when there is one. An
+    item found untrusted with no corruption of its file is a crafted step: corrupt too."""
     try:
         return run()
     except CheckpointCorruptError:
@@ -25,6 +27,8 @@ def prefer_corruption(run: Callable[[], T], verdict: Callable[[], BaseException 
         found = verdict()
         if isinstance(found, CheckpointCorruptError):
             raise found from e
+        if isinstance(e, UntrustedItem):
+            raise CheckpointCorruptError(str(e)) from e
         raise
 
 

@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import enum
 import io
+import itertools
 import pathlib
 import pickle
 from typing import Any
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt.store._chunks import check_tensors
 from muon_ckpt.store._layout import MANIFEST, METADATA, is_file_name
 
 __all__ = ["bytes_keys", "check_paths", "check_ranges", "parse_metadata", "tensor_entries"]
@@ -60,6 +62,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def parse_metadata(data: bytes, where: str) -> Metadata:
+    """DCP metadata from its bytes, its tensors checked (``check_tensors``: chunks that tile
+    each tensor, items that store what the chunks declare): every reader gets it from here."""
     try:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:
@@ -68,6 +72,9 @@ def parse_metadata(data: bytes, where: str) -> Metadata:
         ) from e
     if not isinstance(md, Metadata):
         raise CheckpointCorruptError(f"{where}: not DCP metadata (found {type(md).__name__})")
+    if not isinstance(md.state_dict_metadata, dict):
+        raise CheckpointCorruptError(f"{where}: DCP metadata without a state dict index")
+    check_tensors(md, where)
     return md
 
 
@@ -94,8 +101,10 @@ def check_paths(md: Metadata, allowed: set[str] | None, where: str) -> None:
 
 def check_ranges(md: Metadata, sizes: dict[str, int], where: str) -> None:
     """Every stored item the metadata points at lies inside its file's ``sizes`` (the
-    manifest's): a crafted ``.metadata`` must not make a reader allocate or seek past a file
-    (a length of a terabyte is a MemoryError, not a corrupt step, otherwise)."""
+    manifest's), and no two items share a byte: a crafted ``.metadata`` must not make a reader
+    allocate or seek past a file (a length of a terabyte is a MemoryError, not a corrupt step,
+    otherwise), nor read (and expand) the same bytes as many items."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
     for info in (md.storage_data or {}).values():
         name, off, n = info.relative_path, info.offset, info.length
         size = sizes.get(name, 0)
@@ -104,6 +113,16 @@ def check_ranges(md: Metadata, sizes: dict[str, int], where: str) -> None:
                 f"{where}: points at bytes {off}+{n} of {name!r}, which has {size} bytes (the "
                 "manifest's size); it cannot be trusted and is not read. Load another step"
             )
+        by_file.setdefault(name, []).append((off, off + n))
+    for name, spans in by_file.items():
+        spans.sort()
+        for (a, b), (c, d) in itertools.pairwise(spans):
+            if c < b:
+                raise CheckpointCorruptError(
+                    f"{where}: its items at bytes {a}-{b} and {c}-{d} of {name!r} overlap (a "
+                    "save stores each item once); it cannot be trusted and is not read. Load "
+                    "another step"
+                )
 
 
 def tensor_entries(md: Metadata) -> dict[str, TensorStorageMetadata]:

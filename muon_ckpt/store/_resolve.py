@@ -19,7 +19,7 @@ from muon_ckpt.store._layout import (
     Manifest,
     parse_step_dirname,
 )
-from muon_ckpt.store._metadata import check_paths, parse_metadata
+from muon_ckpt.store._metadata import check_paths, check_ranges, parse_metadata
 from muon_ckpt.store._steps import CORRUPT, UNCOMMITTED, read_manifest
 from muon_ckpt.store._storage import Storage
 
@@ -58,6 +58,10 @@ class Resolved:
             raise CheckpointNotFoundError(f"{where}: no DCP metadata; not a checkpoint") from e
         md = parse_metadata(data, where)
         check_paths(md, None, where)
+        # No manifest to bound the items: the files' sizes as listed do (a reader sizes
+        # buffers from the items' lengths, and a tensor's bytes from its items).
+        sizes = {n: int(i.get("size") or 0) for n, i in self.storage.walk_info(*self.parts).items()}
+        check_ranges(md, sizes, where)
         return md
 
 

@@ -1,0 +1,167 @@
+"""The DCP metadata's tensors checked once for every reader: each tensor's stored chunks tile
+it exactly, and no tensor declares more bytes than its items store.
+
+A reader allocates a tensor at its declared size (export, inspect) or writes a load's target
+chunk by chunk; rows that no chunk covers would carry whatever memory held (or the target's
+old values, in a load that reports success), rows two chunks cover would be written twice, and
+a declared shape no stored byte backs would make a 100 KiB step allocate gigabytes. So, before
+any read: every chunk lies inside its tensor, the chunks neither overlap nor leave a gap, each
+non-empty chunk has a stored item of at least its bytes, and no two items share bytes of a
+file. A tensor's declared bytes are then at most the bytes its items take in the files, which
+the manifest (or, for a plain DCP directory, the listing) bounds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from muon_ckpt._errors import CheckpointCorruptError
+
+__all__ = ["check_tensors", "tiling_problem"]
+
+MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
+# How many pieces the chunks' cuts may make of a tensor, per chunk: a sharded save's chunks
+# form a grid (each mesh dimension cuts one tensor dimension across all the others), where
+# pieces == chunks; a crafted list of chunks could make the check of a grid cost its square.
+_PIECES_PER_CHUNK = 16
+_MIN_PIECES = 1 << 12
+
+
+def _dims(v: Any) -> tuple[int, ...] | None:
+    """``v`` as a tuple of plain ints in [0, 2**63), or None."""
+    if not isinstance(v, (tuple, list)) or len(v) > MAX_DIMS:
+        return None
+    out = tuple(v)
+    if not all(type(n) is int and 0 <= n < 1 << 63 for n in out):
+        return None
+    return out
+
+
+def tiling_problem(
+    size: Sequence[int], chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> str | None:
+    """None when ``chunks`` ((offsets, sizes) each, of ``len(size)`` plain non-negative ints)
+    tile a tensor of ``size`` exactly, else what is wrong, for an error message."""
+    for offsets, sizes in chunks:
+        if any(o + n > s for o, n, s in zip(offsets, sizes, size)):
+            return f"has a chunk at {list(offsets)} of {list(sizes)}, outside its size {list(size)}"
+    boxes = [(o, n) for o, n in chunks if all(n)]  # an empty chunk stores nothing
+    if not math.prod(size):
+        return None
+    if len(boxes) == 1 and not any(boxes[0][0]) and boxes[0][1] == tuple(size):
+        return None  # the common case: one chunk, all of it
+    # Cut every dimension where a chunk starts or ends: each chunk covers whole pieces of
+    # the grid these cuts make; the chunks tile the tensor when each piece is covered once.
+    cuts = [
+        sorted({0, n, *(o[d] for o, _ in boxes), *(o[d] + k[d] for o, k in boxes)})
+        for d, n in enumerate(size)
+    ]
+    pieces = math.prod(len(c) - 1 for c in cuts)
+    if pieces > max(_PIECES_PER_CHUNK * len(boxes), _MIN_PIECES):
+        return (
+            f"has {len(boxes)} chunks that cut it into {pieces} pieces, not the grid of "
+            "shards a save writes"
+        )
+    at = [{v: i for i, v in enumerate(c)} for c in cuts]
+    step = [math.prod(len(c) - 1 for c in cuts[d + 1 :]) for d in range(len(size))]
+    seen = bytearray(pieces)
+    for offsets, sizes in boxes:
+        spans = [range(at[d][o], at[d][o + n]) for d, (o, n) in enumerate(zip(offsets, sizes))]
+        for piece in itertools.product(*spans):
+            i = sum(p * s for p, s in zip(piece, step))
+            if seen[i]:
+                where = [cuts[d][p] for d, p in enumerate(piece)]
+                return f"has chunks that overlap at element {where}"
+            seen[i] = 1
+    gap = seen.find(0)
+    if gap >= 0:
+        where = [cuts[d][(gap // s) % (len(cuts[d]) - 1)] for d, s in enumerate(step)]
+        return f"has no chunk that stores element {where} (its chunks leave a gap)"
+    return None
+
+
+def _corrupt(where: str, key: str, problem: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{where}: tensor {key[:200]!r} {problem}; the step cannot be trusted and is not read. "
+        "Load another step (muon-ckpt ls lists them)"
+    )
+
+
+def check_tensors(md: Metadata, where: str) -> None:
+    """Every tensor of ``md`` is tiled exactly by its chunks, each non-empty chunk stored in
+    an item of at least its bytes (no storage transform: its expansion has no bound); every
+    stored object has an item. Raises CheckpointCorruptError naming the first tensor that is
+    not. (That no two items share bytes of a file, and each lies inside its file, is
+    ``check_ranges``'s: it needs the files' sizes.)"""
+    items = md.storage_data
+    if not isinstance(items, dict):
+        raise CheckpointCorruptError(f"{where}: DCP metadata without a storage index")
+    if not all(isinstance(i, MetadataIndex) for i in items):
+        raise CheckpointCorruptError(f"{where}: DCP metadata with a storage index of other keys")
+    stored = {(i.fqn, None if i.offset is None else tuple(i.offset)): v for i, v in items.items()}
+    for key, meta in md.state_dict_metadata.items():
+        if isinstance(meta, BytesStorageMetadata):
+            if (key, None) not in stored:
+                raise _corrupt(where, key, "is an object with no stored item")
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            raise _corrupt(where, str(key), f"is described by a {type(meta).__name__}")
+        _check_tensor(key, meta, stored, where)
+    for info in items.values():
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointCorruptError(
+                f"{where}: an item of {str(info.relative_path)[:200]!r} is stored with the DCP "
+                f"storage transforms {info.transform_descriptors!r}, which muon-ckpt does not "
+                "read (what they expand to has no bound). Load it with "
+                "torch.distributed.checkpoint if you trust it"
+            )
+
+
+def _check_tensor(key: str, meta: TensorStorageMetadata, stored: dict, where: str) -> None:
+    props, size = meta.properties, _dims(meta.size)
+    if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
+        raise _corrupt(where, key, "has no dtype")
+    if size is None:
+        raise _corrupt(where, key, f"has the size {str(meta.size)[:200]}")
+    if not isinstance(meta.chunks, list):
+        raise _corrupt(where, key, "has no list of chunks")
+    chunks = []
+    for c in meta.chunks:
+        offsets = (
+            _dims(getattr(c, "offsets", None)) if isinstance(c, ChunkStorageMetadata) else None
+        )
+        sizes = _dims(getattr(c, "sizes", None)) if offsets is not None else None
+        if sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
+            raise _corrupt(where, key, f"of {len(size)} dimensions has the chunk {str(c)[:200]}")
+        chunks.append((offsets, sizes))
+    problem = tiling_problem(size, chunks)
+    if problem is not None:
+        raise _corrupt(where, key, problem)
+    itemsize = props.dtype.itemsize
+    for offsets, sizes in chunks:
+        if not all(sizes):
+            continue
+        info = stored.get((key, offsets))
+        if info is None:
+            raise _corrupt(where, key, f"has no stored item for its chunk at {list(offsets)}")
+        nbytes = math.prod(sizes) * itemsize
+        if type(info.length) is not int or info.length < nbytes:
+            raise _corrupt(
+                where,
+                key,
+                f"declares {nbytes} bytes for its chunk at {list(offsets)}, stored in an item "
+                f"of {info.length} bytes",
+            )
