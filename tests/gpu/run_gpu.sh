@@ -10,6 +10,11 @@ set -uo pipefail
 out=${1:-${OUT:-/tmp}}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The GPU machine reaches no package registry: wheels it lacks (crc32c) travel in the
+# git-ignored .gpu-wheels/ (docs/gpu.md says how to fill and carry it).
+if [ -d .gpu-wheels ]; then
+  python3 -m pip install -q --no-index --find-links .gpu-wheels crc32c || echo "crc32c: not installed"
+fi
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__)'
