@@ -10,7 +10,7 @@ group), so that all ranks decide at the same step. Nothing is installed unless a
 
 from __future__ import annotations
 
-import logging
+import datetime
 import signal
 import threading
 from collections.abc import Iterable
@@ -21,8 +21,6 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PreemptionWatch"]
-
-_log = logging.getLogger("muon_ckpt")
 
 
 class PreemptionWatch:
@@ -35,6 +33,7 @@ class PreemptionWatch:
                 "the main thread; call it from there"
             )
         self.received: int | None = None  # the signal number, once one came
+        self._group: Any = None  # the gloo group of the agreement (``agreed``)
         self._previous: dict[int, Any] = {}
         for s in dict.fromkeys(int(s) for s in signals):
             self._previous[s] = signal.signal(s, self._handle)
@@ -44,11 +43,18 @@ class PreemptionWatch:
         if self.received is None:
             self.received = signum
 
-    def agreed(self, group: Any) -> bool:
-        """Whether any rank received a signal (a collective of ``group``'s ranks)."""
+    def agreed(self, timeout: float) -> bool:
+        """Whether any rank received a signal: a collective of every rank, on a gloo group of
+        its own (made by the first call, which every rank makes at the same save()): the
+        manager's group may be busy with a save running in the background, and two threads'
+        collectives on one group would pair up wrongly across ranks."""
         flag = torch.tensor([self.received or 0], dtype=torch.int32)
-        if group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if dist.is_available() and dist.is_initialized():
+            if self._group is None:
+                self._group = dist.new_group(
+                    backend="gloo", timeout=datetime.timedelta(seconds=timeout)
+                )
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         signum = int(flag.item())
         if signum and self.received is None:
             self.received = signum  # another rank's

@@ -409,9 +409,8 @@ class CheckpointManager:
         """Whether any rank received a watched signal (every rank asks at every save())."""
         if self._preempt is None:
             return False
-        self._ensure_group()
         try:
-            return self._preempt.agreed(self._group)
+            return self._preempt.agreed(self.config.collective_timeout)
         except RuntimeError as e:
             raise coll.comm_failure(e, "agreeing on preemption") from e
 

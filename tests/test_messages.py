@@ -44,8 +44,10 @@ def test_a_load_that_finds_nothing_says_so(tmp_path, caplog):
         ("s4://bucket/run", {}, "url", "s4"),
     ],
 )
-def test_storage_options_that_do_not_fit_the_url_are_refused(tmp_path, url, options, field, value):
-    os.chdir(tmp_path)
+def test_storage_options_that_do_not_fit_the_url_are_refused(
+    tmp_path, monkeypatch, url, options, field, value
+):
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as ei:
         CheckpointManager(url, storage_options=options)
     msg = str(ei.value)
