@@ -6,11 +6,15 @@ writes anything and checks it again right before the commit, so a second job wri
 URL gets a ``CheckpointLeaseError`` naming the holder, before it has written a byte. Readers
 (load, ls, verify, export, import, inspect) need no lease.
 
-A lease is stale, and taken over, when its expiry has passed, or at once when its holder ran
-on this host and that process is gone (a crashed or killed job restarted on the same machine
-resumes saving without waiting). The heartbeat is renewed at every save, so ``seconds`` must
-exceed the time between two saves plus the longest save: a job silent for longer may have its
-lease taken over, and then its next save fails with the same error (it writes nothing).
+A lease is stale, and taken over, when its expiry has passed, or at once when its holder is
+known to have ended: it ran on this host as this process sees it (same hostname, boot id and
+PID namespace) and no process runs with its pid and start time (a crashed or killed job
+restarted on the same machine resumes saving without waiting). A holder in another PID
+namespace (a container sharing the hostname: host networking, a restarted pod), another boot,
+or named by a record without these fields cannot be checked from here: its lease only expires
+by time (``_identity``). The heartbeat is renewed at every save, so ``seconds`` must exceed the
+time between two saves plus the longest save: a job silent for longer may have its lease taken
+over, and then its next save fails with the same error (it writes nothing).
 
 Creating the first lease is atomic where the store can do it: ``O_EXCL`` locally, a
 conditional upload (``If-None-Match: *``) on S3. A takeover, and stores without conditional
@@ -31,6 +35,7 @@ import uuid
 from typing import Any
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointLeaseError
+from muon_ckpt.store._identity import holder_gone, identity, pid_is_ours
 from muon_ckpt.store._storage import Storage
 
 __all__ = ["DEFAULT_LEASE_SECONDS", "LEASE", "Lease"]
@@ -38,23 +43,22 @@ __all__ = ["DEFAULT_LEASE_SECONDS", "LEASE", "Lease"]
 LEASE = "lease.json"
 DEFAULT_LEASE_SECONDS = 600.0
 _MAX_LEASE_BYTES = 4096
-_OWNER = f"{uuid.uuid4().hex}"  # this process
-_HOST = socket.gethostname()
+_OWNER = uuid.uuid4().hex  # this process
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host runs (a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
+def _new_owner() -> None:
+    global _OWNER
+    _OWNER = uuid.uuid4().hex
+
+
+# A child forked after the import is another process: it must not hold its parent's lease.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_owner)
+
+
+def owner() -> str:
+    """This process's owner id, as lease records name it."""
+    return _OWNER
 
 
 class Lease:
@@ -71,13 +75,8 @@ class Lease:
 
     def _record(self) -> bytes:
         now = time.time()
-        rec = {
-            "owner": _OWNER,
-            "host": _HOST,
-            "pid": os.getpid(),
-            "heartbeat": now,
-            "expires": now + self.seconds,
-        }
+        me = identity() or {"host": socket.gethostname(), "pid": os.getpid()}
+        rec = {"owner": _OWNER, **me, "heartbeat": now, "expires": now + self.seconds}
         return json.dumps(rec, sort_keys=True).encode()
 
     def read(self) -> dict[str, Any] | None:
@@ -100,11 +99,7 @@ class Lease:
     def _stale(self, rec: dict[str, Any]) -> bool:
         if not rec or not isinstance(rec.get("expires"), (int, float)):
             return True
-        pid = rec.get("pid")
-        same_host = rec.get("host") == _HOST and isinstance(pid, int)
-        if same_host and (pid == os.getpid() or not _alive(pid)):  # ours, past life, or dead
-            return True
-        return time.time() > rec["expires"]
+        return time.time() > rec["expires"] or holder_gone(rec)
 
     def _refuse(self, rec: dict[str, Any], doing: str) -> CheckpointLeaseError:
         now = time.time()
@@ -113,9 +108,9 @@ class Lease:
         return CheckpointLeaseError(
             f"{self.url}: {doing}: another job holds this run's write lease (owner "
             f"{rec.get('owner')}, host {rec.get('host')}, pid {rec.get('pid')}, last heartbeat "
-            f"{age:.0f} s ago, expires in {left:.0f} s). One job writes a run at a time: give "
-            "this job another URL, stop the other one, or, if it is dead, wait for the expiry "
-            "(or delete the lease file)"
+            f"{age:.0f} s ago, expires in {left:.0f} s){_unknowable(rec)}. One job writes a "
+            "run at a time: give this job another URL, stop the other one, or, if it is dead, "
+            "wait for the expiry (or delete the lease file)"
         )
 
     def acquire(self) -> None:
@@ -156,3 +151,14 @@ class Lease:
         if self.held and self._mine(self.read()):
             self.storage.rm(LEASE)
         self.held = False
+
+
+def _unknowable(rec: dict[str, Any]) -> str:
+    """Why a holder under this host name is not checked, for the refusal; "" otherwise."""
+    if rec.get("host") != socket.gethostname() or pid_is_ours(rec):
+        return ""
+    return (
+        "; it ran under this host name but in another PID namespace (a container), another "
+        "boot, or where this process cannot check it, so its pid says nothing here and the "
+        "lease is taken over only when it expires"
+    )
