@@ -20,6 +20,7 @@ import posixpath
 import re
 import shutil
 import stat
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any
@@ -384,7 +385,9 @@ class Storage:
             self.fs.copy(self.path(*src), self.path(*dst))
 
     def rm(self, *parts: str) -> None:
-        """Remove a file or a directory tree; a symlink is unlinked, its target kept."""
+        """Remove a file or a directory tree; a symlink is unlinked, its target kept. What is
+        gone already, or goes meanwhile (another process deleting the same step), is no
+        error."""
         p = self.path(*parts)
         if self.is_local:
             with self._calling("deleting", *parts):
@@ -393,11 +396,26 @@ class Storage:
                 except FileNotFoundError:
                     return
                 if stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(p)  # never follows the links inside
+                    _rmtree(p)  # never follows the links inside
                 else:
-                    os.unlink(p)  # a file, or a symlink (its target stays)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(p)  # a file, or a symlink (its target stays)
             return
         with self._calling("deleting", *parts):
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(p, recursive=True)
             self.fs.invalidate_cache(p)
+
+
+def _rmtree(path: str) -> None:
+    """``shutil.rmtree``, where an entry another process removed first is no error."""
+
+    def gone_is_fine(func: Any, p: str, exc: Any) -> None:
+        err = exc if isinstance(exc, BaseException) else exc[1]  # onexc / onerror
+        if not isinstance(err, FileNotFoundError):
+            raise err
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=gone_is_fine)
+    else:
+        shutil.rmtree(path, onerror=gone_is_fine)
