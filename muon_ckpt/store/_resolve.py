@@ -1,5 +1,6 @@
 """Readers over the catalog for the CLI and interop: ``resolve`` a URL to one checkpoint
-directory, ``verify`` every file of a step, ``prune`` old steps."""
+directory, ``verify`` every file of a step, ``prune`` old steps (under the run's write lease,
+so never beside a save)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from muon_ckpt.store._catalog import (
     CORRUPT,
     UNCOMMITTED,
     Catalog,
+    StepInfo,
     check_files,
     read_manifest,
 )
@@ -25,6 +27,7 @@ from muon_ckpt.store._layout import (
     Manifest,
     parse_step_dirname,
 )
+from muon_ckpt.store._lease import PRUNE, PRUNE_LEASE_SECONDS, Lease
 from muon_ckpt.store._metadata import check_paths, parse_metadata
 from muon_ckpt.store._storage import Storage
 
@@ -179,19 +182,33 @@ class PruneResult:
 
 
 def prune(storage: Storage, keep: int, *, dry_run: bool = False) -> PruneResult:
-    """Delete committed steps but the newest ``keep`` (never the newest one)."""
+    """Delete committed steps but the newest ``keep`` (never the newest one), holding the run's
+    write lease: a CheckpointLeaseError naming the holder while a job holds it, so a prune
+    never deletes beside a save. ``dry_run`` only reads (no lease)."""
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(
             f"keep must be an int >= 1 (the newest step is never pruned), got {keep!r}"
         )
     cat = Catalog(storage)
-    infos = cat.scan()
-    committed = [s.step for s in infos if s.committed]
-    doomed, kept = committed[:-keep], committed[-keep:]
-    if not dry_run:
-        for s in doomed:
+    plan = _plan(cat.scan(), keep)
+    if dry_run or not plan.deleted:
+        return plan  # nothing to delete: no lease taken, nothing written
+    lease = Lease(storage, PRUNE_LEASE_SECONDS, purpose=PRUNE)
+    lease.acquire("pruning (nothing was deleted)")
+    try:
+        plan = _plan(cat.scan(), keep)  # again, under the lease: a save may have run meanwhile
+        for k, s in enumerate(plan.deleted):
+            done = ", ".join(map(str, plan.deleted[:k])) or "none"
+            lease.acquire(f"pruning (steps deleted so far: {done})")  # renewed, still ours
             cat.delete(s)
+    finally:
+        lease.release()
+    return plan
+
+
+def _plan(infos: list[StepInfo], keep: int) -> PruneResult:
+    committed = [s.step for s in infos if s.committed]
     by = {
         status: [s.step for s in infos if s.status == status] for status in (UNCOMMITTED, CORRUPT)
     }
-    return PruneResult(doomed, kept, by[UNCOMMITTED], by[CORRUPT])
+    return PruneResult(committed[:-keep], committed[-keep:], by[UNCOMMITTED], by[CORRUPT])
