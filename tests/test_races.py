@@ -4,7 +4,8 @@ processes on real storage: a child process saves back to back while this one run
 
 ``prune`` must never collide with a writer (it takes the run's write lease: refused, naming the
 holder, while a job holds it; a save that meets a prune waits for it), and every save still
-succeeds.
+succeeds. ``verify`` must report a step that retention deletes under it as deleted, never as
+damaged, and never fail with a raw error.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 
 from muon_ckpt import CheckpointLeaseError, CheckpointManager
 from muon_ckpt.cli import main
-from muon_ckpt.store import LEASE, Storage, prune
+from muon_ckpt.store import LEASE, Catalog, Storage, prune, resolve, verify
 from muon_ckpt.store._identity import identity
 from tests._dist import _context
 
@@ -135,7 +136,60 @@ def test_prune_while_a_job_saves_never_fails_a_save(backend, tmp_path, request, 
     assert steps and steps[-1] == res["saves"]  # every save counted is committed, newest last
 
 
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_verify_during_retention_reports_deleted_steps_not_damage(
+    backend, tmp_path, request, capsys
+):
+    url, opts, flags = _url(backend, tmp_path, request)
+    saver = _Saver(url, opts, tmp_path, per_manager=10**6, keep_last=1)
+    runs = 0
+    statuses: set[str] = set()
+    bad: list[str] = []
+    while saver.racing(enough=runs >= 3):
+        rc, got, err = _cli(capsys, "verify", url, "--json", *flags)
+        if "no checkpoint at" in err or "no committed step" in err:
+            continue  # before the first commit
+        if rc != 0 or err:
+            bad.append(f"rc {rc}: {err.strip()} {got.strip()[:2000]}")
+            continue
+        runs += 1
+        statuses |= {s["status"] for s in json.loads(got)["steps"]}
+    res = saver.result()
+    assert res["errors"] == [], res["errors"][:4]
+    assert bad == [], bad[:3]
+    assert runs >= 3 and statuses <= {"ok", "skipped", "deleted"}, (runs, statuses)
+
+
 # ------------------------------------------------------------------ deterministic cases
+def test_a_step_deleted_or_replaced_while_verified_is_deleted_not_damaged(tmp_path):
+    """The step goes (as retention deletes it: manifest first, then the files), or is
+    replaced by an overwrite, after verify resolved it and before it reads the files."""
+    url = str(tmp_path / "run")
+    model = _model()
+    with CheckpointManager(url, model=model) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step)
+        st = Storage(url)
+        r = resolve(st, 1)
+        Catalog(st).delete(1)
+        res = verify(r)
+        assert res.deleted and res.problems == [] and res.ok, res
+        r = resolve(st, 2)
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        mgr.save(2, overwrite=True)
+        res = verify(r)
+        assert res.deleted and res.problems == [], res
+    # Damage is still damage: the manifest stands, a file is gone.
+    r = resolve(st, 3)
+    victim = sorted(f for f in r.manifest.files if f.endswith(".distcp"))[0]
+    st.rm("step-00000003", victim)
+    res = verify(r)
+    assert not res.deleted and res.problems == [
+        f"{victim}: missing (manifest: {r.manifest.files[victim].size} bytes)"
+    ]
+
+
 def child_delete_step(url: str, opts: dict, go: str, out: str) -> None:
     from muon_ckpt.store import Catalog
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from muon_ckpt._errors import CheckpointNotFoundError
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointNotFoundError
 from muon_ckpt._progress import progress_bar
 from muon_ckpt.store._catalog import (
     CORRUPT,
@@ -22,6 +22,7 @@ from muon_ckpt.store._catalog import (
 from muon_ckpt.store._checksum import file_checksum
 from muon_ckpt.store._layout import (
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     METADATA,
     FileEntry,
     Manifest,
@@ -117,6 +118,9 @@ class VerifyResult:
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    # The step was deleted (or replaced by an overwrite) while it was verified: what was
+    # missing then says nothing about its files, so ``problems`` is empty.
+    deleted: bool = False
 
     @property
     def ok(self) -> bool:
@@ -124,18 +128,41 @@ class VerifyResult:
 
 
 def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
-    """Check every file of the manifest for presence, size and checksums."""
+    """Check every file of the manifest for presence, size and checksums. A step that
+    retention, a prune or an overwrite deleted meanwhile is ``deleted``, not damaged."""
     if r.manifest is None:
         raise CheckpointNotFoundError(
             f"{r.url!r} has no {MANIFEST}: only muon-ckpt checkpoints can be verified"
         )
+    res = _check_files(r, r.manifest, progress)
+    # Deleting a step removes its manifest first: a file found missing (or changed) after that
+    # is the deletion's doing, and the manifest read again tells.
+    if res.problems and _gone(r):
+        res.problems, res.deleted = [], True
+    return res
+
+
+def _gone(r: Resolved) -> bool:
+    """Whether the step verified is no longer there in the version its manifest describes."""
+    where = r.storage.url_of(*r.parts, MANIFEST)
+    try:
+        data = r.storage.read_bytes(*r.parts, MANIFEST, limit=MAX_MANIFEST_BYTES)
+        return Manifest.from_json(data, where) != r.manifest
+    except FileNotFoundError:
+        return True
+    except CheckpointCorruptError:
+        return False  # damaged, not deleted: the problems stand
+
+
+def _check_files(r: Resolved, m: Manifest, progress: bool | None) -> VerifyResult:
+    """Presence, size and checksums of every file manifest ``m`` of ``r`` lists."""
     st, res = r.storage, VerifyResult()
     infos = st.walk_info(*r.parts)
     present = {n: int(i.get("size") or 0) for n, i in infos.items()}
-    res.unexpected = sorted(set(present) - set(r.manifest.files) - {MANIFEST})
-    total = sum(e.size for e in r.manifest.files.values())
+    res.unexpected = sorted(set(present) - set(m.files) - {MANIFEST})
+    total = sum(e.size for e in m.files.values())
     with progress_bar(total, f"verify step {r.step}", enabled=progress) as bar:
-        for name, entry in sorted(r.manifest.files.items()):
+        for name, entry in sorted(m.files.items()):
             res.checked += 1
             if name not in present:
                 res.problems.append(f"{name}: missing (manifest: {entry.size} bytes)")
@@ -149,8 +176,12 @@ def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
                 )
                 bar.update(entry.size)
                 continue
-            with st.open(*r.parts, name, ahead=[(0, entry.size)]) as f:
-                got = file_checksum(f, entry, bar.update, st.url_of(*r.parts, name))
+            try:
+                with st.open(*r.parts, name, ahead=[(0, entry.size)]) as f:
+                    got = file_checksum(f, entry, bar.update, st.url_of(*r.parts, name))
+            except FileNotFoundError:  # listed a moment ago: deleted since (verify checks)
+                res.problems.append(f"{name}: missing (manifest: {entry.size} bytes)")
+                continue
             res.bytes += got.size
             if got.hexdigest() != entry.digest:
                 res.problems.append(f"{name}: {_differs(got.hexdigest(), entry)} (content changed)")
