@@ -178,14 +178,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _verify_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One result per step: step, status (ok, failed, skipped), files, bytes, problems and
-    files not in the manifest."""
-    from muon_ckpt._errors import CheckpointCorruptError
+    """One result per step: step, status (ok, failed, skipped, deleted), files, bytes,
+    problems and files not in the manifest. A step deleted while it is verified (retention,
+    prune, an overwrite) is ``deleted``: gone, not damaged."""
+    from muon_ckpt._errors import CheckpointCorruptError, CheckpointNotFoundError
     from muon_ckpt.store import MANIFEST, METADATA, Catalog, resolve, verify
 
     st = _open(args)
     out: list[dict[str, Any]] = []
-    if args.step is None and not st.exists(MANIFEST) and not st.exists(METADATA):
+    listed = args.step is None and not st.exists(MANIFEST) and not st.exists(METADATA)
+    if listed:
         todo = []
         for s in Catalog(st).scan():  # a run root: every committed step
             if s.committed:
@@ -205,10 +207,17 @@ def _verify_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
         except CheckpointCorruptError as e:
             out.append({"step": step, "status": "failed", "problems": [str(e)]})
             continue
+        except CheckpointNotFoundError:
+            if not listed:
+                raise  # the step or directory asked for is not there
+            # Listed as committed a moment ago: deleted since (its manifest goes first).
+            out.append({"step": step, "status": "deleted", "problems": []})
+            continue
+        status = "deleted" if res.deleted else "ok" if res.ok else "failed"
         out.append(
             {
                 "step": r.step,
-                "status": "ok" if res.ok else "failed",
+                "status": status,
                 "files": res.checked,
                 "bytes": res.bytes,
                 "problems": res.problems,
@@ -229,6 +238,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         step = x["step"]
         if x["status"] == "skipped":
             print(f"step {step}: skipped (not committed)")
+            continue
+        if x["status"] == "deleted":
+            print(f"step {step}: deleted while being verified (retention, prune or an overwrite)")
             continue
         if "files" not in x:  # the step could not be opened
             print(f"step {step}: FAILED: {x['problems'][0]}")
@@ -342,6 +354,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
         )
     if res.corrupt:
         print(f"CORRUPT steps (invalid manifest; not touched): {', '.join(map(str, res.corrupt))}")
+    if res.newer:
+        print(
+            "steps of a newer muon-ckpt (not touched; upgrade to manage them): "
+            f"{', '.join(map(str, res.newer))}"
+        )
     return 0
 
 

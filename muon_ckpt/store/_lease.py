@@ -6,17 +6,27 @@ writes anything and checks it again right before the commit, so a second job wri
 URL gets a ``CheckpointLeaseError`` naming the holder, before it has written a byte. Readers
 (load, ls, verify, export, import, inspect) need no lease.
 
-A lease is stale, and taken over, when its expiry has passed, or at once when its holder ran
-on this host and that process is gone (a crashed or killed job restarted on the same machine
-resumes saving without waiting). The heartbeat is renewed at every save, so ``seconds`` must
-exceed the time between two saves plus the longest save: a job silent for longer may have its
-lease taken over, and then its next save fails with the same error (it writes nothing).
+A lease is stale, and taken over, when its expiry has passed, or at once when its holder is
+known to have ended: it ran on this host as this process sees it (same hostname, boot id and
+PID namespace) and no process runs with its pid and start time (a crashed or killed job
+restarted on the same machine resumes saving without waiting). A holder in another PID
+namespace (a container sharing the hostname: host networking, a restarted pod), another boot,
+or named by a record without these fields cannot be checked from here: its lease only expires
+by time (``_identity``). The heartbeat is renewed at every save, so ``seconds`` must exceed the
+time between two saves plus the longest save: a job silent for longer may have its lease taken
+over, and then its next save fails with the same error (it writes nothing).
 
-Creating the first lease is atomic where the store can do it: ``O_EXCL`` locally, a
-conditional upload (``If-None-Match: *``) on S3. A takeover, and stores without conditional
-writes, use write-then-read-back: two jobs racing within one round trip can both read back
-their own record, and the loser then fails its commit check instead (the check reads the
-lease again). Clocks of different hosts are compared: keep them in sync (NTP). The lease is advisory and
+``muon-ckpt prune`` takes the lease too (``purpose`` "prune", for ``PRUNE_LEASE_SECONDS``,
+renewed before each step it deletes), so it never deletes beside a writer: it is refused while
+a job holds the lease, and a save that meets a prune's lease waits until the prune gives it
+back, rather than fail.
+
+Creating the first lease is atomic, and never seen half-written, where the store can do it: a
+hard link of a file written aside locally (``Storage.create_exclusive``), a conditional upload
+(``If-None-Match: *``) on S3. A takeover, and stores without conditional writes, use
+write-then-read-back: two jobs racing within one round trip can both read back their own
+record, and the loser then fails its commit check instead (the check reads the lease again).
+Clocks of different hosts are compared: keep them in sync (NTP). The lease is advisory and
 written without fsync (a save pays no extra disk flush for it): after a power loss it may be
 gone, and the next save creates it again.
 """
@@ -24,6 +34,7 @@ gone, and the next save creates it again.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -31,38 +42,47 @@ import uuid
 from typing import Any
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointLeaseError
+from muon_ckpt.store._identity import holder_gone, identity, pid_is_ours
 from muon_ckpt.store._storage import Storage
 
-__all__ = ["DEFAULT_LEASE_SECONDS", "LEASE", "Lease"]
+__all__ = ["DEFAULT_LEASE_SECONDS", "LEASE", "PRUNE", "PRUNE_LEASE_SECONDS", "SAVE", "Lease"]
 
 LEASE = "lease.json"
 DEFAULT_LEASE_SECONDS = 600.0
+SAVE, PRUNE = "save", "prune"  # what the holder does with the lease (its record's "purpose")
+PRUNE_LEASE_SECONDS = 60.0  # a prune renews it before each step it deletes
+_PRUNE_POLL_SECONDS = 0.1
+_PRUNE_WAIT_SECONDS = 120.0  # then a save is refused: it must not wait past collective timeouts
 _MAX_LEASE_BYTES = 4096
-_OWNER = f"{uuid.uuid4().hex}"  # this process
-_HOST = socket.gethostname()
+_OWNER = uuid.uuid4().hex  # this process
+
+_log = logging.getLogger("muon_ckpt")
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host runs (a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
+def _new_owner() -> None:
+    global _OWNER
+    _OWNER = uuid.uuid4().hex
+
+
+# A child forked after the import is another process: it must not hold its parent's lease.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_owner)
+
+
+def owner() -> str:
+    """This process's owner id, as lease records name it."""
+    return _OWNER
 
 
 class Lease:
     """The write lease of ``storage``'s root, held by this process once acquired."""
 
-    def __init__(self, storage: Storage, seconds: float = DEFAULT_LEASE_SECONDS) -> None:
+    def __init__(
+        self, storage: Storage, seconds: float = DEFAULT_LEASE_SECONDS, *, purpose: str = SAVE
+    ) -> None:
         self.storage = storage
         self.seconds = float(seconds)
+        self.purpose = purpose
         self.held = False  # acquired by this object (so release() gives it up)
 
     @property
@@ -71,13 +91,9 @@ class Lease:
 
     def _record(self) -> bytes:
         now = time.time()
-        rec = {
-            "owner": _OWNER,
-            "host": _HOST,
-            "pid": os.getpid(),
-            "heartbeat": now,
-            "expires": now + self.seconds,
-        }
+        me = identity() or {"host": socket.gethostname(), "pid": os.getpid()}
+        rec = {"owner": _OWNER, **me, "purpose": self.purpose}
+        rec.update(heartbeat=now, expires=now + self.seconds)
         return json.dumps(rec, sort_keys=True).encode()
 
     def read(self) -> dict[str, Any] | None:
@@ -100,40 +116,63 @@ class Lease:
     def _stale(self, rec: dict[str, Any]) -> bool:
         if not rec or not isinstance(rec.get("expires"), (int, float)):
             return True
-        pid = rec.get("pid")
-        same_host = rec.get("host") == _HOST and isinstance(pid, int)
-        if same_host and (pid == os.getpid() or not _alive(pid)):  # ours, past life, or dead
-            return True
-        return time.time() > rec["expires"]
+        return time.time() > rec["expires"] or holder_gone(rec)
 
     def _refuse(self, rec: dict[str, Any], doing: str) -> CheckpointLeaseError:
         now = time.time()
         age = now - float(rec.get("heartbeat", now))
         left = float(rec.get("expires", now)) - now
+        what = "muon-ckpt prune, " if rec.get("purpose") == PRUNE else ""
+        fix = (
+            "prune deletes only while no job writes the run: run it once the job has ended "
+            "(close() gives the lease back), or let the job's keep_last delete old steps"
+            if self.purpose == PRUNE
+            else "One job writes a run at a time: give this job another URL, stop the other "
+            "one, or, if it is dead, wait for the expiry (or delete the lease file)"
+        )
         return CheckpointLeaseError(
-            f"{self.url}: {doing}: another job holds this run's write lease (owner "
+            f"{self.url}: {doing}: another job holds this run's write lease ({what}owner "
             f"{rec.get('owner')}, host {rec.get('host')}, pid {rec.get('pid')}, last heartbeat "
-            f"{age:.0f} s ago, expires in {left:.0f} s). One job writes a run at a time: give "
-            "this job another URL, stop the other one, or, if it is dead, wait for the expiry "
-            "(or delete the lease file)"
+            f"{age:.0f} s ago, expires in {left:.0f} s){_unknowable(rec)}. {fix}"
         )
 
-    def acquire(self) -> None:
-        """Acquire, renew or take over the lease; CheckpointLeaseError if a live job
-        holds it."""
+    def _after_prune(self, rec: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``rec``; if it is a live prune's, the record once that prune gave the lease back or
+        let it expire (at most ``_PRUNE_WAIT_SECONDS``): a save waits for a prune, which holds
+        the lease only while it deletes, rather than fail."""
+        deadline = time.monotonic() + _PRUNE_WAIT_SECONDS
+        logged = False
+        while (
+            self.purpose != PRUNE
+            and rec
+            and rec.get("purpose") == PRUNE
+            and not self._mine(rec)
+            and not self._stale(rec)
+            and time.monotonic() < deadline
+        ):
+            if not logged:
+                _log.info("%s: waiting for muon-ckpt prune (pid %s)", self.url, rec.get("pid"))
+                logged = True
+            time.sleep(_PRUNE_POLL_SECONDS)
+            rec = self.read()
+        return rec
+
+    def acquire(self, doing: str = "saving") -> None:
+        """Acquire, renew or take over the lease (after a prune that holds it, unless this is
+        one); CheckpointLeaseError naming the holder if a live job holds it."""
         st = self.storage
-        rec = self.read()
+        rec = self._after_prune(self.read())
         if rec is None:
             st.makedirs()
             if st.create_exclusive(self._record(), LEASE):
                 self.held = True
                 return
-            rec = self.read() or {}
+            rec = self._after_prune(self.read()) or {}
         if self._mine(rec):  # renew: the check before the commit reads it again
             st.write_bytes(self._record(), LEASE, durable=False)
             return
         if not self._stale(rec):
-            raise self._refuse(rec, "saving")
+            raise self._refuse(rec, doing)
         st.write_bytes(
             self._record(), LEASE, durable=False
         )  # take over, then make sure no one else did
@@ -156,3 +195,14 @@ class Lease:
         if self.held and self._mine(self.read()):
             self.storage.rm(LEASE)
         self.held = False
+
+
+def _unknowable(rec: dict[str, Any]) -> str:
+    """Why a holder under this host name is not checked, for the refusal; "" otherwise."""
+    if rec.get("host") != socket.gethostname() or pid_is_ours(rec):
+        return ""
+    return (
+        "; it ran under this host name but in another PID namespace (a container), another "
+        "boot, or where this process cannot check it, so its pid says nothing here and the "
+        "lease is taken over only when it expires"
+    )

@@ -1,5 +1,6 @@
 """Readers over the catalog for the CLI and interop: ``resolve`` a URL to one checkpoint
-directory, ``verify`` every file of a step, ``prune`` old steps."""
+directory, ``verify`` every file of a step, ``prune`` old steps (under the run's write lease,
+so never beside a save)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,28 @@ from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from muon_ckpt._errors import CheckpointNotFoundError
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointNotFoundError
 from muon_ckpt._progress import progress_bar
 from muon_ckpt.store._catalog import Catalog, check_files
 from muon_ckpt.store._checksum import file_checksum
 from muon_ckpt.store._layout import (
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     METADATA,
     FileEntry,
     Manifest,
     parse_step_dirname,
 )
+from muon_ckpt.store._lease import PRUNE, PRUNE_LEASE_SECONDS, Lease
 from muon_ckpt.store._metadata import check_paths, check_ranges, parse_metadata
-from muon_ckpt.store._steps import CORRUPT, UNCOMMITTED, read_manifest
+from muon_ckpt.store._steps import (
+    CORRUPT,
+    NEWER,
+    SUPERSEDED,
+    UNCOMMITTED,
+    StepInfo,
+    read_manifest,
+)
 from muon_ckpt.store._storage import Storage
 
 __all__ = ["PruneResult", "Resolved", "VerifyResult", "prune", "resolve", "verify"]
@@ -113,6 +123,9 @@ class VerifyResult:
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    # The step was deleted (or replaced by an overwrite) while it was verified: what was
+    # missing then says nothing about its files, so ``problems`` is empty.
+    deleted: bool = False
 
     @property
     def ok(self) -> bool:
@@ -120,18 +133,41 @@ class VerifyResult:
 
 
 def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
-    """Check every file of the manifest for presence, size and checksums."""
+    """Check every file of the manifest for presence, size and checksums. A step that
+    retention, a prune or an overwrite deleted meanwhile is ``deleted``, not damaged."""
     if r.manifest is None:
         raise CheckpointNotFoundError(
             f"{r.url!r} has no {MANIFEST}: only muon-ckpt checkpoints can be verified"
         )
+    res = _check_files(r, r.manifest, progress)
+    # Deleting a step removes its manifest first: a file found missing (or changed) after that
+    # is the deletion's doing, and the manifest read again tells.
+    if res.problems and _gone(r):
+        res.problems, res.deleted = [], True
+    return res
+
+
+def _gone(r: Resolved) -> bool:
+    """Whether the step verified is no longer there in the version its manifest describes."""
+    where = r.storage.url_of(*r.parts, MANIFEST)
+    try:
+        data = r.storage.read_bytes(*r.parts, MANIFEST, limit=MAX_MANIFEST_BYTES)
+        return Manifest.from_json(data, where) != r.manifest
+    except FileNotFoundError:
+        return True
+    except CheckpointCorruptError:
+        return False  # damaged, not deleted: the problems stand
+
+
+def _check_files(r: Resolved, m: Manifest, progress: bool | None) -> VerifyResult:
+    """Presence, size and checksums of every file manifest ``m`` of ``r`` lists."""
     st, res = r.storage, VerifyResult()
     infos = st.walk_info(*r.parts)
     present = {n: int(i.get("size") or 0) for n, i in infos.items()}
-    res.unexpected = sorted(set(present) - set(r.manifest.files) - {MANIFEST})
-    total = sum(e.size for e in r.manifest.files.values())
+    res.unexpected = sorted(set(present) - set(m.files) - {MANIFEST})
+    total = sum(e.size for e in m.files.values())
     with progress_bar(total, f"verify step {r.step}", enabled=progress) as bar:
-        for name, entry in sorted(r.manifest.files.items()):
+        for name, entry in sorted(m.files.items()):
             res.checked += 1
             if name not in present:
                 res.problems.append(f"{name}: missing (manifest: {entry.size} bytes)")
@@ -145,8 +181,12 @@ def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
                 )
                 bar.update(entry.size)
                 continue
-            with st.open(*r.parts, name, ahead=[(0, entry.size)]) as f:
-                got = file_checksum(f, entry, bar.update, st.url_of(*r.parts, name))
+            try:
+                with st.open(*r.parts, name, ahead=[(0, entry.size)]) as f:
+                    got = file_checksum(f, entry, bar.update, st.url_of(*r.parts, name))
+            except FileNotFoundError:  # listed a moment ago: deleted since (verify checks)
+                res.problems.append(f"{name}: missing (manifest: {entry.size} bytes)")
+                continue
             res.bytes += got.size
             if got.hexdigest() != entry.digest:
                 res.problems.append(f"{name}: {_differs(got.hexdigest(), entry)} (content changed)")
@@ -175,22 +215,41 @@ class PruneResult:
     kept: list[int]
     leftovers: list[int]  # step dirs without a manifest: reported, never deleted here
     corrupt: list[int]  # step dirs with an invalid manifest: reported, never deleted here
+    newer: list[int] = field(default_factory=list)  # a newer format's: never touched here
 
 
 def prune(storage: Storage, keep: int, *, dry_run: bool = False) -> PruneResult:
-    """Delete committed steps but the newest ``keep`` (never the newest one)."""
+    """Delete committed steps but the newest ``keep`` (never the newest one), holding the run's
+    write lease: a CheckpointLeaseError naming the holder while a job holds it, so a prune
+    never deletes beside a save. ``dry_run`` only reads (no lease)."""
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(
             f"keep must be an int >= 1 (the newest step is never pruned), got {keep!r}"
         )
     cat = Catalog(storage)
-    infos = cat.scan()
-    committed = [s.step for s in infos if s.committed]
-    doomed, kept = committed[:-keep], committed[-keep:]
-    if not dry_run:
-        for s in doomed:
+    plan = _plan(cat.scan(), keep)
+    if dry_run or not plan.deleted:
+        return plan  # nothing to delete: no lease taken, nothing written
+    lease = Lease(storage, PRUNE_LEASE_SECONDS, purpose=PRUNE)
+    lease.acquire("pruning (nothing was deleted)")
+    try:
+        plan = _plan(cat.scan(), keep)  # again, under the lease: a save may have run meanwhile
+        for k, s in enumerate(plan.deleted):
+            done = ", ".join(map(str, plan.deleted[:k])) or "none"
+            lease.acquire(f"pruning (steps deleted so far: {done})")  # renewed, still ours
             cat.delete(s)
+    finally:
+        lease.release()
+    return plan
+
+
+def _plan(infos: list[StepInfo], keep: int) -> PruneResult:
+    """Committed steps but the newest ``keep`` go, with the superseded ones (a replaced line's,
+    which no load reads); the others are reported."""
+    committed = [s.step for s in infos if s.committed]
     by = {
-        status: [s.step for s in infos if s.status == status] for status in (UNCOMMITTED, CORRUPT)
+        status: [s.step for s in infos if s.status == status]
+        for status in (UNCOMMITTED, CORRUPT, SUPERSEDED, NEWER)
     }
-    return PruneResult(doomed, kept, by[UNCOMMITTED], by[CORRUPT])
+    doomed = sorted(committed[:-keep] + by[SUPERSEDED])
+    return PruneResult(doomed, committed[-keep:], by[UNCOMMITTED], by[CORRUPT], by[NEWER])

@@ -20,6 +20,7 @@ import posixpath
 import re
 import shutil
 import stat
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any
@@ -371,18 +372,15 @@ class Storage:
             f.write(data)
 
     def create_exclusive(self, data: bytes, *parts: str) -> bool:
-        """Write a small file only if none is there; False when one is. Atomic locally
-        (``O_EXCL``; not fsynced: for advisory files such as the lease) and on S3 (a
-        conditional ``If-None-Match: *`` upload); elsewhere a check then a write (not
-        atomic)."""
+        """Write a small file only if none is there; False when one is. Atomic, and never seen
+        half-written, locally (written aside, then hard-linked into place; not fsynced: for
+        advisory files such as the lease) and on S3 (a conditional ``If-None-Match: *``
+        upload); elsewhere a check then a write (not atomic)."""
         p = self.path(*parts)
         with self._calling("creating", *parts):
             try:
                 if self.is_local:
-                    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(data)
-                    return True
+                    return _link_new(data, p)
                 with self.fs.open(p, "xb") as f:
                     f.write(data)
                 return True
@@ -405,7 +403,9 @@ class Storage:
             self.fs.copy(self.path(*src), self.path(*dst))
 
     def rm(self, *parts: str) -> None:
-        """Remove a file or a directory tree; a symlink is unlinked, its target kept."""
+        """Remove a file or a directory tree; a symlink is unlinked, its target kept. What is
+        gone already, or goes meanwhile (another process deleting the same step), is no
+        error."""
         p = self.path(*parts)
         if self.is_local:
             with self._calling("deleting", *parts):
@@ -414,11 +414,48 @@ class Storage:
                 except FileNotFoundError:
                     return
                 if stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(p)  # never follows the links inside
+                    _rmtree(p)  # never follows the links inside
                 else:
-                    os.unlink(p)  # a file, or a symlink (its target stays)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(p)  # a file, or a symlink (its target stays)
             return
         with self._calling("deleting", *parts):
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(p, recursive=True)
             self.fs.invalidate_cache(p)
+
+
+def _rmtree(path: str) -> None:
+    """``shutil.rmtree``, where an entry another process removed first is no error."""
+
+    def gone_is_fine(func: Any, p: str, exc: Any) -> None:
+        err = exc if isinstance(exc, BaseException) else exc[1]  # onexc / onerror
+        if not isinstance(err, FileNotFoundError):
+            raise err
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=gone_is_fine)
+    else:
+        shutil.rmtree(path, onerror=gone_is_fine)
+
+
+def _link_new(data: bytes, path: str) -> bool:
+    """Create local ``path`` holding ``data`` unless it exists (FileExistsError). A file
+    created with ``O_EXCL`` is empty until written, and a reader that came in between would
+    take the lease it is to hold for unreadable, hence stale; a hard link of a file written
+    aside appears whole."""
+    tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    try:
+        os.link(tmp, path)
+    except OSError as e:  # no hard links on this filesystem (some FUSE and SMB mounts)
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+    return True

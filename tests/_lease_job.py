@@ -1,0 +1,48 @@
+"""A training job reduced to its lease, run as ``python -m tests._lease_job`` (possibly inside a
+PID namespace of its own, through ``unshare``) by the lease tests.
+
+``hold URL READY DONE``: save step 1, touch READY, wait for DONE, then exit without close()
+(the lease stays behind, as after a crash). ``save URL STEP``: try to save STEP and print one
+JSON line: ``{"saved": true, "pid": ...}`` or ``{"saved": false, "error": ..., "pid": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+from muon_ckpt import CheckpointError, CheckpointManager
+
+
+def _hold(url: str, ready: str, done: str) -> None:
+    mgr = CheckpointManager(url, model=nn.Linear(8, 8))
+    mgr.save(1)
+    open(ready, "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os._exit(0)  # no close(), no atexit: the lease stays, as a crashed job leaves it
+
+
+def _save(url: str, step: int) -> None:
+    mgr = CheckpointManager(url, model=nn.Linear(8, 8))
+    try:
+        mgr.save(step)
+    except CheckpointError as e:
+        print(json.dumps({"saved": False, "error": str(e), "pid": os.getpid()}), flush=True)
+        os._exit(0)
+    print(json.dumps({"saved": True, "pid": os.getpid()}), flush=True)
+    os._exit(0)  # keep the lease, as a running job does
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] == "hold":
+        _hold(*sys.argv[2:5])
+    else:
+        _save(sys.argv[2], int(sys.argv[3]))
