@@ -14,8 +14,6 @@ All three handle the same bytes in the same run:
   into a reused buffer (no parsing, no copy into tensors): the best of those reads is
   "storage read speed".
 
-On CUDA with local storage, the manager's load also runs with ``MUON_CKPT_MAPPED_READS=1``
-(copies out of the mapped page cache instead of through page-locked chunks), same run.
 
 Every variant runs once untimed first (``--warmup``): the manager's first save allocates its
 host staging buffers (page-locked on CUDA, ~1 s/GiB there), which every later save reuses;
@@ -51,7 +49,6 @@ from torch import nn
 from muon_ckpt import CheckpointManager
 from muon_ckpt._config import WRITE_THREADS, read_threads
 from muon_ckpt._flatten import FlatState
-from muon_ckpt.io._mapped import ENV as MAPPED_ENV
 from muon_ckpt.io._writeback import start_writeback
 from muon_ckpt.store import Storage, crc32c_implementation
 from muon_ckpt.store._crc import write_algorithm
@@ -247,22 +244,16 @@ def main() -> None:
 
         return FsspecReader(st.url_of(name), **opts)
 
-    def mgr_pair(mapped: bool = False) -> tuple[float, float]:
+    def mgr_pair() -> tuple[float, float]:
         step = next(counter)
         t = time.perf_counter()
         saver.save(step, force=True)
         t_save = time.perf_counter() - t
-        if not mapped:
-            phases.append(dict(saver.last_save_timings))
-        os.environ[MAPPED_ENV] = "1" if mapped else "0"
-        try:
-            t = time.perf_counter()
-            mgr.load(step)
-            t_load = time.perf_counter() - t
-        finally:
-            os.environ.pop(MAPPED_ENV)
-        if not mapped:
-            load_phases.append(dict(mgr.last_load_timings))
+        phases.append(dict(saver.last_save_timings))
+        t = time.perf_counter()
+        mgr.load(step)
+        t_load = time.perf_counter() - t
+        load_phases.append(dict(mgr.last_load_timings))
         return t_save, t_load
 
     def raw_pair(threads: int) -> tuple[float, float]:
@@ -296,9 +287,6 @@ def main() -> None:
         variants[f"storage {R} streams"] = lambda: storage_once(R)
     if st.is_local:
         variants[f"storage {T} streams+wb"] = lambda: storage_once(T, writeback=True)
-    mapped = st.is_local and args.device == "cuda"  # copies to the GPU out of the page cache
-    if mapped:
-        variants["manager, mapped reads on"] = lambda: mgr_pair(mapped=True)
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
     first_save = None
     for _ in range(args.warmup):
@@ -347,9 +335,6 @@ def main() -> None:
         f"{gbs['manager load'] / gbs[f'raw dcp x{T} load']:.2f}x"
     )
     print(f"  manager load / storage read speed  {gbs['manager load'] / disk_read:.2f}x")
-    if mapped:
-        on = gbs["manager, mapped reads on load"]
-        print(f"  manager load / mapped reads on     {gbs['manager load'] / on:.2f}x")
     if load_phases:
         # The reader alone (reads, checksums, copies into place): the load without the
         # decision, the all-or-nothing backup copy and the apply step.

@@ -5,10 +5,8 @@ launched) on top of its bytes, so the same gigabytes load slower in many small t
 in a few large ones. For each ``--tensor-mib``, the same state size is saved once as square
 fp32 matrices of that size (parameters and Muon momentum), then loaded with
 ``verify="checksum"`` and ``verify="size"``, interleaved with plain reads of the step's own
-files (``--streams`` per file, each into a reused 16 MiB buffer: the reference). On CUDA the
-loads also run with mapped reads on (``MUON_CKPT_MAPPED_READS=1``: copies to the GPU out of the
-page cache instead of through the page-locked chunks), and with each ``--io-threads`` given
-(reading threads; default: the manager's choice). Loads read what was just written, from the
+files (``--streams`` per file, each into a reused 16 MiB buffer: the reference), with each
+``--io-threads`` given (reading threads; default: the manager's choice). Loads read what was just written, from the
 page cache.
 
 Usage::
@@ -33,7 +31,6 @@ from benchmarks._timing import pick_device, time_interleaved
 from benchmarks.bench_checkpoint import build_state
 from muon_ckpt import CheckpointManager
 from muon_ckpt._config import read_threads
-from muon_ckpt.io._mapped import ENV as MAPPED_ENV
 
 MiB = 1 << 20
 
@@ -61,23 +58,6 @@ def plain_reads(paths: list[str], streams: int = 1) -> None:
         t.start()
     for t in threads:
         t.join()
-
-
-def _mapped(on: bool, fn: Callable[[], object]) -> Callable[[], None]:
-    """``fn`` with mapped reads on or off, whatever the environment says."""
-
-    def run() -> None:
-        before = os.environ.get(MAPPED_ENV)
-        os.environ[MAPPED_ENV] = "1" if on else "0"
-        try:
-            fn()
-        finally:
-            if before is None:
-                os.environ.pop(MAPPED_ENV)
-            else:
-                os.environ[MAPPED_ENV] = before
-
-    return run
 
 
 def main() -> None:
@@ -120,9 +100,7 @@ def main() -> None:
         }
         for (v, n), m in mgrs.items():
             name = f"load, verify={v}" + (f", {read_threads(n)} threads" if n is not None else "")
-            fns[name] = _mapped(False, lambda m=m: m.load(1))
-            if dev.type == "cuda":
-                fns[f"{name}, mapped reads on"] = _mapped(True, lambda m=m: m.load(1))
+            fns[name] = lambda m=m: m.load(1)
         t = time_interleaved(fns, dev, iters=args.repeat, warmup=1)
         items = 2 * len(list(model.parameters()))
         print(

@@ -15,11 +15,7 @@ then times, with one thread per file, interleaved and median over ``--repeat`` r
 * ``+h2d``: each chunk copied to a device tensor on the current stream while the next one is
   read (an event per buffer), as ``FileLoad`` does for CUDA targets; ``stream`` variants use a
   stream per thread;
-* ``+crc32c+h2d``: the pipeline of a verified load into CUDA tensors with mapped reads off;
-* ``mapped +h2d`` (``+crc32c``): the file mapped, its pages page-locked with CUDA a piece at a
-  time ahead of the copies, each ``--item-mib`` copied to the device straight out of the page
-  cache (and checksummed there): ``muon_ckpt.io._mapped``, as a load into CUDA tensors does
-  with ``MUON_CKPT_MAPPED_READS=1``.
+* ``+crc32c+h2d``: the pipeline of a verified load into CUDA tensors.
 
 Each line prints its ratio to ``plain 16 MiB`` measured in the same run. Run:
 ``python -m benchmarks.bench_read_path --size-gib 4 --threads 4 [--chunk-mib 4]``.
@@ -39,7 +35,6 @@ from collections.abc import Callable
 
 import torch
 
-from muon_ckpt.io._mapped import MappedFile
 from muon_ckpt.store._crc import crc_function, implementation
 from offload import pinned_empty
 
@@ -72,7 +67,6 @@ def main() -> None:
     ap.add_argument("--size-gib", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--chunk-mib", type=int, default=4)
-    ap.add_argument("--item-mib", type=int, default=16, help="bytes per copy when mapped")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
     args = ap.parse_args()
@@ -167,25 +161,6 @@ def main() -> None:
 
         return run
 
-    def mapped(check: bool) -> Callable:
-        def run(i: int) -> None:
-            fd = os.open(paths[i], os.O_RDONLY)
-            m = MappedFile(fd, 0, each, targets[i].device)
-            try:
-                stream, p = torch.cuda.current_stream(), 0
-                while p < each:
-                    n = m.reach(p, min(args.item_mib * MiB, each - p))
-                    targets[i][p : p + n].copy_(m.host(p, n), non_blocking=True)
-                    m.copied(p, stream)
-                    if check:
-                        crc(0, m.view(p, n))
-                    p += n
-            finally:
-                m.close()
-                os.close(fd)
-
-        return run
-
     variants: dict[str, Callable[[int], None]] = {
         "plain 16 MiB": plain,
         "pread": chunked(False, False, False),
@@ -202,8 +177,6 @@ def main() -> None:
             "pread pinned +h2d stream": chunked(True, False, True, own_stream=True),
             "pread pinned +crc32c+h2d": chunked(True, True, True),
             "pread pinned +crc32c+h2d stream": chunked(True, True, True, own_stream=True),
-            "mapped +h2d": mapped(False),
-            "mapped +crc32c+h2d": mapped(True),
         }
     for fn in variants.values():  # warm: page cache, buffers, CUDA context
         _threads(fn, T)

@@ -9,10 +9,9 @@ Here, for a local file:
   bytes (``_itemzip``: record offsets; dtype, size, stride and storage offset from the pickle);
 * the tensor record is read with ``pread`` straight into the target when the target is a
   contiguous CPU tensor of the stored dtype that takes the whole item; on CUDA in chunks
-  through page-locked buffers, or straight out of the mapped file where that is on
-  (``MUON_CKPT_MAPPED_READS=1``, ``_mapped``: the page cache's pages, page-locked); in
-  chunks through one reused host buffer on other devices, and through a reused buffer
-  holding the whole record otherwise (slices of it for resharding, dtype casts, odd strides);
+  through page-locked buffers; in chunks through one reused host buffer on other devices,
+  and through a reused buffer holding the whole record otherwise (slices of it for
+  resharding, dtype casts, odd strides);
 * when this rank verifies the file, every byte of it, gaps and other ranks' items included,
   goes through the checksum in file order right after it is read, while it is still in cache;
 * otherwise (another rank checks the file whole) only the bytes the targets need are read
@@ -28,10 +27,7 @@ read.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -40,23 +36,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._tensors import tensor_bytes
 from muon_ckpt.io._itemzip import EDGE, Layout, parse_layout
-from muon_ckpt.io._mapped import MappedFile, Unmappable, mapped_reads
 from muon_ckpt.io._ranged import SpanReader
 from muon_ckpt.io._stored import StoredChunks, load_object, load_stored
 from muon_ckpt.store import Checksum, FileEntry, open_regular
 from offload import pinned_empty
 
-log = logging.getLogger("muon_ckpt")
-
 # Bytes per pread (and per crc32 call): big enough that syscalls cost nothing, small enough
 # that the bytes are still in cache when the checksum runs over them.
 CHUNK = 4 << 20
-# Where mapped reads are on (``MUON_CKPT_MAPPED_READS=1``), records at least this long are
-# copied to a CUDA target out of the mapped file (``_mapped``), shorter ones through the
-# page-locked chunks: while pieces are being page-locked, each copy
-# out of the mapping waits about a millisecond to start (the driver's lock), which a short
-# record does not win back.
-MAPPED_MIN = 8 << 20
 
 
 class _Edges:
@@ -169,17 +156,13 @@ class ReadBuffers:
     """The reused buffers of one reading thread: a pageable chunk, a whole-record buffer and
     two page-locked chunks for copies to the GPU. A thread's ``FileLoad``s share them one
     after another (each waits for its copies out of them before it ends), so a load split
-    into many parts registers page-locked memory once per thread, not once per part.
-
-    Also the mapped files its ``FileLoad``s let go of, still being released (``_mapped``):
-    whoever made the buffers calls :meth:`settle` before the load returns."""
+    into many parts registers page-locked memory once per thread, not once per part."""
 
     def __init__(self) -> None:
         self._chunk: bytearray | None = None
         self._whole: bytearray | None = None
         self._pinned: list[tuple[torch.Tensor, memoryview, Any]] = []
         self._device: torch.device | None = None
-        self.releasing: list[Future[None]] = []
 
     def chunk(self) -> memoryview:
         if self._chunk is None:
@@ -216,14 +199,6 @@ class ReadBuffers:
             if event is not None:
                 event.synchronize()
 
-    def settle(self) -> None:
-        """Wait until every mapped file let go of is released: its copies done, unregistered,
-        unmapped. A release that failed (a CUDA error) is logged, not raised: the load's bytes
-        all arrived, or its own error is on its way; the mapping is then left in place."""
-        releasing, self.releasing = self.releasing, []
-        for f in releasing:
-            if (e := f.exception()) is not None:
-                log.warning("muon_ckpt: could not release a mapped checkpoint file: %s", e)
 
 
 class FileLoad:
@@ -264,11 +239,7 @@ class FileLoad:
         self._pos = window[0] if window is not None else 0
         self._counted = [0]
         self._spans = SpanReader(where, entry, self._pread)
-        self._own_bufs = buffers is None  # else the caller settles them
         self._bufs = buffers if buffers is not None else ReadBuffers()
-        self._map: MappedFile | None = None  # for copies to CUDA targets (_take_mapped)
-        self._map_tried = False
-        self._end = 0  # the end of the last byte this load reads (run)
         self.file_size = -1
 
     # ------------------------------------------------------------------ reading
@@ -324,8 +295,7 @@ class FileLoad:
     def _take_chunked(self, fd: int, target: torch.Tensor, offset: int, nbytes: int) -> None:
         """The record into ``target`` (contiguous, the stored dtype, all of it), chunk by chunk:
         straight into its memory on CPU; on CUDA through two page-locked chunk buffers, each
-        chunk's copy to the device running while the next chunk is read, after what the
-        mapped file takes where mapped reads are on (``_take_mapped``); through one pageable
+        chunk's copy to the device running while the next chunk is read; through one pageable
         buffer on other devices."""
         if target.device.type == "cpu":
             dst = tensor_bytes(target)
@@ -339,10 +309,7 @@ class FileLoad:
         dst_t = target.reshape(-1).view(torch.uint8)
         if target.device.type == "cuda":
             stream = torch.cuda.current_stream(target.device)
-            done = (
-                self._take_mapped(fd, dst_t, offset, nbytes, stream) if nbytes >= MAPPED_MIN else 0
-            )
-            for i, p in enumerate(range(done, nbytes, CHUNK)):
+            for i, p in enumerate(range(0, nbytes, CHUNK)):
                 n = min(CHUNK, nbytes - p)
                 buf, view, event = self._bufs.pinned(i % 2, target.device)
                 self._take(fd, view[:n], offset + p)
@@ -354,43 +321,6 @@ class FileLoad:
             n = min(CHUNK, nbytes - p)
             self._take(fd, buf[:n], offset + p)
             dst_t[p : p + n].copy_(src[:n])  # from pageable memory: done when it returns
-
-    def _take_mapped(
-        self, fd: int, dst: torch.Tensor, offset: int, nbytes: int, stream: torch.cuda.Stream
-    ) -> int:
-        """Copy what it can of the record at ``offset`` into the CUDA bytes ``dst`` straight
-        from the mapped file (``_mapped``), each piece checksummed while its copy runs;
-        returns the bytes done (all, or as far as the mapping went: the chunk path does the
-        rest)."""
-        done = 0
-        while done < nbytes and (m := self._mapping(fd, dst.device, offset)) is not None:
-            at = offset + done
-            try:
-                n = m.reach(at, nbytes - done)
-            except Unmappable:
-                self._unmap()
-                break
-            dst[done : done + n].copy_(m.host(at, n), non_blocking=True)
-            m.copied(at, stream)
-            self._counted[0] += n
-            self._check(m.view(at, n), at)
-            done += n
-        return done
-
-    def _mapping(self, fd: int, device: torch.device, offset: int) -> MappedFile | None:
-        """The file mapped from ``offset`` to the end of what this load reads, once."""
-        if self._map is None and not self._map_tried:
-            self._map_tried = True
-            if mapped_reads(fd):
-                with contextlib.suppress(Unmappable):  # (it said why, once)
-                    self._map = MappedFile(fd, offset, self._end, device)
-        return self._map
-
-    def _unmap(self) -> None:
-        """Let go of the mapping: released once its copies are done (``ReadBuffers.settle``)."""
-        m, self._map = self._map, None
-        if m is not None:
-            self._bufs.releasing.append(m.close_later())
 
     def _record_tensor(self, fd: int, lay: Layout, offset: int) -> torch.Tensor:
         """The whole record read into a reused buffer, viewed as the stored tensor."""
@@ -481,10 +411,7 @@ class FileLoad:
         self._take_edge(fd, edges, 0, lay.start)
         if target is not None:
             self._take_chunked(fd, target, offset + lay.start, lay.nbytes)
-            # The target is complete before the planner sees it (as DCP), but for copies out
-            # of a mapped file: they are queued on this thread's current stream of the
-            # target's device, and the reader waits for them before the load returns
-            # (SafeLoadPlanner.commit_tensor does nothing with the target).
+            # The target is complete before the planner sees it, as with DCP's reader.
             self._bufs.drain()
             self._planner.commit_tensor(reqs[0], target)
         else:
@@ -514,8 +441,6 @@ class FileLoad:
         capture = capture or {}
         try:
             size = self.file_size = os.fstat(fd).st_size
-            ends = [o + n for o, (n, _) in items.items()] + [o + len(b) for o, b in capture.items()]
-            self._end = min(size, max(ends, default=0))
             for off in sorted({*items, *capture}):
                 length = items[off][0] if off in items else len(capture[off])
                 if off + length > size:  # before any buffer is sized from the metadata
@@ -538,9 +463,4 @@ class FileLoad:
             try:
                 self._bufs.drain()
             finally:
-                try:
-                    self._unmap()
-                    if self._own_bufs:
-                        self._bufs.settle()
-                finally:
-                    os.close(fd)
+                os.close(fd)

@@ -267,12 +267,10 @@ class VerifyingReader(FileSystemReader):
         work = sum(e.size for n in names if (e := self.entry(n)) is not None)
         part_bytes = max(PART_BYTES, -(-work // (4 * self.threads)))
         local = threading.local()
-        made: list[ReadBuffers] = []
 
         def buffers() -> ReadBuffers:  # one set per thread, reused by all its parts
             if not hasattr(local, "buffers"):
                 local.buffers = ReadBuffers()
-                made.append(local.buffers)
             return local.buffers
 
         tasks: list[tuple[int, Callable[[], None]]] = []
@@ -289,13 +287,7 @@ class VerifyingReader(FileSystemReader):
                     run = partial(self._load_file, name, part, planner, verify, cap)
                     tasks.append((n, lambda run=run, window=window: run(buffers(), window)))
         tasks.sort(key=lambda t: -t[0])  # largest first: even finish
-        # No copy out of a mapped file is left running, nor its pages page-locked, when the
-        # load returns or fails (a failed load's undo writes into the same targets).
-        try:
-            run_all(self.threads, lambda task: task[1](), tasks)
-        finally:
-            for b in made:
-                b.settle()
+        run_all(self.threads, lambda task: task[1](), tasks)
 
     def _whole_file(
         self,
