@@ -51,8 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_checkpoint import start_moto, storage_write
 
 from muon_ckpt import CheckpointManager
-from muon_ckpt._flatten import FlatState
 from muon_ckpt._tensors import local_tensor, tensor_bytes
+from muon_ckpt.state import FlatState
 from muon_ckpt.store import Storage
 from optim.muon import Muon
 

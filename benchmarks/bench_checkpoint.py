@@ -48,8 +48,8 @@ from torch import nn
 
 from muon_ckpt import CheckpointManager
 from muon_ckpt._config import WRITE_THREADS, read_threads
-from muon_ckpt._flatten import FlatState
-from muon_ckpt.io._writeback import start_writeback
+from muon_ckpt.save._writeback import start_writeback
+from muon_ckpt.state import FlatState
 from muon_ckpt.store import Storage, crc32c_implementation
 from muon_ckpt.store._crc import write_algorithm
 from optim.muon import Muon

@@ -165,7 +165,7 @@ def checkpoint_vs_raw_dcp(opt: Muon, sync, root: str, repeat: int, dev: torch.de
     import torch.distributed.checkpoint as dcp
 
     from muon_ckpt import CheckpointManager
-    from muon_ckpt._flatten import FlatState
+    from muon_ckpt.state import FlatState
 
     rank, world = dist.get_rank(), dist.get_world_size()
     threads = 4

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import pickle
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -169,3 +171,44 @@ def communicating(what: str) -> Iterator[None]:
         yield
     except RuntimeError as e:  # torch's communication errors (DistError derives from it)
         raise comm_failure(e, what) from e
+
+
+class Calls:
+    """The save/load calls of one manager: each begins with a ``handshake`` (every rank is in
+    the same call, or every rank that is raises), and the first makes the manager's gloo
+    group (``group``) and counts the hosts the ranks run on (``hosts``). Tags are per url and
+    per manager of that url in this process: the same on every rank when every rank makes the
+    same managers, whatever else a rank makes."""
+
+    _made: dict[str, int] = {}  # managers of each url made in this process
+
+    def __init__(self, url: str, timeout: float) -> None:
+        url_id = hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
+        n = Calls._made[url_id] = Calls._made.get(url_id, 0) + 1
+        self._tag = f"muon_ckpt/{url_id}/{n}"
+        self._timeout = timeout
+        self._count = 0  # calls so far: the handshake's sequence number
+        self.group: Any = None  # gloo group of every save/load collective
+        self.hosts = 1
+
+    def join(self, call: str) -> None:
+        """Every rank is in the same ``call`` (bounded by the timeout)."""
+        if not is_dist():
+            return
+        self._count += 1
+        if self._count > 2:
+            forget(f"{self._tag}/{self._count - 2}")  # every rank is past that one
+        handshake(f"{self._tag}/{self._count}", call, self._timeout)
+        self.ensure_group()
+
+    def ensure_group(self) -> None:
+        """Make the gloo group (a collective: every rank reaches it in the same call)."""
+        if is_dist() and self.group is None:
+            self.group = new_group(self._timeout)
+            self.hosts = len(set(all_gather(socket.gethostname(), self.group)))
+
+    def close(self) -> None:
+        """Remove the last handshake's keys (housekeeping: the store's host may be gone)."""
+        if self._count > 1:  # every rank is past that one (not surely past the last)
+            with contextlib.suppress(RuntimeError):
+                forget(f"{self._tag}/{self._count - 1}")

@@ -35,7 +35,7 @@ def read_threads(io_threads: int | None, local: bool = True) -> int:
     (each remote reading thread holds up to about three 128 MiB blocks; more were not
     measured). On the 16-core GPU host, 4 GiB of 16 and 64 MiB tensors loaded from local files
     into CUDA tensors 1.1-1.3x faster with 8 threads than with 4, and no faster with 12 or 16
-    (docs/benchmarks.md, "Reading threads and mapped reads")."""
+    (docs/benchmarks.md)."""
     if io_threads is not None:
         return io_threads
     if not local:
@@ -51,36 +51,52 @@ def read_threads(io_threads: int | None, local: bool = True) -> int:
     return min(8, max(4, cores // 2))
 
 
+# Every argument of CheckpointManager and what it means: the one place these words are
+# written. README's options table is these rows (tests/test_readme.py checks it, and the
+# defaults against CheckpointManager's signature); CheckpointManager's docstring is built
+# from them.
+OPTIONS: dict[str, str] = {
+    "url": "run root: local path, `file://`, `memory://`, `s3://`, `gs://`, any fsspec URL; "
+    "each step is `<url>/step-<8 digits>/`",
+    "model": "its `state_dict()` is saved and loaded in place (DTensors reshard); keys are "
+    "FQNs without `_orig_mod.` (`torch.compile`) or `module.` (DDP); a module's "
+    "`get_extra_state()` loads through its `set_extra_state()`",
+    "optimizer": "any `torch.optim.Optimizer`; its state is keyed by parameter name, never "
+    "by position",
+    "extra": "`{name: obj}` with `state_dict()`/`load_state_dict()` (a scheduler); the same "
+    "on every rank (each save checks) and saved once",
+    "rank_extra": "like `extra`, but each rank's own (its data position, RNG state); loaded "
+    "back by the same rank, at the same world size",
+    "keep_last": "keep the N newest committed steps (None: all); older ones are deleted "
+    "after each commit, never the newest",
+    "interval": "`save(step)` saves when `step % interval == 0` (None: every call)",
+    "storage_options": "fsspec options: credentials, `endpoint_url`, ...",
+    "resume_from": "a URL, `(url, step)` or `.../step-XXXXXXXX` to load while `url` has no "
+    "committed step (start a run from another one)",
+    "resume_storage_options": "fsspec options for `resume_from` (None: `storage_options`)",
+    "io_threads": "files written in parallel per rank, and reading threads (1-64); None: 4 "
+    "files; 4 threads from remote storage, half this rank's cores (4 to 8) from local storage",
+    "verify": 'a load checks size and CRC32C of every byte it reads; `"size"`: sizes only',
+    "async_save": "`save()` returns after the snapshot; write and commit run in the background",
+    "max_staging_bytes": "bound on the host memory of a snapshot (None: no bound); a save that "
+    "needs more runs synchronously",
+    "collective_timeout": "seconds a rank waits for the others in `save()`/`load()` before it "
+    "raises, naming the ranks that did not join",
+    "storage_timeout": "seconds one storage request may take (None: the client's own)",
+    "lease_seconds": "the run's write lease expires this long after this job's last save",
+    "confirm": "before a commit, each rank reads its files back and checks their CRC32C; "
+    '`"size"`: sizes only; `"off"`',
+    "read_once": "state several ranks load whole is read by one rank and sent to the others "
+    "(None: when storage is remote or ranks span hosts)",
+    "new_run": "a first `save()` without `load()` may start a new run where another run's "
+    "steps are: they are deleted once its first step is committed",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ManagerConfig:
-    """Everything the manager needs besides the live objects (model, optimizer, extra).
-
-    Attributes:
-        url: checkpoint root; a local path or any fsspec URL.
-        keep_last: keep this many newest committed steps (None: keep all).
-        interval: ``save(step)`` saves when ``step % interval == 0`` (None: every call).
-        storage_options: passed to fsspec (e.g. ``{"endpoint_url": ...}`` for S3).
-        resume_from: a URL (or ``(url, step)``) to load from while ``url`` has no committed step.
-        io_threads: files written in parallel per rank; threads reading in parallel (None:
-            4 files, and reading threads from this rank's cores: ``read_threads``).
-        verify: ``"checksum"`` (sizes and checksums of every file read; ``"crc32"``, its
-            former name, means the same) or ``"size"`` (sizes only).
-        async_save: ``save()`` returns after the snapshot; write and commit run in the
-            background.
-        max_staging_bytes: bound on the host memory a save's snapshot may hold (None: none).
-        storage_timeout: seconds one storage request may take (S3: connect and read
-            timeouts; None: the client's defaults).
-        lease_seconds: the write lease expires this long after the last save.
-        confirm: how a save confirms the storage holds its files before the commit:
-            ``"checksum"`` (read back; ``"crc32"`` means the same), ``"size"`` or ``"off"``.
-        collective_timeout: seconds a rank waits for the others in a save or load before it
-            raises (a rank that never calls, or died).
-        resume_storage_options: fsspec options for ``resume_from`` (None: ``storage_options``).
-        read_once: state several ranks load whole is read from storage by one rank and sent
-            to the others (None: when the storage is remote or the ranks span hosts).
-        new_run: a first save without a load may start a new run where another run's steps
-            are (they are deleted once its first step is committed).
-    """
+    """The options of CheckpointManager (``OPTIONS`` says what each means), checked once, at
+    construction: a bad value is a ValueError naming the field and the value."""
 
     url: str
     keep_last: int | None = None

@@ -11,6 +11,7 @@ group), so that all ranks decide at the same step. Nothing is installed unless a
 from __future__ import annotations
 
 import datetime
+import logging
 import signal
 import threading
 from collections.abc import Iterable
@@ -20,7 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from muon_ckpt._collective import comm_failure, rank
+
 __all__ = ["PreemptionWatch"]
+
+_log = logging.getLogger("muon_ckpt")
 
 
 class PreemptionWatch:
@@ -43,22 +48,37 @@ class PreemptionWatch:
         if self.received is None:
             self.received = signum
 
-    def agreed(self, timeout: float) -> bool:
-        """Whether any rank received a signal: a collective of every rank, on a gloo group of
-        its own (made by the first call, which every rank makes at the same save()): the
-        manager's group may be busy with a save running in the background, and two threads'
-        collectives on one group would pair up wrongly across ranks."""
+    def agreed(self, timeout: float, step: int) -> bool:
+        """Whether any rank received a signal, at the ``save(step)`` every rank is in: a
+        collective on a gloo group of its own (made by the first call), since the manager's
+        group may be busy with a save in the background, and two threads' collectives on one
+        group would pair up wrongly across ranks."""
         flag = torch.tensor([self.received or 0], dtype=torch.int32)
-        if dist.is_available() and dist.is_initialized():
-            if self._group is None:
-                self._group = dist.new_group(
-                    backend="gloo", timeout=datetime.timedelta(seconds=timeout)
-                )
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        try:
+            if dist.is_available() and dist.is_initialized():
+                if self._group is None:
+                    self._group = dist.new_group(
+                        backend="gloo", timeout=datetime.timedelta(seconds=timeout)
+                    )
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        except RuntimeError as e:
+            raise comm_failure(e, "agreeing on preemption") from e
         signum = int(flag.item())
         if signum and self.received is None:
             self.received = signum  # another rank's
+        if signum and rank() == 0:
+            _log.warning(
+                "preempted (%s): finishing the pending save, then saving step %d",
+                signal.Signals(signum).name,
+                step,
+            )
         return bool(signum)
+
+    def exit(self, step: int) -> None:
+        """Step ``step`` is committed: leave the training loop with exit code 0."""
+        if rank() == 0:
+            _log.warning("preempted: step %d is committed; exiting with code 0", step)
+        raise SystemExit(0)
 
     def restore(self) -> None:
         """Put the handlers back that were there before (main thread only: elsewhere, at

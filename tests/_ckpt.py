@@ -32,7 +32,7 @@ def file_layout(path: str, offset: int = 0, length: int | None = None) -> Any:
     of ``path`` (the whole file without ``length``), or None."""
     import os
 
-    from muon_ckpt.io import _itemread
+    from muon_ckpt.load import _local_files as _itemread
 
     def pread(fd: int, mv: memoryview, at: int) -> None:
         assert os.preadv(fd, [mv], at) == len(mv)

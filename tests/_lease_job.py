@@ -32,6 +32,7 @@ def _hold(url: str, ready: str, done: str) -> None:
 def _save(url: str, step: int) -> None:
     mgr = CheckpointManager(url, model=nn.Linear(8, 8))
     try:
+        mgr.load()  # a job resuming the run: only the lease may stop it
         mgr.save(step)
     except CheckpointError as e:
         print(json.dumps({"saved": False, "error": str(e), "pid": os.getpid()}), flush=True)

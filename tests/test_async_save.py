@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from muon_ckpt import CheckpointError, CheckpointManager
-from muon_ckpt._flatten import FlatState
+from muon_ckpt.state import FlatState
 from muon_ckpt.store import Catalog, Storage
 from tests._dist import run_on_ranks
 from tests.test_manager_fsdp import build, train

@@ -329,6 +329,7 @@ def test_export_refuses_nothing_to_export_and_ambiguous_outputs(tmp_path, capsys
         "kept": [2, 3],
         "leftovers": [],
         "corrupt": [],
+        "newer": [],
     }
 
 

@@ -1,8 +1,8 @@
-"""The local item reader (muon_ckpt/io/_itemread.py) against DCP's own FileSystemReader.
+"""The local item reader (muon_ckpt/load/_local_files.py) against DCP's own FileSystemReader.
 
 A plain ``dcp.save`` of many dtypes and shapes (0-d, empty, transposed, non-tensor values) is
 loaded twice into identical targets: by ``dcp.load`` with DCP's reader (the reference) and by
-``VerifyingReader`` on local storage (which uses ``_itemread``). Every target must get the same
+``VerifyingReader`` on local storage (which uses ``_local_files``). Every target must get the same
 bits, on each of the reader's paths: straight into the target, through the whole-record buffer
 (non-contiguous targets, dtype casts, transposed stored tensors) and the torch.load fallback.
 """
@@ -18,10 +18,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-import muon_ckpt.io._itemread as itemread
+import muon_ckpt.load._local_files as itemread
 from muon_ckpt import CheckpointCorruptError, CheckpointError
-from muon_ckpt.io import VerifyingReader, dcp_failure
-from muon_ckpt.io._itemzip import parse_tensor_pickle
+from muon_ckpt._dcp import dcp_failure
+from muon_ckpt.load import VerifyingReader
+from muon_ckpt.load._item_zip import parse_tensor_pickle
 from muon_ckpt.store import FileEntry, Storage, crc_hex
 from tests._ckpt import file_layout, flip_byte
 

@@ -1,4 +1,4 @@
-"""The item layout parser (muon_ckpt/io/_itemzip.py) against torch's own zip reader.
+"""The item layout parser (muon_ckpt/load/_item_zip.py) against torch's own zip reader.
 
 A ``torch.save`` of one tensor is parsed from its two ends; the reference is torch: the
 record offset from ``PyTorchFileReader`` and the values from ``torch.load``, which the bytes
@@ -18,8 +18,8 @@ import zipfile
 import pytest
 import torch
 
-from muon_ckpt.io import _itemread
-from muon_ckpt.io._itemzip import EDGE, Layout, parse_layout, unbounded_records
+from muon_ckpt.load import _local_files as _itemread
+from muon_ckpt.load._item_zip import EDGE, Layout, parse_layout, unbounded_records
 from tests._ckpt import file_layout
 from tests._crafted import bomb_item
 

@@ -265,7 +265,7 @@ def test_write_failure_in_a_writer_thread_fails_the_save_and_keeps_the_last_step
     import threading
 
     from muon_ckpt import CheckpointError, CheckpointManager
-    from muon_ckpt.io import _writer
+    from muon_ckpt.save import _writer
 
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
     url = str(tmp_path / "run")

@@ -246,7 +246,7 @@ def test_save_and_load_report_their_phase_timings(storage_url, caplog):
 
 
 def test_start_writeback_keeps_the_bytes_and_never_raises(tmp_path):
-    from muon_ckpt.io._writeback import start_writeback
+    from muon_ckpt.save._writeback import start_writeback
 
     data = bytes(range(256)) * 40000
     path = tmp_path / "f"

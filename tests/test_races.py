@@ -49,6 +49,7 @@ def child_save_until(url: str, opts: dict, stop: str, per_manager: int, keep_las
         mgr = CheckpointManager(
             url, model=model, storage_options=opts, keep_last=keep_last, io_threads=2
         )
+        mgr.load()  # the next manager resumes the run
         try:
             for _ in range(per_manager):
                 if os.path.exists(stop):
@@ -280,6 +281,7 @@ def test_a_save_waits_for_a_prune_to_give_the_lease_back(tmp_path):
             json.dumps({**pruning, "heartbeat": now - 59, "expires": now + 1}).encode(), LEASE
         )
         with CheckpointManager(url, model=_model()) as mgr:
+            assert mgr.load() == 1
             assert mgr.save(2)
     finally:
         sleeper.kill()

@@ -1,4 +1,4 @@
-"""Ranged local reads (muon_ckpt/io/_ranged.py): a rank that does not check a file whole reads
+"""Ranged local reads (muon_ckpt/load/_chunk_spans.py): a rank that does not check a file whole reads
 only the rows of each stored item that its slice takes, and checks exactly those bytes (with
 the item's zip header and directory) against the manifest's per-chunk checksums.
 
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from muon_ckpt import CheckpointCorruptError
-from muon_ckpt.io import VerifyingReader
+from muon_ckpt.load import VerifyingReader
 from muon_ckpt.store import Checksum, FileEntry, Storage, resolve, verify
 from muon_ckpt.store._layout import MANIFEST, Manifest
 from tests._ckpt import flip_byte

@@ -1,4 +1,4 @@
-"""Read once (muon_ckpt/io/_shared.py): a stored item that several ranks load whole is read
+"""Read once (muon_ckpt/load/_read_once.py): a stored item that several ranks load whole is read
 from storage by one rank and sent to the others over the process group.
 
 Real processes (gloo), real files: the bytes every rank read from storage

@@ -1,4 +1,4 @@
-"""Local files read in parts on several threads (``_split`` in muon_ckpt/io/_reader.py).
+"""Local files read in parts on several threads (``_split`` in muon_ckpt/load/_reader.py).
 
 A checked file is split at item starts (or chunk starts between items) into parts that run on
 their own threads, each checksumming whole chunks around its items against the manifest's
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import muon_ckpt.io._itemread as itemread
-import muon_ckpt.io._reader as reader_mod
+import muon_ckpt.load._local_files as itemread
+import muon_ckpt.load._reader as reader_mod
 from muon_ckpt import CheckpointCorruptError, CheckpointManager
 from muon_ckpt.store import Checksum, FileEntry, Storage, chunk_span
 from tests._ckpt import TinyNet, file_layout, flip_byte, make_muon, muon_state_sd, train

@@ -564,7 +564,7 @@ def test_per_param_hyperparameters_of_older_checkpoints_still_load(tmp_path):
 
 def test_extra_digest_does_not_depend_on_the_process(tmp_path):
     script = """
-from muon_ckpt._flatten import extra_digests
+from muon_ckpt.state import extra_digests
 class S:
     def state_dict(self):
         return {"b": {"shard-a", "shard-b", "shard-c", 7}, "a": {2: "x", "k": (1.5, None)}}
@@ -684,7 +684,7 @@ def test_every_read_path_keeps_what_it_overwrites(storage_url, verify, offload, 
     copier is off, so that every copy goes through the planner: a load that fails after it
     wrote everything (here: ``extra`` refuses its state) must still restore every value, on
     each read path (local parts, remote streamed or by ranges), with offloaded states too."""
-    from muon_ckpt._rollback import Rollback
+    from muon_ckpt.state import Rollback
 
     monkeypatch.setattr(Rollback, "_keep_all", lambda self, keys: None)
     url, opts = storage_url
@@ -715,8 +715,7 @@ def test_a_host_tensor_is_kept_once_before_its_first_write():
     before any of them writes; restore() puts it back."""
     import threading
 
-    from muon_ckpt._rollback import Rollback
-    from muon_ckpt.io import HostStaging
+    from muon_ckpt.state import HostStaging, Rollback
 
     a, b = torch.arange(1000.0), torch.arange(10.0)
     rb = Rollback(None, {}, HostStaging())
@@ -746,8 +745,7 @@ def test_host_tensors_are_copied_ahead_of_the_reads():
     """The rollback's copier thread copies every host tensor from the start, so that a load
     waiting on storage finds them copied when it writes (``keep`` is then free); a tensor
     it has copied is not copied again by ``keep``, and restore() puts all of them back."""
-    from muon_ckpt._rollback import Rollback
-    from muon_ckpt.io import HostStaging
+    from muon_ckpt.state import HostStaging, Rollback
 
     ts = {f"t{i}": torch.full((1000,), float(i)) for i in range(20)}
     rb = Rollback(None, {}, HostStaging())
@@ -964,7 +962,7 @@ def test_module_extra_state_under_a_wrapper_and_under_legacy_names(tmp_path):
     name (a checkpoint from before canonical names, ``model._orig_mod.<fqn>``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    import muon_ckpt._flatten as flatten
+    import muon_ckpt.state._flat as flatten
 
     def wrapped() -> nn.Module:
         m = nn.Module()

@@ -22,7 +22,7 @@ import torch
 
 from muon_ckpt._progress import progress_bar
 from muon_ckpt.interop._safetensors import write_safetensors
-from muon_ckpt.io import CheckpointReader
+from muon_ckpt.load import CheckpointReader
 from muon_ckpt.store import KEY_FORMAT_VERSION, Storage, bytes_keys, resolve, tensor_entries
 
 __all__ = [

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from muon_ckpt._fqn import strip_wrappers
 from muon_ckpt._progress import progress_bar
 from muon_ckpt.interop._export import (
     Item,
@@ -46,7 +45,8 @@ from muon_ckpt.interop._hflayout import (
 )
 from muon_ckpt.interop._safetensors import write_safetensors
 from muon_ckpt.interop._sources import split_state_key
-from muon_ckpt.io import CheckpointReader
+from muon_ckpt.load import CheckpointReader
+from muon_ckpt.state import strip_wrappers
 from muon_ckpt.store import Storage, bytes_keys, resolve, tensor_entries
 
 __all__ = ["HFExportSummary", "export_hf"]

@@ -22,10 +22,10 @@ from muon_ckpt._errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
 )
-from muon_ckpt._fqn import strip_wrappers
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.interop._hflayout import MODEL_STEM, make_renamer, read_set
 from muon_ckpt.interop._safetensors import SafetensorsFile, TensorInfo
+from muon_ckpt.state import strip_wrappers
 from muon_ckpt.store import Storage
 
 __all__ = ["HFLoadReport", "load_hf_model"]

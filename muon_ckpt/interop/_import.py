@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import TensorMeta
 
 from muon_ckpt._errors import CheckpointError, CheckpointMismatchError
-from muon_ckpt._fqn import canonical_names, strip_wrappers
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.interop._sources import Source, SrcEntry, open_source
+from muon_ckpt.state import canonical_names, strip_wrappers
 
 __all__ = ["ImportReport", "import_optimizer_state"]
 

@@ -26,7 +26,7 @@ import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from muon_ckpt.interop._hflayout import OPTIMIZER_STEM, index_name, read_set, single_name
 from muon_ckpt.interop._safetensors import SafetensorsFile
-from muon_ckpt.io import CheckpointReader, unbounded_records
+from muon_ckpt.load import CheckpointReader, unbounded_records
 from muon_ckpt.store import Storage, resolve, tensor_entries
 
 __all__ = ["STATE_PREFIXES", "Source", "SrcEntry", "open_source"]

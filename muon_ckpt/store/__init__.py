@@ -37,7 +37,7 @@ from muon_ckpt.store._layout import (
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, LEASE, Lease
 from muon_ckpt.store._lines import SavePlan
 from muon_ckpt.store._metadata import bytes_keys, parse_metadata, tensor_entries
-from muon_ckpt.store._probe import open_storage
+from muon_ckpt.store._probe import open_run, open_storage
 from muon_ckpt.store._resolve import Resolved, VerifyResult, prune, resolve, verify
 from muon_ckpt.store._steps import COMMITTED, CORRUPT, NEWER, SUPERSEDED, UNCOMMITTED, StepInfo
 from muon_ckpt.store._storage import (
@@ -88,6 +88,7 @@ __all__ = [
     "mismatched_chunks",
     "model_key",
     "open_regular",
+    "open_run",
     "open_storage",
     "optim_group_key",
     "optim_state_key",

@@ -121,6 +121,17 @@ class Catalog:
         step. Never listed, loaded or deleted."""
         return self._step_dirs()[1]
 
+    def step_info(self, step: int | None = None) -> StepInfo | None:
+        """Committed ``step`` (default: the newest) as its manifest describes it; None when
+        nothing is committed."""
+        committed = [i for i in self.scan() if i.committed]
+        if step is None:
+            return committed[-1] if committed else None
+        found = next((i for i in committed if i.step == step), None)
+        if found is None:
+            raise self.not_found(step, [i.step for i in committed])
+        return found
+
     def committed_steps(self) -> list[int]:
         return [s.step for s in self.scan() if s.committed]
 

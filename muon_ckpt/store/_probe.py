@@ -9,13 +9,16 @@ bucket), sent once, with a short timeout and no retries. A missing bucket is nev
 
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import Any
 
 from muon_ckpt._errors import CheckpointError, CheckpointStorageError
+from muon_ckpt.store._catalog import Catalog
+from muon_ckpt.store._layout import parse_step_dirname
 from muon_ckpt.store._storage import DEFAULT_TIMEOUT, Storage, bad_options, is_storage_failure
 
-__all__ = ["open_storage"]
+__all__ = ["open_run", "open_storage"]
 
 _PROBE_TIMEOUT = 5.0  # seconds: the probe's connect and read timeout
 # A scheme of 2+ characters followed by ':' but not '://' ("s3:/ckpt", "gs:bucket").
@@ -143,3 +146,30 @@ def open_storage(
     except CheckpointError as e:
         raise ValueError(f"{field} must be a directory or bucket prefix, got {url!r}: {e}") from e
     return storage
+
+
+def open_run(
+    url: str,
+    options: dict[str, Any],
+    *,
+    timeout: float | None,
+    lease_seconds: float,
+    resume_from: str | tuple[str, int] | None = None,
+    resume_options: dict[str, Any] | None = None,
+) -> tuple[Catalog, tuple[Catalog, int | None] | None]:
+    """The catalog of run root ``url``, and of ``resume_from`` with the step it names (a
+    ``.../step-XXXXXXXX`` URL names one; None: its newest), each storage checked
+    (``open_storage``)."""
+    catalog = Catalog(
+        open_storage(url, options, field="url", timeout=timeout), lease_seconds=lease_seconds
+    )
+    if resume_from is None:
+        return catalog, None
+    rf_url, rf_step = (resume_from, None) if isinstance(resume_from, str) else resume_from
+    base = posixpath.basename(rf_url.rstrip("/"))
+    if rf_step is None and parse_step_dirname(base) is not None:
+        rf_step = parse_step_dirname(base)
+        rf_url = rf_url.rstrip("/")[: -len(base)].rstrip("/") or "/"
+    opts = options if resume_options is None else resume_options
+    storage = open_storage(rf_url, opts, field="resume_from", timeout=timeout)
+    return catalog, (Catalog(storage), rf_step)

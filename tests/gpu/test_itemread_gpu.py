@@ -37,7 +37,7 @@ def test_cuda_targets_same_bits_as_dcp_reader(tmp_path, kind, verify):
 def test_cuda_targets_go_through_the_page_locked_buffers(tmp_path, monkeypatch):
     """Contiguous CUDA targets of the stored dtype take the pinned double-buffer path (and
     the 3-chunk tensor cycles through both buffers)."""
-    import muon_ckpt.io._itemread as itemread
+    import muon_ckpt.load._local_files as itemread
 
     used: list[int] = []
     pinned = itemread.ReadBuffers.pinned
@@ -58,7 +58,7 @@ def test_cuda_targets_go_through_the_page_locked_buffers(tmp_path, monkeypatch):
 def test_cuda_targets_loaded_in_parts(tmp_path, monkeypatch):
     """A file split into many parts (tests/test_read_parts.py) into CUDA targets: the same
     bits, and one pair of page-locked buffers per reading thread for all its parts."""
-    import muon_ckpt.io._reader as reader_mod
+    import muon_ckpt.load._reader as reader_mod
     from tests.test_read_parts import check_parts_share_their_threads_buffers
 
     monkeypatch.setattr(reader_mod, "PART_BYTES", 1)

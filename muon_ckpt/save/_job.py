@@ -27,16 +27,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 import muon_ckpt._collective as coll
+import muon_ckpt._dcp as _dcp
+from muon_ckpt._config import ManagerConfig
 from muon_ckpt._errors import CheckpointError
-from muon_ckpt.io._dcp import DCP_ERRORS, dcp_failure, interrupt_in
-from muon_ckpt.io._staging import HostStaging, StagedSavePlanner
-from muon_ckpt.io._writer import ChecksumWriter, FileRecords
+from muon_ckpt.save._snapshot import Snapshot
+from muon_ckpt.save._writer import ChecksumWriter, FileRecords
+from muon_ckpt.state import HostStaging
 from muon_ckpt.store import Catalog, FileEntry, SavePlan, confirm_files, step_dirname, write_dirname
 
-__all__ = ["SaveJob", "WriteSpec", "write_and_commit"]
+__all__ = ["SaveJob", "WriteSpec", "spec_for", "write_and_commit"]
+
+
+class StagedSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner; a writer thread resolving an item first waits for its copy."""
+
+    def __init__(self, staging: HostStaging) -> None:
+        super().__init__()
+        self._staging = staging
+
+    def resolve_data(self, write_item: Any) -> Any:
+        self._staging.wait(write_item.index.fqn)
+        return super().resolve_data(write_item)
+
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -62,6 +77,36 @@ class WriteSpec:
     committed_at: float | None = None  # time.perf_counter() once the step was committed
 
 
+def spec_for(
+    catalog: Catalog,
+    config: ManagerConfig,
+    step: int,
+    snap: Snapshot,
+    plan: SavePlan,
+    line: str,
+    *,
+    optimizer: str | None,
+    group: Any,
+    gate: threading.Event | None,
+) -> WriteSpec:
+    """The write of ``snap`` as the manager's options say (``gate``: tests only)."""
+    return WriteSpec(
+        catalog=catalog,
+        step=step,
+        sd=snap.sd,
+        staging=snap.staging,
+        world_size=coll.world_size(),
+        io_threads=config.write_threads,
+        keep_last=config.keep_last,
+        plan=plan,
+        line=line,
+        optimizer=optimizer,
+        confirm=config.confirm,
+        group=group,
+        gate=gate if snap.background else None,
+    )
+
+
 def write_and_commit(w: WriteSpec) -> None:
     storage, step = w.catalog.storage, w.step
     if w.gate is not None:
@@ -78,20 +123,8 @@ def write_and_commit(w: WriteSpec) -> None:
     dirname = write_dirname(step, w.plan.beside)
     writer = ChecksumWriter(storage, dirname, records, w.io_threads)
     try:
-        dcp.save(
-            w.sd,
-            storage_writer=writer,
-            planner=StagedSavePlanner(w.staging),
-            process_group=w.group,
-            no_dist=not coll.is_dist(),
-        )
-    except DCP_ERRORS as e:
-        stop = interrupt_in(e)
-        if stop is not None:  # Ctrl-C (or an exit) in the middle: itself, not a failure
-            raise stop from None
-        raise dcp_failure(e, f"saving step {step} to {storage.url!r}") from e
-    except RuntimeError as e:  # DCP's own collectives: a rank died or stopped answering
-        raise coll.comm_failure(e, f"saving step {step}") from e
+        what = f"saving step {step} to {storage.url!r}"
+        _dcp.save(w.sd, writer, StagedSavePlanner(w.staging), w.group, what)
     finally:
         w.staging.finish()
     t1 = time.perf_counter()

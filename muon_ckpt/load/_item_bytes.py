@@ -1,11 +1,11 @@
 """One stored item already in memory (a remote read) into its targets, without ``torch.load``.
 
 DCP's reader ``torch.load``s every item into fresh memory and copies it into the target. Here
-the item's zip records are parsed in memory (``_itemzip``) and its tensor bytes viewed in place
+the item's zip records are parsed in memory (``_item_zip``) and its tensor bytes viewed in place
 and copied into each target (narrowed to the part a resharded target takes), once the stored
 tensor is the one its chunk declares. An item that is not a plain dense tensor goes through
 ``torch.load(weights_only=True)``, as in DCP, and a non-tensor item to the planner, each once
-its zip cannot expand beyond its bytes (``_stored``).
+its zip cannot expand beyond its bytes (``_declared``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from muon_ckpt._errors import CheckpointCorruptError
-from muon_ckpt.io._itemread import _narrow, commit_part, commit_slices, slice_spans
-from muon_ckpt.io._itemzip import EDGE, Layout, parse_layout
-from muon_ckpt.io._ranged import SpanReader
-from muon_ckpt.io._stored import StoredChunks, load_object, load_stored
+from muon_ckpt.load._chunk_spans import SpanReader
+from muon_ckpt.load._declared import StoredChunks, load_object, load_stored
+from muon_ckpt.load._item_zip import EDGE, Layout, parse_layout
+from muon_ckpt.load._local_files import _narrow, commit_part, commit_slices, slice_spans
 from muon_ckpt.store import FileEntry, check_chunks, chunk_span
 
 __all__ = ["Capture", "fetch_items", "load_blob"]
@@ -28,7 +28,7 @@ __all__ = ["Capture", "fetch_items", "load_blob"]
 
 class Capture:
     """Stands for the read items of a stored item that this rank reads only to send it to the
-    ranks that need it (``_shared``): its bytes are copied into ``buf`` (of its length)."""
+    ranks that need it (``_read_once``): its bytes are copied into ``buf`` (of its length)."""
 
     def __init__(self, buf: memoryview) -> None:
         self.buf = buf

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from muon_ckpt._errors import CheckpointError
-from muon_ckpt.io._writeback import start_writeback
+from muon_ckpt.save._writeback import start_writeback
 from muon_ckpt.store import (
     Checksum,
     DelegatingFileSystem,

@@ -4,9 +4,9 @@ an item that goes to ``torch.load``, a zip that cannot expand beyond its own byt
 The DCP metadata (checked once, ``store``: chunks tile each tensor, each chunk's item holds at
 least its bytes) declares each stored chunk's shape and dtype; a stored tensor of another shape
 or dtype would be narrowed or cast silently into the target, so it is a corrupt step, naming
-the file and the key (``StoredChunks.check``). An item the layout parser (``_itemzip``) does not
+the file and the key (``StoredChunks.check``). An item the layout parser (``_item_zip``) does not
 recognise, and every non-tensor item, is loaded by ``torch.load(weights_only=True)`` only after
-``_itemzip.unbounded_records`` finds every record stored, inside the item and apart from the
+``_item_zip.unbounded_records`` finds every record stored, inside the item and apart from the
 others: torch.load's zip reader inflates deflated records and reads overlapping entries once
 each, which made a 300 KiB item allocate a gigabyte (``load_stored``).
 """
@@ -20,18 +20,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from muon_ckpt.io._itemzip import unbounded_records
+from muon_ckpt._dcp import UntrustedItem
+from muon_ckpt.load._item_zip import unbounded_records
 
 __all__ = ["StoredChunks", "UntrustedItem", "load_object", "load_stored"]
 
 _Chunk = tuple[tuple[int, ...], torch.dtype]
-
-
-class UntrustedItem(Exception):
-    """A stored item is not the tensor its chunk declares, or could expand beyond its bytes.
-    Raised while reading, where a damaged item fails the same way: the readers report the
-    file's checksum mismatch where there is one (``_tasks.prefer_corruption``), else this
-    as a CheckpointCorruptError (``prefer_corruption``, ``_dcp.dcp_failure``)."""
 
 
 class StoredChunks:

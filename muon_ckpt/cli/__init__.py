@@ -116,9 +116,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import fnmatch
 
-    from muon_ckpt._values import read_values, value_text
+    from muon_ckpt.cli._values import read_values, value_text
     from muon_ckpt.interop._export import section_of
-    from muon_ckpt.io import CheckpointReader
+    from muon_ckpt.load import CheckpointReader
     from muon_ckpt.store import resolve
 
     r = resolve(_open(args), args.step)

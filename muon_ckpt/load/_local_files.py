@@ -6,7 +6,7 @@ DCP's ``FileSystemReader`` turns every stored tensor into a fresh CPU tensor wit
 Here, for a local file:
 
 * each item's zip (DCP stores one ``torch.save`` per item) is parsed from its first and last
-  bytes (``_itemzip``: record offsets; dtype, size, stride and storage offset from the pickle);
+  bytes (``_item_zip``: record offsets; dtype, size, stride and storage offset from the pickle);
 * the tensor record is read with ``pread`` straight into the target when the target is a
   contiguous CPU tensor of the stored dtype that takes the whole item; on CUDA in chunks
   through page-locked buffers; in chunks through one reused host buffer on other devices,
@@ -15,12 +15,12 @@ Here, for a local file:
 * when this rank verifies the file, every byte of it, gaps and other ranks' items included,
   goes through the checksum in file order right after it is read, while it is still in cache;
 * otherwise (another rank checks the file whole) only the bytes the targets need are read
-  (``_ranged``): the rows of a resharded slice, not the whole item, each chunk checked
+  (``_chunk_spans``): the rows of a resharded slice, not the whole item, each chunk checked
   against the manifest's per-chunk checksums when it has them.
 
 Anything this module does not recognise (another pickle, several storages, a big-endian file)
 is loaded the way DCP does it: the item's bytes through ``torch.load(weights_only=True)``, once
-its zip cannot expand beyond its own bytes (``_stored``: no compressed or overlapping records).
+its zip cannot expand beyond its own bytes (``_declared``: no compressed or overlapping records).
 A stored tensor must be the chunk the metadata declares (shape and dtype), whichever way it is
 read.
 """
@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._tensors import tensor_bytes
-from muon_ckpt.io._itemzip import EDGE, Layout, parse_layout
-from muon_ckpt.io._ranged import SpanReader
-from muon_ckpt.io._stored import StoredChunks, load_object, load_stored
+from muon_ckpt.load._chunk_spans import SpanReader
+from muon_ckpt.load._declared import StoredChunks, load_object, load_stored
+from muon_ckpt.load._item_zip import EDGE, Layout, parse_layout
 from muon_ckpt.store import Checksum, FileEntry, open_regular
 from offload import pinned_empty
 
@@ -86,7 +86,7 @@ class _Edges:
 
 
 def item_layout(edges: _Edges) -> Layout | None:
-    """The layout of the dense tensor stored in an item of a local file (``_itemzip``), or
+    """The layout of the dense tensor stored in an item of a local file (``_item_zip``), or
     None (torch.load's turn)."""
     return parse_layout(edges.read, edges.length)
 
@@ -198,7 +198,6 @@ class ReadBuffers:
         for _, _, event in self._pinned:
             if event is not None:
                 event.synchronize()
-
 
 
 class FileLoad:
@@ -423,7 +422,7 @@ class FileLoad:
 
     def _capture(self, fd: int, offset: int, buf: memoryview) -> None:
         """A stored item's raw bytes into ``buf`` (read once here, sent to the other ranks
-        that need it: ``_shared``), through the file's checksum or checked by chunk."""
+        that need it: ``_read_once``), through the file's checksum or checked by chunk."""
         if self._verify or not self._spans.verifies:
             self._take(fd, buf, offset)
             return

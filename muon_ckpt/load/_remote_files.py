@@ -1,6 +1,6 @@
 """Remote reads of ``VerifyingReader`` (object stores and other non-local fsspec filesystems).
 
-Every stored item is loaded from memory into its targets (``_blob``: its zip records parsed,
+Every stored item is loaded from memory into its targets (``_item_bytes``: its zip records parsed,
 its tensor bytes viewed in place and copied), without a ``torch.load`` per item.
 With checksums (``stream=True``): a file this rank reads completely is read front to back by a
 worker thread, one stored item at a time, chaining the checksum; the calling thread loads each
@@ -23,12 +23,12 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from muon_ckpt._errors import CheckpointCorruptError
-from muon_ckpt.io._blob import Capture, fetch_items, load_blob
-from muon_ckpt.io._tasks import prefer_corruption, run_all
+from muon_ckpt.load._corruption import prefer_corruption, run_all
+from muon_ckpt.load._item_bytes import Capture, fetch_items, load_blob
 from muon_ckpt.store import DelegatingFileSystem, Storage, dcp_filesystem, is_file_name
 
 if TYPE_CHECKING:
-    from muon_ckpt.io._reader import VerifyingReader
+    from muon_ckpt.load._reader import VerifyingReader
 
 __all__ = ["ServingFileSystem", "read_remote"]
 

@@ -18,7 +18,7 @@ by every rank: N ranks would read it N times from storage. Inside
    manager's gloo group, packed into messages of at most ``MESSAGE_BYTES``: a broadcast when
    every rank takes part, point-to-point sends otherwise, ``WINDOW`` messages in flight while
    an earlier one is loaded. Each receiver loads the item from memory into its targets
-   (``_blob``: no ``torch.load``).
+   (``_item_bytes``: no ``torch.load``).
 
 When it pays (``ManagerConfig.read_once``): for remote storage, and for ranks on several
 hosts. On one host the page cache already serves every rank's read of a local file after the
@@ -46,8 +46,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 from muon_ckpt import _collective as coll
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt._tensors import tensor_bytes
-from muon_ckpt.io._blob import load_blob
-from muon_ckpt.io._stored import StoredChunks
+from muon_ckpt.load._declared import StoredChunks
+from muon_ckpt.load._item_bytes import load_blob
 
 __all__ = ["MESSAGE_BYTES", "SharePlan", "agree", "distribute", "plan_shared"]
 

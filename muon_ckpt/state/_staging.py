@@ -26,13 +26,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from muon_ckpt._tensors import local_tensor
 from offload import pinned_empty
 
-__all__ = ["HostStaging", "StagedSavePlanner"]
+__all__ = ["HostStaging"]
 
 _ALIGN = 64  # bytes; every range starts aligned for any dtype (and for torch.save's records)
 
@@ -174,15 +173,3 @@ class HostStaging:
         for ev in self._events.values():
             ev.synchronize()
         self._events.clear()
-
-
-class StagedSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner; a writer thread resolving an item first waits for its copy."""
-
-    def __init__(self, staging: HostStaging) -> None:
-        super().__init__()
-        self._staging = staging
-
-    def resolve_data(self, write_item: Any) -> Any:
-        self._staging.wait(write_item.index.fqn)
-        return super().resolve_data(write_item)

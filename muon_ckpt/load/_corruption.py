@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from muon_ckpt._errors import CheckpointCorruptError
-from muon_ckpt.io._stored import UntrustedItem
+from muon_ckpt.load._declared import UntrustedItem
 
 __all__ = ["prefer_corruption", "run_all"]
 

@@ -2,7 +2,7 @@
 
 Save and load build the same dict; its tensor values ARE the live tensors (parameters, buffers,
 optimizer states), so ``dcp.load`` writes into them in place and DTensors reshard on the way.
-Keys (see ``store._layout``; FQNs without wrapper prefixes, see ``_fqn``)::
+Keys (see ``store._layout``; FQNs without wrapper prefixes, see ``state._names``)::
 
     model.<fqn>                        every entry of model.state_dict()
     optim.state.<fqn>.<key>            every entry of optimizer.state[param]
@@ -25,8 +25,8 @@ from torch import Tensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from muon_ckpt._errors import CheckpointMismatchError
-from muon_ckpt._fqn import canonical_names, legacy_aliases, param_fqns, strip_wrappers
 from muon_ckpt._tensors import host_copy
+from muon_ckpt.state._names import canonical_names, legacy_aliases, param_fqns, strip_wrappers
 from muon_ckpt.store import extra_key, model_key, optim_group_key, optim_state_key, rank_extra_key
 
 __all__ = [
@@ -112,6 +112,26 @@ def check_stateful(field_name: str, objs: Any) -> dict[str, Any]:
                 "wrap it in an object that defines both"
             )
     return dict(objs)
+
+
+def check_objects(
+    model: Any, optimizer: Any, extra: Any, rank_extra: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Validate the objects a manager saves and loads (construction time); the ``extra`` and
+    ``rank_extra`` dicts."""
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    extra, rank_extra = check_stateful("extra", extra), check_stateful("rank_extra", rank_extra)
+    both = sorted(set(extra) & set(rank_extra))
+    if both:
+        raise ValueError(f"{both} are names in both extra and rank_extra; use each name once")
+    if optimizer is not None:
+        param_fqns(model, optimizer)  # a param without a name is a configuration error
+    return extra, rank_extra
 
 
 def extra_digests(extra: dict[str, Any]) -> dict[str, str]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from muon_ckpt.io import CheckpointReader
+from muon_ckpt.load import CheckpointReader
 from muon_ckpt.store import tensor_entries
 
 __all__ = ["read_values", "value_text"]

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-
+import muon_ckpt._dcp as _dcp
 from muon_ckpt._config import VERIFY_MODES, checks_content, read_threads
-from muon_ckpt.io._dcp import DCP_ERRORS, SafeLoadPlanner, dcp_failure
-from muon_ckpt.io._reader import VerifyingReader
+from muon_ckpt.load._planner import SafeLoadPlanner
+from muon_ckpt.load._reader import VerifyingReader
 from muon_ckpt.store import Resolved
 
 __all__ = ["CheckpointReader"]
@@ -47,7 +46,5 @@ class CheckpointReader:
         )
 
     def load(self, sd: dict[str, Any]) -> None:
-        try:
-            dcp.load(sd, storage_reader=self._reader, planner=SafeLoadPlanner(), no_dist=True)
-        except DCP_ERRORS as e:
-            raise dcp_failure(e, f"reading {self.resolved.url}") from e
+        what = f"reading {self.resolved.url}"
+        _dcp.load(sd, self._reader, SafeLoadPlanner(), None, what, alone=True)

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from muon_ckpt._tensors import local_tensor, overlapping
-from muon_ckpt.io import HostStaging
+from muon_ckpt.state._staging import HostStaging
 
 __all__ = ["Rollback"]
 

@@ -3,13 +3,13 @@
 Used by the manager's ``load`` and, in one process, by import, export and inspect (through
 ``open_checkpoint``). How files are read depends on where they are:
 
-* local files (``_itemread``): the files this rank needs, cut into parts (``_split``), are
+* local files (``_local_files``): the files this rank needs, cut into parts (``_split``), are
   tasks on ``io_threads`` threads; items are parsed (torch's zip reader, a restricted
   unpickler) and their tensor bytes read with ``pread`` straight into the targets (through
   page-locked chunk buffers for CUDA targets), with no ``torch.load``. A file is checksummed
   on the way when this reader checks it whole (below): each part its window of whole chunks,
   in order;
-* remote files with ``verify="checksum"`` (``_remote``): a file read completely is streamed
+* remote files with ``verify="checksum"`` (``_remote_files``): a file read completely is streamed
   front to back, chaining the checksum, each stored blob handed to DCP as it arrives; a file
   needed only in part is read by slices;
 * remote files with ``verify="size"``: ranged reads of the items, file by file in parallel
@@ -38,12 +38,12 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt._tensors import local_tensor, overlapping
-from muon_ckpt.io._itemread import FileLoad, ReadBuffers
-from muon_ckpt.io._ranged import corrupt_chunk
-from muon_ckpt.io._remote import ServingFileSystem, read_remote
-from muon_ckpt.io._shared import agree, distribute, plan_shared
-from muon_ckpt.io._stored import StoredChunks, UntrustedItem
-from muon_ckpt.io._tasks import prefer_corruption, run_all
+from muon_ckpt.load._chunk_spans import corrupt_chunk
+from muon_ckpt.load._corruption import prefer_corruption, run_all
+from muon_ckpt.load._declared import StoredChunks, UntrustedItem
+from muon_ckpt.load._local_files import FileLoad, ReadBuffers
+from muon_ckpt.load._read_once import agree, distribute, plan_shared
+from muon_ckpt.load._remote_files import ServingFileSystem, read_remote
 from muon_ckpt.store import (
     Checksum,
     FileEntry,
@@ -248,7 +248,7 @@ class VerifyingReader(FileSystemReader):
         return done
 
     def _read_local(self, plan: Any, planner: Any) -> None:
-        """Parts of files as tasks on ``threads`` threads (``_itemread``): the items this rank
+        """Parts of files as tasks on ``threads`` threads (``_local_files``): the items this rank
         needs go straight into their targets, a file to check is checksummed on the way (one
         that is not read, only checksummed). Files are split into parts (``_split``), so that
         the threads share the work however few and uneven the files are; a checked file is

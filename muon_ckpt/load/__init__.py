@@ -1,0 +1,20 @@
+"""The one verifying load path: a DCP reader that checks every byte it hands on against the
+manifest (``VerifyingReader``), used by the manager's loads and, in one process, by import,
+export and inspect (``CheckpointReader``)."""
+
+from muon_ckpt.load._attempt import LoadTargets
+from muon_ckpt.load._checkpoint import CheckpointReader
+from muon_ckpt.load._item_zip import unbounded_records
+from muon_ckpt.load._planner import SafeLoadPlanner
+from muon_ckpt.load._reader import VerifyingReader
+from muon_ckpt.load._resume import Loaded, resume
+
+__all__ = [
+    "CheckpointReader",
+    "LoadTargets",
+    "Loaded",
+    "SafeLoadPlanner",
+    "VerifyingReader",
+    "resume",
+    "unbounded_records",
+]

@@ -1,0 +1,219 @@
+"""One attempt at loading the decided step, all or nothing: prepare -> agree -> read -> agree.
+
+prepare: the flat state to read into, fitted to the step's metadata (``state.FlatState``),
+and its backup (``state.Rollback``: host copies of everything the load overwrites). agree:
+every rank is ready before any starts DCP's collectives. read: the verifying reader
+(``VerifyingReader``) writes into the live tensors in place, then what DCP does not write in
+place is applied. agree: every rank has read and applied before any keeps what it read. A
+failure anywhere, on any rank, is a ``LoadOutcome`` with failures, which the caller undoes
+(``undo``); an interrupt or a failed agreement undoes this rank's part before it propagates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+
+import muon_ckpt._collective as coll
+import muon_ckpt._dcp as _dcp
+from muon_ckpt._config import ManagerConfig, checks_content
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointMismatchError
+from muon_ckpt.load._decide import Decision
+from muon_ckpt.load._planner import SafeLoadPlanner
+from muon_ckpt.load._reader import VerifyingReader
+from muon_ckpt.state import (
+    FlatState,
+    HostStaging,
+    LoadReport,
+    Rollback,
+    module_extra_states,
+    offloaded_views,
+    prepare_optimizer_state,
+)
+from muon_ckpt.store import Catalog
+
+__all__ = ["LoadOutcome", "LoadTargets", "RankFailure", "attempt", "undo"]
+
+_log = logging.getLogger("muon_ckpt")
+
+
+@dataclasses.dataclass
+class LoadTargets:
+    """What a load writes into, and where its backup goes; with the process group and
+    what it needs of the manager's options."""
+
+    model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    extra: dict[str, Any]
+    rank_extra: dict[str, Any]
+    staging: HostStaging
+    config: ManagerConfig
+    group: Any
+    hosts: int  # hosts the ranks run on (read_once's default)
+    warned: set[str]  # warnings given once per manager
+
+    def reads_once(self, catalog: Catalog) -> bool:
+        """Whether a load from ``catalog`` reads shared items once (``read_once``)."""
+        if self.config.read_once is not None:
+            return self.config.read_once
+        return not catalog.storage.is_local or self.hosts > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """A rank's failure as every rank sees it."""
+
+    corrupt: bool  # the step's data is damaged (a reason to fall back to an older step)
+    message: str
+
+    @classmethod
+    def of(cls, error: Exception | None) -> RankFailure | None:
+        if error is None:
+            return None
+        return cls(isinstance(error, CheckpointCorruptError), f"{type(error).__name__}: {error}")
+
+
+@dataclasses.dataclass
+class LoadOutcome:
+    """One attempt: every rank's failure (rank -> RankFailure; empty when it loaded), this
+    rank's own error, the report of what was left out, the backup that undoes it, and the
+    timings and bytes of this rank."""
+
+    failures: dict[int, RankFailure]
+    error: Exception | None = None
+    report: LoadReport | None = None
+    rollback: Rollback | None = None
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    bytes_read: int = 0
+
+    @property
+    def corrupt(self) -> bool:
+        """Every failure was damaged data (the caller may fall back to an older step)."""
+        return bool(self.failures) and all(f.corrupt for f in self.failures.values())
+
+
+def attempt(
+    t: LoadTargets,
+    catalog: Catalog,
+    d: Decision,
+    where: str,
+    strict: bool,
+    parts: tuple[str, ...],
+) -> LoadOutcome:
+    """One try at loading ``d.step`` on every rank (two agreement points, see the module)."""
+    out = LoadOutcome({})
+    flat: FlatState | None = None
+    try:
+        try:
+            model = t.model if "model" in parts else None
+            kept = module_extra_states(model)  # what the load may change, to restore
+            kept |= t.extra if "extra" in parts else {}
+            kept |= t.rank_extra if "rank_extra" in parts else {}
+            out.rollback = Rollback(t.optimizer, kept, t.staging)
+            flat, out.report, out.timings = _prepare(t, d, where, strict, parts, out.rollback)
+        except Exception as e:
+            out.error = e
+        out.failures = _agree(out.error, t.group)
+        if not out.failures:
+            if flat is None or out.report is None or out.rollback is None:
+                raise AssertionError("an agreed load without its state, report or backup")
+            try:
+                _read(t, catalog, d, where, flat, out, strict, parts, out.rollback)
+            except Exception as e:
+                out.error = e
+            out.failures = _agree(out.error, t.group)
+    except BaseException:
+        undo(t, out.rollback)
+        raise
+    return out
+
+
+def undo(t: LoadTargets, rollback: Rollback | None) -> None:
+    """Put back what a failed load changed on this rank; free the host backup."""
+    try:
+        if rollback is not None:
+            rollback.restore()
+    finally:
+        t.staging.release("cpu")
+
+
+def _agree(error: Exception | None, group: Any) -> dict[int, RankFailure]:
+    """Every rank's failure so far, on every rank."""
+    outcome = coll.all_gather(RankFailure.of(error), group)
+    return {r: o for r, o in enumerate(outcome) if o is not None}
+
+
+def _prepare(
+    t: LoadTargets,
+    d: Decision,
+    where: str,
+    strict: bool,
+    parts: tuple[str, ...],
+    rollback: Rollback,
+) -> tuple[FlatState, LoadReport, dict[str, float]]:
+    """The flat state to read ``d.step`` into, fitted to its metadata, its backup taken
+    (``rollback``), and the seconds that took."""
+    t0 = time.perf_counter()
+    if "rank_extra" in parts and t.rank_extra and d.world_size != coll.world_size():
+        raise CheckpointMismatchError(
+            f"{where} was saved on {d.world_size} rank(s), this run has {coll.world_size()}: "
+            "rank_extra holds each rank's own state and loads back only at the same world "
+            "size; load(elastic=True) loads the rest and leaves rank_extra as it is"
+        )
+    opt = t.optimizer if "optim" in parts else None
+    fresh = prepare_optimizer_state(opt) if opt is not None else set()
+    flat = FlatState.build(
+        t.model, opt, t.extra, rank_extra=t.rank_extra, rank=coll.rank(), parts=parts
+    )
+    flat.use_host_states(offloaded_views(opt))
+    report = flat.check_against(d.metadata, fresh, where, strict=strict)
+    report.step = d.step
+    t1 = time.perf_counter()
+    created = {k for k, (p, _) in flat.state_slots.items() if id(p) in fresh}
+    limit = t.config.max_staging_bytes
+    kept = rollback.keep_values(flat.sd, skip=created, limit=limit)
+    if not kept and "load backup" not in t.warned:
+        _log.warning(
+            "the backup that makes a load all-or-nothing needs more host memory than "
+            "max_staging_bytes=%s: loads run without it (a failed load may leave the model "
+            "and optimizer partly loaded)",
+            limit,
+        )
+        t.warned.add("load backup")
+    return flat, report, {"prepare": t1 - t0, "backup": time.perf_counter() - t1}
+
+
+def _read(
+    t: LoadTargets,
+    catalog: Catalog,
+    d: Decision,
+    where: str,
+    flat: FlatState,
+    out: LoadOutcome,
+    strict: bool,
+    parts: tuple[str, ...],
+    rollback: Rollback,
+) -> None:
+    """Read ``d.step`` into the live state and apply what DCP does not write in place; the
+    backup keeps each tensor before the first write into it (``Rollback.keep``)."""
+    t0 = time.perf_counter()
+    reader = VerifyingReader(
+        catalog.storage.child(d.dirname),
+        d.files,
+        metadata=d.metadata,
+        rank=coll.rank(),
+        world_size=coll.world_size(),
+        io_threads=t.config.read_threads(catalog.storage.is_local),
+        verify_crc=checks_content(t.config.verify),
+        group=t.group if t.reads_once(catalog) else None,
+    )
+    planner = SafeLoadPlanner(before_write=rollback.keep)
+    _dcp.load(flat.sd, reader, planner, t.group, f"loading {where}")
+    out.timings.update(dcp_load=time.perf_counter() - t0, **reader.timings)
+    out.bytes_read = reader.bytes_read
+    report = out.report if out.report is not None else LoadReport()
+    flat.apply_loaded(t.optimizer if "optim" in parts else None, where, report, strict=strict)

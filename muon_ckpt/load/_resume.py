@@ -1,0 +1,134 @@
+"""A load, the life of it: decide -> attempt (read, agree) -> apply, falling back past damage.
+
+Rank 0 decides (``_decide``) and every rank gets the decision; every rank attempts it
+(``_attempt``). Without a step asked for, an attempt that failed only because the step's data
+is damaged (on any rank) is undone and the next older step is tried, with a WARNING naming the
+one skipped; any other failure is raised on every rank, the state as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import muon_ckpt._collective as coll
+from muon_ckpt._errors import CheckpointError, CheckpointMismatchError
+from muon_ckpt.load._attempt import LoadOutcome, LoadTargets, attempt, undo
+from muon_ckpt.load._decide import Decision, Skip, decide
+from muon_ckpt.state import LoadReport, optimizer_name
+from muon_ckpt.store import Catalog
+
+__all__ = ["Loaded", "resume"]
+
+_log = logging.getLogger("muon_ckpt")
+
+
+@dataclasses.dataclass
+class Loaded:
+    """What a load loaded: the decision (step, the newer steps a save then retires, ...), where
+    it was read from, what was left out, and this rank's seconds per phase and bytes read."""
+
+    decision: Decision
+    where: str
+    report: LoadReport
+    timings: dict[str, float]
+    bytes_read: int
+
+
+def resume(
+    t: LoadTargets,
+    catalog: Catalog,
+    resume_from: tuple[Catalog, int | None] | None,
+    step: int | None,
+    *,
+    strict: bool,
+    parts: tuple[str, ...],
+    elastic: bool,
+) -> Loaded | None:
+    """Load ``step`` (None: the newest that loads cleanly) into ``t``; None on a fresh run."""
+    skipped: list[Skip] = []
+    while True:
+        t0 = time.perf_counter()
+        d = coll.on_rank0(functools.partial(decide, catalog, resume_from, step, skipped), t.group)
+        if d is None:
+            return None
+        decided = time.perf_counter() - t0
+        chosen = _elastic(t, d, parts) if elastic else parts
+        source = resume_from[0] if d.from_resume and resume_from else catalog
+        where = source.storage.url_of(d.dirname)
+        out = attempt(t, source, d, where, strict, chosen)
+        if not out.failures:
+            break
+        undo(t, out.rollback)
+        if step is not None or not out.corrupt:
+            raise _raised(t, out, d, where, chosen)
+        why = out.failures[min(out.failures)].message
+        if coll.rank() == 0:
+            _log.warning(
+                "skipping step %d (%s): %s; trying the next older step", d.step, where, why
+            )
+        skipped = [*d.skipped, Skip(d.from_resume, d.step, why)]
+    try:
+        if out.rollback is not None:
+            out.rollback.done()
+    finally:
+        # The backup of host tensors is not kept (saves copy fewer of them, or none); the
+        # buffers of device tensors (page-locked) are what every later save stages into.
+        # Also on an interrupt: release waits for the backup's copies into them.
+        t.staging.release("cpu")
+    if out.report is None:  # (set whenever no rank failed)
+        raise AssertionError("a load that succeeded without a report")
+    timings = {"decide": decided, **out.timings}
+    timings["total"] = time.perf_counter() - t0
+    # apply: also the ranks' agreements and the bookkeeping, so the phases add up to total
+    timings["apply"] = timings["total"] - sum(
+        timings.get(k, 0.0) for k in ("decide", "prepare", "backup", "dcp_load")
+    )
+    _log.info("loaded step %d from %s in %.3f s", d.step, where, timings["total"])
+    _log.debug("loaded step %d: %s", d.step, ", ".join(f"{k} {v:.3f}s" for k, v in timings.items()))
+    if out.report:
+        _log.warning("loaded step %d from %s partially: %s", d.step, where, out.report.summary())
+    return Loaded(d, where, out.report, timings, out.bytes_read)
+
+
+def _elastic(t: LoadTargets, d: Decision, parts: tuple[str, ...]) -> tuple[str, ...]:
+    """``parts`` without ``rank_extra`` when the step was saved at another world size."""
+    if "rank_extra" not in parts or d.world_size == coll.world_size():
+        return parts
+    if t.rank_extra and coll.rank() == 0:
+        _log.warning(
+            "step %d was saved on %d rank(s), this run has %d: loading everything but "
+            "rank_extra %s, which keeps its current values (elastic=True)",
+            d.step,
+            d.world_size,
+            coll.world_size(),
+            sorted(t.rank_extra),
+        )
+    return tuple(p for p in parts if p != "rank_extra")
+
+
+def _raised(
+    t: LoadTargets, out: LoadOutcome, d: Decision, where: str, parts: tuple[str, ...]
+) -> Exception:
+    """The error a failed attempt raises on this rank: its own (explained), or one naming
+    the ranks that failed."""
+    if out.error is None:
+        return CheckpointError(
+            f"loading {where} failed on rank(s) {sorted(out.failures)} "
+            f"({out.failures[min(out.failures)].message}); this rank's model, optimizer and "
+            "extra state are as they were"
+        )
+    ours = optimizer_name(t.optimizer)
+    error, saved = out.error, d.optimizer
+    if not isinstance(error, CheckpointMismatchError) or "optim" not in parts:
+        return error
+    if ours is None or saved is None or saved == ours:
+        return error
+    return CheckpointMismatchError(
+        f"{error}. The checkpoint's optimizer state was saved by {saved}, this optimizer is "
+        f"{ours}: optimizer types differ, and so do their states and param groups. To carry "
+        "the state over, load(parts=('model', 'extra', 'rank_extra')) and convert it with "
+        "import_optimizer_state(optimizer, url) (AdamW moments, Muon momentum)"
+    )

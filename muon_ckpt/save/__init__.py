@@ -1,0 +1,10 @@
+"""The save path: the snapshot of the ``save()`` call on every rank (``take``), then every
+rank's files written and checksummed, confirmed on the storage, committed by rank 0, and the
+old steps deleted (``SaveJob``, here or in a thread); what the run's line retires
+(``RunLine``)."""
+
+from muon_ckpt.save._job import SaveJob, WriteSpec, spec_for
+from muon_ckpt.save._line import RunLine
+from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
+
+__all__ = ["RunLine", "SaveJob", "SaveSources", "Snapshot", "WriteSpec", "spec_for", "take"]

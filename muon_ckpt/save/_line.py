@@ -1,0 +1,73 @@
+"""What a manager remembers of its run's line between calls (the rules: ``store._lines``):
+whether it loaded (or found nothing to load) or saved, the line id its commits carry, and the
+steps its next commit retires: a rewind's newer steps, or another run's with ``new_run``."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+from muon_ckpt.store import Catalog, SavePlan
+
+__all__ = ["RunLine"]
+
+_log = logging.getLogger("muon_ckpt")
+
+
+@dataclass
+class RunLine:
+    new_run: bool  # a first save without a load may replace another run's steps
+    resumed: bool = False
+    line: str | None = None
+    abandoned: list[tuple[int, int | None]] = field(default_factory=list)  # (step, gen)
+
+    def begin(self, catalog: Catalog, step: int, overwrite: bool) -> tuple[SavePlan, str]:
+        """Rank 0, before a save: ready ``step`` and decide what it retires (``Catalog.begin``);
+        the line id its commit carries (this run's, or a new one)."""
+        plan = catalog.begin(
+            step,
+            overwrite=overwrite,
+            resumed=self.resumed,
+            new_run=self.new_run,
+            abandon=self.abandoned,
+        )
+        url = catalog.storage.url
+        if plan.replacing and not self.resumed:
+            _log.warning(
+                "%s: new_run=True: starting a new run here; the steps of the previous one %s "
+                "are deleted once step %d is committed",
+                url,
+                plan.replacing,
+                step,
+            )
+        elif plan.replacing:
+            _log.warning(
+                "%s: this run was rewound to an earlier step; step %d retires the steps of the "
+                "abandoned line %s, which are deleted once it is committed",
+                url,
+                step,
+                plan.replacing,
+            )
+        return plan, self.line or uuid.uuid4().hex[:16]
+
+    def saving(self, plan: SavePlan, line: str) -> None:
+        """Every rank, once the save began: until it commits, the next save retires them."""
+        self.resumed, self.line = True, line
+        self.abandoned = [*((s, g) for s, g in plan.retires), *((s, None) for s in plan.drop)]
+
+    def committed(self) -> None:
+        """The save committed: what it retired is retired."""
+        self.abandoned = []
+
+    def loaded(
+        self, line: str | None, newer: list[tuple[int, int | None]], from_resume: bool
+    ) -> None:
+        """A load: a plain resume continues the step's line; a rewind (newer steps exist) or
+        a start from ``resume_from`` begins a new one, whose first commit retires ``newer``."""
+        self.resumed, self.abandoned = True, list(newer)
+        self.line = line if not newer and not from_resume else None
+
+    def fresh(self) -> None:
+        """A load that found nothing: the next save starts the url's first line."""
+        self.resumed, self.line, self.abandoned = True, None, []

@@ -1,0 +1,37 @@
+"""The state a checkpoint holds, in the shape DCP writes: model, optimizer and extra state as
+one flat dict keyed by parameter name (``FlatState``), fitted to a checkpoint before a load
+and applied after it; host copies of it for saves and for undoing a failed load."""
+
+from muon_ckpt.state._flat import (
+    PARTS,
+    FlatState,
+    LoadReport,
+    check_objects,
+    check_stateful,
+    extra_digests,
+    module_extra_states,
+    prepare_optimizer_state,
+)
+from muon_ckpt.state._names import canonical_names, param_fqns, strip_wrappers
+from muon_ckpt.state._offloaded import freeze_offloaded, offloaded_views, optimizer_name
+from muon_ckpt.state._rollback import Rollback
+from muon_ckpt.state._staging import HostStaging
+
+__all__ = [
+    "PARTS",
+    "FlatState",
+    "HostStaging",
+    "LoadReport",
+    "Rollback",
+    "canonical_names",
+    "check_objects",
+    "check_stateful",
+    "extra_digests",
+    "freeze_offloaded",
+    "module_extra_states",
+    "offloaded_views",
+    "optimizer_name",
+    "param_fqns",
+    "prepare_optimizer_state",
+    "strip_wrappers",
+]
