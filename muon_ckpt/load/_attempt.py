@@ -30,6 +30,8 @@ from muon_ckpt.state import (
     HostStaging,
     LoadReport,
     Rollback,
+    apply_loaded,
+    fit,
     module_extra_states,
     offloaded_views,
     prepare_optimizer_state,
@@ -170,7 +172,7 @@ def _prepare(
         t.model, opt, t.extra, rank_extra=t.rank_extra, rank=coll.rank(), parts=parts
     )
     flat.use_host_states(offloaded_views(opt))
-    report = flat.check_against(d.metadata, fresh, where, strict=strict)
+    report = fit(flat, d.metadata, fresh, where, strict=strict)
     report.step = d.step
     t1 = time.perf_counter()
     created = {k for k, (p, _) in flat.state_slots.items() if id(p) in fresh}
@@ -216,4 +218,4 @@ def _read(
     out.timings.update(dcp_load=time.perf_counter() - t0, **reader.timings)
     out.bytes_read = reader.bytes_read
     report = out.report if out.report is not None else LoadReport()
-    flat.apply_loaded(t.optimizer if "optim" in parts else None, where, report, strict=strict)
+    apply_loaded(flat, t.optimizer if "optim" in parts else None, where, report, strict=strict)
