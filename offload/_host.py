@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from offload._layout import Group
+
 __all__ = ["FrozenViews", "HostViews"]
 
 
@@ -90,7 +92,7 @@ class HostViews:
         self._ensure_initialized()
         self._wait_offloads()
         for key, grp in self._groups.items():
-            if grp.get("frozen") is not None:
+            if grp.frozen is not None:
                 self._unfreeze(key, grp, swap_back=False)
         return self._views(self._offloaded_entries())
 
@@ -100,7 +102,7 @@ class HostViews:
         buffer is allocated (and pinned) by the first freeze and reused by later ones. One
         freeze at a time."""
         self._ensure_initialized()
-        if any(g.get("frozen") is not None for g in self._groups.values()):
+        if any(g.frozen is not None for g in self._groups.values()):
             raise RuntimeError(
                 "CPUOffloadPool.freeze: a snapshot of these states is still held (one at a "
                 "time: is another asynchronous save of this optimizer pending?); release() it "
@@ -110,16 +112,16 @@ class HostViews:
         entries = self._offloaded_entries()
         spares = {}
         for key, grp in self._groups.items():  # allocate first: a failure changes nothing
-            spare = grp.get("spare")
-            n = grp["cpu_flat"].numel()
+            spare = grp.spare
+            n = grp.cpu_flat.numel()
             spares[key] = spare if spare is not None and spare.numel() >= n else None
         for key in spares:
             if spares[key] is None:
-                spares[key] = self._pinned(key, self._groups[key]["cpu_flat"].numel())
+                spares[key] = self._pinned(key, self._groups[key].cpu_flat.numel())
         frozen = {}
         for key, grp in self._groups.items():
-            cur = frozen[key] = grp["cpu_flat"]
-            grp["frozen"], grp["cpu_flat"], grp["spare"] = cur, spares[key], None
+            cur = frozen[key] = grp.cpu_flat
+            grp.frozen, grp.cpu_flat, grp.spare = cur, spares[key], None
             for b in self._buckets.values():
                 seg = b.segments.get(key)
                 if seg is not None and b.offloaded and seg.host is None:
@@ -130,15 +132,15 @@ class HostViews:
         """Give back the buffers ``frozen`` (key -> buffer) froze, where they still are."""
         for key, buf in frozen.items():
             grp = self._groups.get(key)
-            if grp is not None and grp.get("frozen") is buf:
+            if grp is not None and grp.frozen is buf:
                 self._unfreeze(key, grp, swap_back=True)
 
-    def _unfreeze(self, key: tuple, grp: dict, *, swap_back: bool) -> None:
+    def _unfreeze(self, key: tuple, grp: Group, *, swap_back: bool) -> None:
         """Move every bucket whose newest bytes are only in the frozen buffer back to the
         group's current one: by swapping the two when nothing was offloaded since the freeze
         (``swap_back``), else by copying those buckets' ranges. The frozen buffer becomes the
         spare (``swap_back``) or stays frozen with its bytes unchanged."""
-        frozen = grp["frozen"]
+        frozen = grp.frozen
         segs = [b.segments[key] for b in self._buckets.values() if key in b.segments]
         still = [s for s in segs if s.host is frozen]
         newer = [
@@ -148,18 +150,18 @@ class HostViews:
         ]
         if swap_back and still and not newer:
             # Nothing was offloaded since the freeze: the frozen buffer is current again.
-            grp["spare"], grp["cpu_flat"] = grp["cpu_flat"], frozen
+            grp.spare, grp.cpu_flat = grp.cpu_flat, frozen
         else:
             for s in still:  # offloaded before the freeze and not moved since
-                grp["cpu_flat"][s.cpu_start : s.cpu_start + s.numel].copy_(
+                grp.cpu_flat[s.cpu_start : s.cpu_start + s.numel].copy_(
                     frozen[s.cpu_start : s.cpu_start + s.numel]
                 )
             if swap_back:
-                grp["spare"] = frozen
+                grp.spare = frozen
         for s in still:
             s.host = None
         if swap_back:
-            grp["frozen"] = None
+            grp.frozen = None
 
     def _offloaded_entries(self) -> list:
         return [
@@ -181,7 +183,7 @@ class HostViews:
         out: dict[int, Tensor] = {}
         for e in entries:
             seg = self._buckets[e.bucket].segments[e.key]
-            buf = seg.host if seg.host is not None else self._groups[e.key]["cpu_flat"]
+            buf = seg.host if seg.host is not None else self._groups[e.key].cpu_flat
             view = _exact_view(buf, seg.cpu_start + e.offset, e.local.shape)
             if e.local is not e.obj:
                 from torch.distributed.tensor import DTensor

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from offload._host import FrozenViews, HostViews
+from offload._layout import Group
 from offload._parked import park, unpark
 from offload._pinned import pinned_empty
 
@@ -106,7 +107,7 @@ class CPUOffloadPool(HostViews):
     def __init__(self, pin_memory: bool | None = None) -> None:
         self._pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self._managed: dict[int, _Entry] = {}
-        self._groups: dict[tuple[torch.dtype, torch.device], dict] = {}
+        self._groups: dict[tuple[torch.dtype, torch.device], Group] = {}
         self._storage_nbytes: dict[int, int] = {}
         self._buckets: dict[Hashable, _Bucket] = {}
         self._initialized = False
@@ -186,7 +187,7 @@ class CPUOffloadPool(HostViews):
         self._storage_nbytes.clear()
         self._buckets.clear()
         for grp in self._groups.values():
-            grp["used"] = 0
+            grp.used = 0
         self._initialized = False
 
     # ------------------------------------------------------------------ layout
@@ -210,14 +211,13 @@ class CPUOffloadPool(HostViews):
                 used[key] = seg.cpu_start + seg.numel
         for key, n in used.items():
             grp = self._groups.get(key)
-            if grp is None or grp["cpu_flat"].numel() < n:
+            if grp is None or grp.cpu_flat.numel() < n:
                 # Allocate once per group; grow only when more state is tracked (first step,
                 # add_param_group). Pinning costs ~1 s/GiB, so it is never done per step.
-                old = grp or {}
                 # A frozen buffer stays frozen (a writer may still read it) until released.
-                grp = {"cpu_flat": self._pinned(key, n), "spare": None, "frozen": old.get("frozen")}
+                grp = Group(self._pinned(key, n), frozen=grp.frozen if grp is not None else None)
                 self._groups[key] = grp
-            grp["used"] = n
+            grp.used = n
         for b in buckets.values():
             if all(e.cold for seg in b.segments.values() for e in seg.entries):
                 # Made offloaded: the value (zeros) goes to the CPU range; the device buffer
@@ -248,7 +248,7 @@ class CPUOffloadPool(HostViews):
 
     def _host_range(self, seg: _Segment) -> Tensor:
         """The CPU range that holds (or will receive) ``seg``'s bytes."""
-        buf = seg.host if seg.host is not None else self._groups[seg.key]["cpu_flat"]
+        buf = seg.host if seg.host is not None else self._groups[seg.key].cpu_flat
         return buf[seg.cpu_start : seg.cpu_start + seg.numel]
 
     # ------------------------------------------------------------------ streams
@@ -377,10 +377,4 @@ class CPUOffloadPool(HostViews):
     def cpu_nbytes(self) -> int:
         """Bytes held by the flat CPU buffers (allocated once, reused; a second buffer per
         group once ``freeze`` was used)."""
-        total = 0
-        for g in self._groups.values():
-            for k in ("cpu_flat", "spare", "frozen"):
-                t = g.get(k)
-                if t is not None:
-                    total += t.numel() * t.element_size()
-        return total
+        return sum(g.nbytes() for g in self._groups.values())
