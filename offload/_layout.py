@@ -15,13 +15,11 @@ class Group:
 
     ``cpu_flat`` receives offloads; ``frozen`` is the buffer a held snapshot froze (``freeze()``
     in ``_host.py``), None when none is held; ``spare`` is the second buffer between snapshots.
-    ``used`` is how many elements of ``cpu_flat`` the current layout uses.
     """
 
     cpu_flat: Tensor
     spare: Tensor | None = None
     frozen: Tensor | None = None
-    used: int = 0
 
     def __getitem__(self, name: str) -> Tensor:
         """``group["cpu_flat"]``: groups were dicts, and the seed acceptance test

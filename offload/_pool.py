@@ -186,8 +186,6 @@ class CPUOffloadPool(HostViews):
         self._managed.clear()
         self._storage_nbytes.clear()
         self._buckets.clear()
-        for grp in self._groups.values():
-            grp.used = 0
         self._initialized = False
 
     # ------------------------------------------------------------------ layout
@@ -217,7 +215,6 @@ class CPUOffloadPool(HostViews):
                 # A frozen buffer stays frozen (a writer may still read it) until released.
                 grp = Group(self._pinned(key, n), frozen=grp.frozen if grp is not None else None)
                 self._groups[key] = grp
-            grp.used = n
         for b in buckets.values():
             if all(e.cold for seg in b.segments.values() for e in seg.entries):
                 # Made offloaded: the value (zeros) goes to the CPU range; the device buffer
