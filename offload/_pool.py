@@ -1,11 +1,10 @@
 """CPUOffloadPool: park tensors in flat (pinned) CPU buffers between uses.
 
-Layout. Tracked tensors are grouped by ``(dtype, device)``; each group owns ONE flat CPU buffer
-(``_groups[key]["cpu_flat"]``), pinned when the device is a GPU, allocated once and reused.
-Tensors are further labelled with a *bucket* (any hashable the caller chooses, e.g. a pipeline
-chunk). Within a group, every bucket occupies one contiguous range of ``cpu_flat``, and on the
-device the bucket's tensors are views into one flat device buffer. So moving a bucket is a single
-copy per (bucket, dtype), never one copy per tensor.
+Layout (``_layout.py``): one flat CPU buffer per ``(dtype, device)`` group
+(``_groups[key].cpu_flat``), pinned when the device is a GPU, allocated once and reused. Within
+a group each *bucket* (a label the caller chooses, e.g. a pipeline chunk) has one contiguous
+range, and on the device its tensors are views into one flat buffer. So moving a bucket is a
+single copy per (bucket, dtype), never one copy per tensor.
 
 Offload = copy the bucket's device buffer into its range of ``cpu_flat``, then free the device
 storage (``untyped_storage().resize_(0)``); every tensor keeps its Python identity, shape and
@@ -15,9 +14,10 @@ are bit-exact, so anything computed with offload on equals the same computation 
 Tensors made by ``new_offloaded`` start life offloaded: their value (zeros) is written into
 the CPU buffer and no device memory is allocated until their bucket is first reloaded.
 
-Host views and snapshots (``host_views()``, ``freeze()``, ``cpu_views()``) are in
-``_host.py``: a snapshot swaps each group to a second CPU buffer, so ``seg.host`` names the
-buffer that holds a segment's newest bytes when it is not the group's current one.
+Host views and snapshots (``host_views()``, ``freeze()``, ``cpu_views()``) are read by a
+``HostViews`` (``_host.py``) that holds the same ``Layout`` as the pool: a snapshot swaps each
+group to a second CPU buffer, so ``seg.host`` names the buffer that holds a segment's newest
+bytes when it is not the group's current one.
 
 On CUDA the copies run on two side streams (host-to-device and device-to-host, which the
 hardware runs concurrently) and are ordered with events; every synchronisation point says why
@@ -30,14 +30,12 @@ The pool knows nothing of optimizers: it holds tensors, buckets and buffers.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from offload._host import FrozenViews, HostViews
-from offload._parked import park, unpark
-from offload._pinned import pinned_empty
+from offload._layout import Bucket, Entry, Group, Key, Layout, Segment
 
 __all__ = ["CPUOffloadPool", "FrozenViews"]
 
@@ -47,54 +45,13 @@ def _local(t: Tensor) -> Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-@dataclass
-class _Entry:
-    obj: Tensor  # what the caller tracks (a Tensor or a DTensor)
-    local: Tensor  # the tensor whose storage is managed
-    bucket: Hashable
-    key: tuple[torch.dtype, torch.device]
-    offset: int = 0  # element offset inside the bucket's flat device buffer
-    cold: bool = False  # made by new_offloaded: no data on the device yet, value zeros
-    what: str = "a tensor tracked by CPUOffloadPool"  # names it in OffloadedStateError
-    read: str = "CPUOffloadPool.host_views()"  # where its value can be read while offloaded
-
-    def park(self) -> None:
-        """Its storage is freed: any use of it but its metadata raises (``_parked``)."""
-        if self.local.numel():
-            park(self.obj, self.local, self.what, self.read)
-
-    def unpark(self) -> None:
-        unpark(self.obj, self.local)
-
-
-@dataclass
-class _Segment:
-    """One bucket's tensors of one (dtype, device) group."""
-
-    key: tuple[torch.dtype, torch.device]
-    entries: list[_Entry] = field(default_factory=list)
-    numel: int = 0
-    cpu_start: int = 0  # element offset of this segment in its group's CPU buffers
-    flat: Tensor | None = None  # flat device buffer; the entries are views into it
-    bound: bool = True  # False: cold entries, not views of ``flat`` until the first reload
-    host: Tensor | None = None  # the CPU buffer holding the bytes, if not the group's cpu_flat
-
-
-@dataclass
-class _Bucket:
-    segments: dict[tuple[torch.dtype, torch.device], _Segment] = field(default_factory=dict)
-    offloaded: bool = False
-    h2d_done: dict = field(default_factory=dict)  # device -> CUDA event of the last reload
-    d2h_done: dict = field(default_factory=dict)  # device -> CUDA event of the last offload
-
-
-def _labelled(e: _Entry, what: str | None, read: str | None) -> _Entry:
+def _labelled(e: Entry, what: str | None, read: str | None) -> Entry:
     e.what = what or e.what
     e.read = read or e.read
     return e
 
 
-class CPUOffloadPool(HostViews):
+class CPUOffloadPool:
     """Flat CPU parking space for tensors that are idle between uses.
 
     ``track(t, bucket)`` registers a tensor; ``offload(bucket)`` / ``reload(bucket)`` move one
@@ -104,13 +61,20 @@ class CPUOffloadPool(HostViews):
     """
 
     def __init__(self, pin_memory: bool | None = None) -> None:
-        self._pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self._managed: dict[int, _Entry] = {}
-        self._groups: dict[tuple[torch.dtype, torch.device], dict] = {}
-        self._storage_nbytes: dict[int, int] = {}
-        self._buckets: dict[Hashable, _Bucket] = {}
-        self._initialized = False
+        pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self._layout = Layout(pin)  # where the bytes are: groups, buckets, segments
+        self._host = HostViews(self._layout)
+        self._managed: dict[int, Entry] = {}  # id(tracked tensor) -> its entry
+        self._storage_nbytes: dict[int, int] = {}  # id(tracked tensor) -> its bytes
+        self._initialized = False  # True once the tracked tensors are laid out
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+
+    @property
+    def _groups(self) -> dict[Key, Group]:
+        """The layout's CPU buffers by (dtype, device). The seed acceptance test
+        (tests/gpu/test_cpu_offload.py) reads it, as it reads ``_managed``,
+        ``_storage_nbytes`` and ``_initialized``: keep these four names."""
+        return self._layout.groups
 
     # ------------------------------------------------------------------ registration
     def track(
@@ -132,7 +96,7 @@ class CPUOffloadPool(HostViews):
                 "CPUOffloadPool.track: the tensor has no storage (already freed); "
                 "track tensors while they hold their data"
             )
-        self._add(_labelled(_Entry(tensor, local, bucket, (local.dtype, local.device)), what, read))
+        self._add(_labelled(Entry(tensor, local, bucket, (local.dtype, local.device)), what, read))
 
     def new_offloaded(
         self,
@@ -159,13 +123,13 @@ class CPUOffloadPool(HostViews):
 
             obj = DTensor(local, like._spec, requires_grad=False)
         entry = _labelled(
-            _Entry(obj, local, bucket, (local.dtype, local.device), cold=True), what, read
+            Entry(obj, local, bucket, (local.dtype, local.device), cold=True), what, read
         )
         self._add(entry)
         entry.park()
         return obj
 
-    def _add(self, e: _Entry) -> None:
+    def _add(self, e: Entry) -> None:
         if self._initialized:
             # Adding to a laid-out pool: bring everything home, then lay out again.
             self.reload()
@@ -184,72 +148,15 @@ class CPUOffloadPool(HostViews):
             self.synchronize()
         self._managed.clear()
         self._storage_nbytes.clear()
-        self._buckets.clear()
-        for grp in self._groups.values():
-            grp["used"] = 0
+        self._layout.forget()
         self._initialized = False
 
     # ------------------------------------------------------------------ layout
-    def _pinned(self, key: tuple[torch.dtype, torch.device], numel: int) -> Tensor:
-        return pinned_empty(numel, key[0], pin=self._pin and key[1].type == "cuda", device=key[1])
-
     def _ensure_initialized(self) -> None:
         if self._initialized:
             return
-        buckets: dict[Hashable, _Bucket] = {}
-        for e in self._managed.values():
-            b = buckets.setdefault(e.bucket, _Bucket())
-            seg = b.segments.setdefault(e.key, _Segment(e.key))
-            e.offset = seg.numel
-            seg.entries.append(e)
-            seg.numel += e.local.numel()
-        used: dict[tuple, int] = {}
-        for b in buckets.values():
-            for key, seg in b.segments.items():
-                seg.cpu_start = used.get(key, 0)
-                used[key] = seg.cpu_start + seg.numel
-        for key, n in used.items():
-            grp = self._groups.get(key)
-            if grp is None or grp["cpu_flat"].numel() < n:
-                # Allocate once per group; grow only when more state is tracked (first step,
-                # add_param_group). Pinning costs ~1 s/GiB, so it is never done per step.
-                old = grp or {}
-                # A frozen buffer stays frozen (a writer may still read it) until released.
-                grp = {"cpu_flat": self._pinned(key, n), "spare": None, "frozen": old.get("frozen")}
-                self._groups[key] = grp
-            grp["used"] = n
-        for b in buckets.values():
-            if all(e.cold for seg in b.segments.values() for e in seg.entries):
-                # Made offloaded: the value (zeros) goes to the CPU range; the device buffer
-                # is a 0-byte storage that the first reload sizes, then binds the entries to.
-                for seg in b.segments.values():
-                    self._host_range(seg).zero_()
-                    seg.flat = torch.ops.aten._reshape_alias(
-                        torch.empty(0, dtype=seg.key[0], device=seg.key[1]), (seg.numel,), (1,)
-                    )
-                    seg.bound = False
-                b.offloaded = True
-                continue
-            # Move each segment's tensors into one flat device buffer (views keep identity).
-            for seg in b.segments.values():
-                flat = torch.empty(seg.numel, dtype=seg.key[0], device=seg.key[1])
-                for e in seg.entries:
-                    n = e.local.numel()
-                    if e.cold:
-                        e.unpark()
-                        flat[e.offset : e.offset + n].zero_()
-                        e.cold = False
-                    else:
-                        flat[e.offset : e.offset + n].copy_(e.local.reshape(-1))
-                    e.local.set_(flat.untyped_storage(), e.offset, e.local.shape)
-                seg.flat = flat
-        self._buckets = buckets
+        self._layout.build(self._managed.values())
         self._initialized = True
-
-    def _host_range(self, seg: _Segment) -> Tensor:
-        """The CPU range that holds (or will receive) ``seg``'s bytes."""
-        buf = seg.host if seg.host is not None else self._groups[seg.key]["cpu_flat"]
-        return buf[seg.cpu_start : seg.cpu_start + seg.numel]
 
     # ------------------------------------------------------------------ streams
     def _side_streams(self, device: torch.device):
@@ -259,11 +166,11 @@ class CPUOffloadPool(HostViews):
             self._streams[device] = s
         return s
 
-    def _select(self, bucket: Hashable | None) -> list[_Bucket]:
+    def _select(self, bucket: Hashable | None) -> list[Bucket]:
         self._ensure_initialized()
         if bucket is None:
-            return list(self._buckets.values())
-        b = self._buckets.get(bucket)
+            return list(self._layout.buckets.values())
+        b = self._layout.buckets.get(bucket)
         return [] if b is None else [b]
 
     # ------------------------------------------------------------------ moves
@@ -274,7 +181,7 @@ class CPUOffloadPool(HostViews):
                 continue
             for key, seg in b.segments.items():
                 seg.host = None  # offloads always write the group's current buffer
-                cpu = self._host_range(seg)
+                cpu = self._layout.host_range(seg)
                 nbytes = seg.numel * seg.flat.element_size()
                 if key[1].type == "cuda":
                     _, d2h = self._side_streams(key[1])
@@ -307,7 +214,7 @@ class CPUOffloadPool(HostViews):
             if not b.offloaded:
                 continue
             for key, seg in b.segments.items():
-                cpu = self._host_range(seg)
+                cpu = self._layout.host_range(seg)
                 nbytes = seg.numel * seg.flat.element_size()
                 for e in seg.entries:
                     e.unpark()
@@ -334,7 +241,7 @@ class CPUOffloadPool(HostViews):
             b.offloaded = False
 
     @staticmethod
-    def _bind(seg: _Segment) -> None:
+    def _bind(seg: Segment) -> None:
         """Point cold entries at the (now sized) flat storage: no allocation, it is big enough."""
         if not seg.bound:
             for e in seg.entries:
@@ -358,16 +265,64 @@ class CPUOffloadPool(HostViews):
 
     def synchronize(self) -> None:
         """Block the host until every copy this pool issued has finished."""
-        for b in self._buckets.values():
+        for b in self._layout.buckets.values():
             for evt in (*b.h2d_done.values(), *b.d2h_done.values()):
                 evt.synchronize()
         self.wait_reload()
+
+    # ------------------------------------------------------------------ host views
+    def cpu_views(self) -> dict[int, Tensor]:
+        """A CPU copy of every tracked tensor, served from the flat CPU buffers.
+
+        Resident buckets are first copied into their CPU ranges (one copy per segment); the
+        call returns once every copy has landed. Returns ``id(tracked tensor) -> CPU tensor``
+        viewing the buffer (a DTensor with the same spec for a DTensor). The views alias the
+        pool's buffers: they hold the values of this call until the pool next offloads.
+        """
+        self._ensure_initialized()
+        for b in self._layout.buckets.values():
+            if b.offloaded:
+                continue
+            for key, seg in b.segments.items():
+                seg.host = None
+                cpu = self._layout.host_range(seg)
+                if key[1].type == "cuda":
+                    _, d2h = self._side_streams(key[1])
+                    # Sync: read the values the compute stream has written so far.
+                    d2h.wait_stream(torch.cuda.current_stream(key[1]))
+                    with torch.cuda.stream(d2h):
+                        cpu.copy_(seg.flat, non_blocking=True)
+                    seg.flat.record_stream(d2h)
+                else:
+                    cpu.copy_(seg.flat)
+        for dev in {key[1] for key in self._layout.groups if key[1].type == "cuda"}:
+            # Sync: the host may read the views as soon as this returns.
+            self._side_streams(dev)[1].synchronize()
+        self.synchronize()
+        return self._host.views(self._managed.values())
+
+    def host_views(self) -> dict[int, Tensor]:
+        """For every offloaded tensor, ``id(tensor) ->`` the CPU view holding its value
+        (resident tensors are left out). Writing into a view sets the value that the next
+        reload brings back. Valid until the pool next moves that tensor. While a snapshot is
+        frozen, the views are of the current buffer (bytes still only in the frozen one are
+        copied over first), so writing them never changes the snapshot."""
+        self._ensure_initialized()
+        return self._host.host_views()
+
+    def freeze(self) -> FrozenViews:
+        """``host_views()`` that keep their values until ``release()``, whatever the pool
+        does meanwhile (offloads go to a second CPU buffer). No bytes are copied; the second
+        buffer is allocated (and pinned) by the first freeze and reused by later ones. One
+        freeze at a time."""
+        self._ensure_initialized()
+        return self._host.freeze()
 
     # ------------------------------------------------------------------ introspection
     def device_nbytes(self) -> int:
         """Bytes of tracked tensors currently resident on their devices."""
         total = 0
-        for b in self._buckets.values():
+        for b in self._layout.buckets.values():
             if not b.offloaded:
                 total += sum(s.numel * s.flat.element_size() for s in b.segments.values())
         if not self._initialized:
@@ -377,10 +332,4 @@ class CPUOffloadPool(HostViews):
     def cpu_nbytes(self) -> int:
         """Bytes held by the flat CPU buffers (allocated once, reused; a second buffer per
         group once ``freeze`` was used)."""
-        total = 0
-        for g in self._groups.values():
-            for k in ("cpu_flat", "spare", "frozen"):
-                t = g.get(k)
-                if t is not None:
-                    total += t.numel() * t.element_size()
-        return total
+        return sum(g.nbytes() for g in self._layout.groups.values())

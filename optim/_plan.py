@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 
@@ -112,6 +113,22 @@ def _form_units(items: list[Item]) -> list[list[Item]]:
 
 
 def build_plan(groups: list[dict], chunk_size: int) -> Plan:
+    """The plan of a Muon step: its items with their geometry, their owners, their batches
+    (units) and the order and chunks they are processed in."""
+    items, mesh = _items(groups)
+    pg = mesh.get_group() if mesh is not None else None
+    world = mesh.size() if mesh is not None else 1
+    rank = dist.get_rank(pg) if pg is not None else 0
+    device = _measure_pieces([it for it in items if it.exchanged], pg, world)
+    units = _form_units(items)
+    _assign_owners(units, world, rank)
+    chunks = _chunk(_interleave_owners(units, world), chunk_size)
+    return Plan([it for c in chunks for it in c], chunks, pg, rank, world, device)
+
+
+def _items(groups: list[dict]) -> tuple[list[Item], DeviceMesh | None]:
+    """Every Muon param as an Item, in group order, and the mesh it is split over (None when
+    no param spans more than one rank)."""
     items: list[Item] = []
     mesh = None
     for g in groups:
@@ -125,46 +142,52 @@ def build_plan(groups: list[dict], chunk_size: int) -> Plan:
                 items.append(Item(p, g, p.shape, True, sd))
             else:
                 items.append(Item(p, g, p.shape, False))
+    return items, mesh
 
-    pg = mesh.get_group() if mesh is not None else None
-    world = mesh.size() if mesh is not None else 1
-    rank = dist.get_rank(pg) if pg is not None else 0
-    device = None
-    exchanged = [it for it in items if it.exchanged]
-    if exchanged:
-        device = exchanged[0].param.to_local().device
-        # Each rank's shard length along the shard dim, gathered once per plan: the geometry is
-        # read off the real shards rather than re-derived from a chunking rule.
-        mine = torch.tensor(
-            [
-                it.param.to_local().shape[it.shard_dim] if it.shard_dim is not None else 0
-                for it in exchanged
-            ],
-            dtype=torch.int64,
-            device=device,
-        )
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=pg)
-        lens = torch.stack(gathered).cpu().tolist()
-        for j, it in enumerate(exchanged):
-            if it.shard_dim is None:
-                it.pieces = [it.gshape] * world
-                continue
-            pieces = []
-            for r in range(world):
-                s = list(it.gshape)
-                s[it.shard_dim] = lens[r][j]
-                pieces.append(torch.Size(s))
-            if sum(lens[r][j] for r in range(world)) != it.gshape[it.shard_dim]:
-                raise RuntimeError(
-                    f"DTensor shards of a param with shape {tuple(it.gshape)} do not tile "
-                    f"dim {it.shard_dim}: shard lengths {[lens[r][j] for r in range(world)]}"
-                )
-            it.pieces = pieces
 
-    units = _form_units(items)
-    # Longest-processing-time-first owner assignment over units; ties broken by index, so
-    # every rank computes the same owners.
+def _measure_pieces(
+    exchanged: list[Item], pg: dist.ProcessGroup | None, world: int
+) -> torch.device | None:
+    """Set each exchanged item's ``pieces`` (its local shape on every rank); return the device
+    of the collectives' control tensors (None when nothing is exchanged).
+
+    Each rank's shard length along the shard dim is gathered once per plan: the geometry is
+    read off the real shards rather than re-derived from a chunking rule."""
+    if not exchanged:
+        return None
+    device = exchanged[0].param.to_local().device
+    mine = torch.tensor(
+        [
+            it.param.to_local().shape[it.shard_dim] if it.shard_dim is not None else 0
+            for it in exchanged
+        ],
+        dtype=torch.int64,
+        device=device,
+    )
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=pg)
+    lens = torch.stack(gathered).cpu().tolist()
+    for j, it in enumerate(exchanged):
+        if it.shard_dim is None:
+            it.pieces = [it.gshape] * world
+            continue
+        pieces = []
+        for r in range(world):
+            s = list(it.gshape)
+            s[it.shard_dim] = lens[r][j]
+            pieces.append(torch.Size(s))
+        if sum(lens[r][j] for r in range(world)) != it.gshape[it.shard_dim]:
+            raise RuntimeError(
+                f"DTensor shards of a param with shape {tuple(it.gshape)} do not tile "
+                f"dim {it.shard_dim}: shard lengths {[lens[r][j] for r in range(world)]}"
+            )
+        it.pieces = pieces
+    return device
+
+
+def _assign_owners(units: list[list[Item]], world: int, rank: int) -> None:
+    """Longest-processing-time-first owner assignment over the exchanged units; ties broken
+    by index, so every rank computes the same owners. Local items are owned by this rank."""
     ex_units = [u for u in units if u[0].exchanged]
     loads = [(0.0, r) for r in range(world)]
     heapq.heapify(loads)
@@ -173,26 +196,34 @@ def build_plan(groups: list[dict], chunk_size: int) -> Plan:
         for it in ex_units[ui]:
             it.owner = r
         heapq.heappush(loads, (load + _unit_cost(ex_units[ui]), r))
-    for it in items:
-        if not it.exchanged:
-            it.owner = rank
+    for u in units:
+        for it in u:
+            if not it.exchanged:
+                it.owner = rank
 
-    # Interleave owners: round-robin over each owner's queue (largest first), so consecutive
-    # units, and hence each chunk, have different owners. Local units go last.
+
+def _interleave_owners(units: list[list[Item]], world: int) -> list[list[Item]]:
+    """The processing order of the units: round-robin over each owner's queue (largest
+    first), so consecutive units, and hence each chunk, have different owners. Local units
+    go last."""
     queues: list[list[list[Item]]] = [[] for _ in range(world)]
-    for u in sorted(ex_units, key=lambda u: -_unit_cost(u)):
+    for u in sorted((u for u in units if u[0].exchanged), key=lambda u: -_unit_cost(u)):
         queues[u[0].owner].append(u)
-    ordered_units: list[list[Item]] = []
+    ordered: list[list[Item]] = []
     depth = max((len(q) for q in queues), default=0)
     for k in range(depth):
         for q in queues:
             if k < len(q):
-                ordered_units.append(q[k])
-    ordered_units += [u for u in units if not u[0].exchanged]
+                ordered.append(q[k])
+    return ordered + [u for u in units if not u[0].exchanged]
 
-    # Chunks never split a unit. Their sizes ramp up 1, 2, 4, ... to chunk_size params: the
-    # first chunk's inputs (its gather, or its states' reload under CPU offload) cannot overlap
-    # anything, so it is kept small; later chunks hide behind the Newton-Schulz of earlier ones.
+
+def _chunk(ordered_units: list[list[Item]], chunk_size: int) -> list[list[Item]]:
+    """Cut the ordered units into chunks and number each item's unit and chunk.
+
+    Chunks never split a unit. Their sizes ramp up 1, 2, 4, ... to chunk_size params: the
+    first chunk's inputs (its gather, or its states' reload under CPU offload) cannot overlap
+    anything, so it is kept small; later chunks hide behind the Newton-Schulz of earlier ones."""
     chunks: list[list[Item]] = []
     for ui, u in enumerate(ordered_units):
         for it in u:
@@ -201,8 +232,7 @@ def build_plan(groups: list[dict], chunk_size: int) -> Plan:
         if not chunks or (chunks[-1] and len(chunks[-1]) + len(u) > target):
             chunks.append([])
         chunks[-1].extend(u)
-    ordered = [it for c in chunks for it in c]
     for ci, chunk in enumerate(chunks):
         for it in chunk:
             it.chunk = ci
-    return Plan(ordered, chunks, pg, rank, world, device)
+    return chunks
