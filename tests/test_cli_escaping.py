@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from muon_ckpt import CheckpointCorruptError, CheckpointManager
-from muon_ckpt.cli import _one_line, _printable, main
+from muon_ckpt.cli import main
+from muon_ckpt.cli._text import one_line as _one_line
+from muon_ckpt.cli._text import printable as _printable
 from muon_ckpt.store import MANIFEST, Storage, step_dirname
 
 CLEAR = "\x1b[2K\r"  # erase the line, back to its start: the next text overwrites the row

@@ -4,25 +4,24 @@ background save writes them (``freeze_cpu_state()``). The manager never toggles 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+
+from offload import FrozenViews, OffloadingOptimizer
 
 __all__ = ["freeze_offloaded", "offloaded_views", "optimizer_name"]
 
 
-def _offloading(opt: torch.optim.Optimizer | None) -> Any:
-    """``opt`` when its states are offloaded now (the offload protocol), else None."""
-    if opt is None or getattr(opt, "cpu_offload", False) is not True:
-        return None
-    for m in ("cpu_state_views", "freeze_cpu_state"):
-        if not callable(getattr(opt, m, None)):
+def _offloading(opt: torch.optim.Optimizer | None) -> OffloadingOptimizer | None:
+    """``opt`` when its states are offloaded now, else None."""
+    if not isinstance(opt, OffloadingOptimizer):
+        if getattr(opt, "cpu_offload", False) is True:  # says so, but cannot be read there
             raise TypeError(
-                f"{type(opt).__name__} has CPU offload on but no {m}(); the checkpoint "
-                "manager reads and writes offloaded states through cpu_state_views() and "
-                "freeze_cpu_state() (see optim.Muon)"
+                f"{type(opt).__name__} has CPU offload on but does not implement "
+                "offload.OffloadingOptimizer (cpu_state_views(), freeze_cpu_state()), through "
+                "which the checkpoint manager reads and writes offloaded states (see optim.Muon)"
             )
-    return opt
+        return None
+    return opt if opt.cpu_offload else None
 
 
 def offloaded_views(opt: torch.optim.Optimizer | None) -> dict[int, torch.Tensor]:
@@ -32,7 +31,7 @@ def offloaded_views(opt: torch.optim.Optimizer | None) -> dict[int, torch.Tensor
     return {} if off is None else off.cpu_state_views()
 
 
-def freeze_offloaded(opt: torch.optim.Optimizer | None) -> Any:
+def freeze_offloaded(opt: torch.optim.Optimizer | None) -> FrozenViews:
     """The offloaded states frozen (``FrozenViews``: ``views``, ``release()``) while training
     goes on; call only with offload on."""
     off = _offloading(opt)

@@ -1,0 +1,213 @@
+"""The commands that read and tidy a run's steps: ls, inspect, verify, prune."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from muon_ckpt.cli._text import human, json_doc, open_url, printable
+
+__all__ = ["cmd_inspect", "cmd_ls", "cmd_prune", "cmd_verify"]
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from muon_ckpt._errors import CheckpointNotFoundError
+    from muon_ckpt.store import Catalog
+
+    st = open_url(args)
+    st.check_root()
+    if not st.exists():
+        raise CheckpointNotFoundError(f"{args.url!r} does not exist")
+    cat = Catalog(st)
+    steps, ignored = cat.scan(detail=True), cat.ignored()
+    if args.json:
+        doc = {"url": args.url, "steps": [s.as_dict() for s in steps], "ignored": ignored}
+        print(json_doc(doc))
+        return 0
+    for name in ignored:
+        print(f"ignored: {printable(name)} (not a step directory name: step- and exactly 8 digits)")
+    if not steps:
+        print(f"no step directories at {printable(args.url)}")
+        return 0
+    print(f"{'STEP':>10}  {'STATUS':<11}  {'SIZE':>10}  {'FILES':>5}  {'WORLD':>5}  TIME")
+    for s in steps:
+        status = "committed" if s.committed else s.status.upper()
+        world = "-" if s.world_size is None else str(s.world_size)
+        print(
+            f"{s.step:>10}  {status:<11}  {human(s.size):>10}  {s.files:>5}  {world:>5}  "
+            f"{printable(s.time or '-')}"
+        )
+    done = [s.step for s in steps if s.committed]
+    corrupt = [s for s in steps if s.status == "corrupt"]
+    tail = f"; newest committed: {done[-1]}" if done else ""
+    bad = f"{len(corrupt)} CORRUPT, " if corrupt else ""
+    print(f"{len(done)} committed, {bad}{len(steps) - len(done) - len(corrupt)} uncommitted{tail}")
+    for s in corrupt:
+        print(f"step {s.step}: CORRUPT: {printable(s.problem)}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import fnmatch
+
+    from muon_ckpt.cli._values import read_values, value_text
+    from muon_ckpt.interop._export import section_of
+    from muon_ckpt.load import CheckpointReader
+    from muon_ckpt.store import resolve
+
+    r = resolve(open_url(args), args.step)
+    # Sizes and the metadata's checksum are checked; values are read through the verifying
+    # reader (verify="size": inspect reads a few items, not every byte of every file).
+    reader = CheckpointReader(r, verify="size")
+    rows = []
+    for key, m in sorted(reader.metadata.state_dict_metadata.items()):
+        if args.keys and not fnmatch.fnmatchcase(key, args.keys):
+            continue
+        size = getattr(m, "size", None)
+        if size is None:
+            rows.append({"key": key, "shape": None, "dtype": "object", "bytes": None})
+            continue
+        dtype = m.properties.dtype
+        nbytes = int(size.numel()) * dtype.itemsize
+        rows.append(
+            {
+                "key": key,
+                "shape": list(size),
+                "dtype": str(dtype).removeprefix("torch."),
+                "bytes": nbytes,
+            }
+        )
+    # Values: every non-tensor value (hyperparameters, extra state) and the tensors of extra
+    # (rank_extra's too).
+    shown = [x["key"] for x in rows if x["shape"] is None or section_of(x["key"]) == "extra"]
+    values = read_values(reader, shown)
+    for x in rows:
+        x.update(values.get(x["key"], {}))
+    total = sum(r_["bytes"] or 0 for r_ in rows)
+    head = {"url": r.url, "kind": r.kind, "step": r.step}
+    if r.manifest is not None:
+        head.update(
+            world_size=r.manifest.world_size,
+            time=r.manifest.time,
+            files_bytes=r.manifest.total_bytes,
+        )
+    if args.json:
+        print(json_doc({**head, "tensor_bytes": total, "keys": rows}))
+        return 0
+    desc = f"step {r.step} of {r.url}" if r.step is not None else r.url
+    extra = ""
+    if r.manifest is not None:
+        extra = f", saved {r.manifest.time} by {r.manifest.world_size} rank(s)"
+    print(printable(f"{desc} ({r.kind}{extra})"))
+    keys = [printable(x["key"]) for x in rows]
+    width = max([len(k) for k in keys] + [3])
+    print(f"{'KEY':<{width}}  {'SHAPE':<16}  {'DTYPE':<10}  {'BYTES':>10}  VALUE")
+    for key, x in zip(keys, rows, strict=True):
+        shape = "-" if x["shape"] is None else "(" + ", ".join(map(str, x["shape"])) + ")"
+        value = printable(value_text(x)) if ("value" in x or "summary" in x) else ""
+        line = f"{key:<{width}}  {shape:<16}  {x['dtype']:<10}  {human(x['bytes']):>10}"
+        print(f"{line}  {value}".rstrip())
+    print(f"{len(rows)} keys, {human(total)} of tensors")
+    return 0
+
+
+def _verify_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One result per step: step, status (ok, failed, skipped, deleted), files, bytes,
+    problems and files not in the manifest. A step deleted while it is verified (retention,
+    prune, an overwrite) is ``deleted``: gone, not damaged."""
+    from muon_ckpt._errors import CheckpointCorruptError, CheckpointNotFoundError
+    from muon_ckpt.store import MANIFEST, METADATA, Catalog, resolve, verify
+
+    st = open_url(args)
+    out: list[dict[str, Any]] = []
+    listed = args.step is None and not st.exists(MANIFEST) and not st.exists(METADATA)
+    if listed:
+        todo = []
+        for s in Catalog(st).scan():  # a run root: every committed step
+            if s.committed:
+                todo.append(s.step)
+            elif s.status == "corrupt":
+                out.append({"step": s.step, "status": "failed", "problems": [s.problem]})
+            else:
+                out.append({"step": s.step, "status": "skipped", "problems": []})
+        if not todo and not out:
+            resolve(st)  # raises the not-found error, with the steps that exist
+    else:
+        todo = [args.step]
+    for step in todo:
+        try:
+            r = resolve(st, step)
+            res = verify(r, progress=None if not args.json else False)
+        except CheckpointCorruptError as e:
+            out.append({"step": step, "status": "failed", "problems": [str(e)]})
+            continue
+        except CheckpointNotFoundError:
+            if not listed:
+                raise  # the step or directory asked for is not there
+            # Listed as committed a moment ago: deleted since (its manifest goes first).
+            out.append({"step": step, "status": "deleted", "problems": []})
+            continue
+        status = "deleted" if res.deleted else "ok" if res.ok else "failed"
+        out.append(
+            {
+                "step": r.step,
+                "status": status,
+                "files": res.checked,
+                "bytes": res.bytes,
+                "problems": res.problems,
+                "unexpected": res.unexpected,
+            }
+        )
+    return sorted(out, key=lambda x: x["step"] if x["step"] is not None else -1)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    results = _verify_steps(args)
+    failed = [x for x in results if x["status"] == "failed"]
+    if args.json:
+        doc = {"url": args.url, "ok": not failed, "steps": results}
+        print(json_doc(doc))
+        return 1 if failed else 0
+    for x in results:
+        step = x["step"]
+        if x["status"] == "skipped":
+            print(f"step {step}: skipped (not committed)")
+            continue
+        if x["status"] == "deleted":
+            print(f"step {step}: deleted while being verified (retention, prune or an overwrite)")
+            continue
+        if "files" not in x:  # the step could not be opened
+            print(f"step {step}: FAILED: {x['problems'][0]}")
+            continue
+        for p in x["problems"]:
+            print(f"step {step}: {p}")
+        for u in x["unexpected"]:
+            print(f"step {step}: note: {u} is not in the manifest")
+        verdict = "OK" if x["status"] == "ok" else f"FAILED ({len(x['problems'])} problem(s))"
+        print(f"step {step}: {verdict}: {x['files']} files, {human(x['bytes'])} checked")
+    return 1 if failed else 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from muon_ckpt.store import prune
+
+    res = prune(open_url(args), args.keep, dry_run=args.dry_run)
+    if args.json:
+        print(json_doc({"url": args.url, "dry_run": args.dry_run, **vars(res)}))
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{verb} {len(res.deleted)} step(s): {', '.join(map(str, res.deleted)) or '-'}")
+    print(f"kept {len(res.kept)} committed step(s): {', '.join(map(str, res.kept)) or '-'}")
+    if res.leftovers:
+        print(
+            f"uncommitted leftovers (not touched; a save may still be running): "
+            f"{', '.join(map(str, res.leftovers))}"
+        )
+    if res.corrupt:
+        print(f"CORRUPT steps (invalid manifest; not touched): {', '.join(map(str, res.corrupt))}")
+    if res.newer:
+        print(
+            "steps of a newer muon-ckpt (not touched; upgrade to manage them): "
+            f"{', '.join(map(str, res.newer))}"
+        )
+    return 0

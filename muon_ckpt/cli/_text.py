@@ -1,0 +1,72 @@
+"""What the command prints, and how it reads its options: escaping of everything that comes
+from a checkpoint, strict JSON, byte counts, ``KEY=VALUE`` storage options, the storage a
+command opens."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+__all__ = ["human", "json_doc", "one_line", "open_url", "printable", "storage_options"]
+
+
+def printable(text: Any) -> str:
+    """``text`` with every character a terminal would act on escaped as Python writes it
+    (``\\x1b``, ``\\r``, ``\\n``, ``\\u202e``): names, times, values and messages that come
+    from a checkpoint must not clear the screen, move the cursor or reorder a row (a bidi
+    override). Everything the text commands print from a checkpoint goes through it; --json
+    output is escaped by JSON."""
+    s = str(text)
+    if s.isprintable():  # (the common case: no copy)
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)
+
+
+def json_doc(doc: Any) -> str:
+    """``doc`` as one JSON document (RFC 8259): a non-finite float (an ``extra`` value such as
+    a best loss of inf, a NaN in a tensor) is written as the string ``"inf"``, ``"-inf"`` or
+    ``"nan"``, not as JavaScript's ``Infinity``/``NaN``, which strict parsers reject."""
+    return json.dumps(_finite(doc), indent=1, allow_nan=False)
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
+def storage_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; VALUE is parsed as JSON when it can be (numbers, true, {...})."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--storage-option must be KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def open_url(args: argparse.Namespace) -> Any:
+    from muon_ckpt.store import open_storage
+
+    return open_storage(args.url, storage_options(args.storage_option))
+
+
+def human(n: int | None) -> str:
+    from muon_ckpt._progress import human_bytes
+
+    return "-" if n is None else human_bytes(n)
+
+
+def one_line(e: BaseException) -> str:
+    msg = printable(" ".join(str(e).split())) or repr(e)
+    return f"{type(e).__name__}: {msg}"
