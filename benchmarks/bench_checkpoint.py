@@ -50,8 +50,9 @@ from muon_ckpt import CheckpointManager
 from muon_ckpt._config import WRITE_THREADS, read_threads
 from muon_ckpt.save._writeback import start_writeback
 from muon_ckpt.state import FlatState
-from muon_ckpt.store import Storage, crc32c_implementation
+from muon_ckpt.store import Storage
 from muon_ckpt.store._crc import write_algorithm
+from muon_ckpt.store.checksums import crc32c_implementation
 from optim.muon import Muon
 
 GiB = 1 << 30

@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--verify", choices=["checksum", "size"], default="checksum")
     ap.add_argument("--replicated-gib", type=float, default=0.25, help="0: skip")
     args = ap.parse_args()
-    from muon_ckpt.store import crc32c_implementation
+    from muon_ckpt.store.checksums import crc32c_implementation
 
     n = max(1, round(args.size_gib * (1 << 30) / (SIDE * SIDE * 4)))
     nbytes = n * SIDE * SIDE * 4

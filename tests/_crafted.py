@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from muon_ckpt.store import MANIFEST, METADATA, Storage, parse_metadata, step_dirname
+from muon_ckpt.store import MANIFEST, METADATA, Storage, step_dirname
+from muon_ckpt.store.dcp import parse_metadata
 
 MiB = 1 << 20
 

@@ -17,17 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from muon_ckpt import CheckpointCorruptError, CheckpointManager
-from muon_ckpt.store import (
-    MANIFEST,
-    Checksum,
-    FileEntry,
-    Storage,
-    _crc,
-    check_chunks,
-    chunk_span,
-    resolve,
-    verify,
-)
+from muon_ckpt.store import MANIFEST, FileEntry, Storage, _crc, resolve, verify
+from muon_ckpt.store.checksums import Checksum, check_chunks, chunk_span
 from tests._ckpt import TinyNet, make_muon, train
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "v1_crc32")

@@ -15,7 +15,7 @@ from muon_ckpt import (
     export_safetensors,
     import_optimizer_state,
 )
-from muon_ckpt.store import KEY_FORMAT_VERSION
+from muon_ckpt.store.keys import KEY_FORMAT_VERSION
 from tests._ckpt import TinyNet, make_muon, train
 from tests._dist import dist_device, run_on_ranks
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import muon_ckpt._config as config
-import muon_ckpt.manager as manager_mod
+import muon_ckpt.load._attempt as attempt_mod
 from muon_ckpt import CheckpointManager
 from muon_ckpt.store import Storage
 from tests._ckpt import TinyNet, make_muon, train
@@ -60,14 +60,14 @@ def test_default_saves_write_4_files_and_loads_read_with_the_cores(tmp_path, mon
     monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     seen: list[int] = []
-    reader = manager_mod.VerifyingReader
+    reader = attempt_mod.VerifyingReader
 
     class Spy(reader):  # type: ignore[misc,valid-type]
         def __init__(self, *args, **kwargs):
             seen.append(kwargs["io_threads"])
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(manager_mod, "VerifyingReader", Spy)
+    monkeypatch.setattr(attempt_mod, "VerifyingReader", Spy)
     torch.manual_seed(0)
     model = TinyNet()
     opt = make_muon(model)

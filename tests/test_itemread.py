@@ -23,7 +23,8 @@ from muon_ckpt import CheckpointCorruptError, CheckpointError
 from muon_ckpt._dcp import dcp_failure
 from muon_ckpt.load import VerifyingReader
 from muon_ckpt.load._item_zip import parse_tensor_pickle
-from muon_ckpt.store import FileEntry, Storage, crc_hex
+from muon_ckpt.store import FileEntry, Storage
+from muon_ckpt.store.checksums import crc_hex
 from tests._ckpt import file_layout, flip_byte
 
 

@@ -22,8 +22,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from muon_ckpt import CheckpointCorruptError
 from muon_ckpt.load import VerifyingReader
-from muon_ckpt.store import Checksum, FileEntry, Storage, resolve, verify
+from muon_ckpt.store import FileEntry, Storage, resolve, verify
 from muon_ckpt.store._layout import MANIFEST, Manifest
+from muon_ckpt.store.checksums import Checksum
 from tests._ckpt import flip_byte
 
 ROWS, COLS = 4096, 1024  # fp32: 16 MiB per item, sixteen 1 MiB checksum chunks

@@ -20,7 +20,8 @@ import torch.distributed.checkpoint as dcp
 import muon_ckpt.load._local_files as itemread
 import muon_ckpt.load._reader as reader_mod
 from muon_ckpt import CheckpointCorruptError, CheckpointManager
-from muon_ckpt.store import Checksum, FileEntry, Storage, chunk_span
+from muon_ckpt.store import FileEntry, Storage
+from muon_ckpt.store.checksums import Checksum, chunk_span
 from tests._ckpt import TinyNet, file_layout, flip_byte, make_muon, muon_state_sd, train
 from tests.test_itemread import _bits, _ours
 

@@ -826,24 +826,26 @@ def test_a_load_cut_short_after_its_reads_undoes_them_and_leaves_nothing_running
     train(model, opt, 1, seed=3)
     before = muon_state_sd(model, opt)
     mgr = CheckpointManager(url, model=model, optimizer=opt)
-    read, agree = CheckpointManager._read, CheckpointManager._agree
+    import muon_ckpt.load._attempt as attempt_mod  # one attempt of a load: read, then agree
+
+    read, agree = attempt_mod._read, attempt_mod._agree
     calls = []
 
-    def read_then_interrupt(self, *args, **kwargs):
-        read(self, *args, **kwargs)
+    def read_then_interrupt(*args, **kwargs):
+        read(*args, **kwargs)
         raise KeyboardInterrupt
 
-    def agree_then_fail(self, error):
+    def agree_then_fail(error, group):
         calls.append(error)
         if len(calls) == 2:  # after the reads
             raise CheckpointError("rank 1 stopped answering")
-        return agree(self, error)
+        return agree(error, group)
 
     if how == "interrupt":
-        monkeypatch.setattr(CheckpointManager, "_read", read_then_interrupt)
+        monkeypatch.setattr(attempt_mod, "_read", read_then_interrupt)
         expected = KeyboardInterrupt
     else:
-        monkeypatch.setattr(CheckpointManager, "_agree", agree_then_fail)
+        monkeypatch.setattr(attempt_mod, "_agree", agree_then_fail)
         expected = CheckpointError
     with pytest.raises(expected):
         mgr.load(step=1)

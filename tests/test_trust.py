@@ -26,7 +26,8 @@ from muon_ckpt import (
     import_optimizer_state,
 )
 from muon_ckpt.cli import main
-from muon_ckpt.store import MANIFEST, METADATA, Storage, parse_metadata, step_dirname
+from muon_ckpt.store import MANIFEST, METADATA, Storage, step_dirname
+from muon_ckpt.store.dcp import parse_metadata
 from tests._ckpt import TinyNet, make_muon, muon_state_sd, three_step_run, train
 
 BOUND_S = 20.0  # every command must finish within this (a FIFO used to block forever)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from muon_ckpt.load import CheckpointReader
-from muon_ckpt.store import tensor_entries
+from muon_ckpt.store.dcp import tensor_entries
 
 __all__ = ["read_values", "value_text"]
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from muon_ckpt._errors import CheckpointError
 from muon_ckpt._progress import human_bytes
-from muon_ckpt.store import COMMITTED, Catalog, Storage, parse_step_dirname
+from muon_ckpt.store import Catalog, Status, Storage, parse_step_dirname
 
 __all__ = ["DemoOptions", "Verdict", "compare_runs", "run_demo"]
 
@@ -237,8 +237,8 @@ def run_demo(o: DemoOptions) -> int:
         scan = catalog.scan()
         print(
             f"    all workers died by SIGKILL (exit codes {codes}); committed steps: "
-            f"{[s.step for s in scan if s.status == COMMITTED]}"
-            + "".join(f"; step {s.step}: {s.status}" for s in scan if s.status != COMMITTED)
+            f"{[s.step for s in scan if s.status == Status.COMMITTED]}"
+            + "".join(f"; step {s.step}: {s.status}" for s in scan if s.status != Status.COMMITTED)
         )
         print("[3/3] restart in fresh processes, resume from the newest committed step")
         sys.stdout.flush()

@@ -23,7 +23,9 @@ import torch
 from muon_ckpt._progress import progress_bar
 from muon_ckpt.interop._safetensors import write_safetensors
 from muon_ckpt.load import CheckpointReader
-from muon_ckpt.store import KEY_FORMAT_VERSION, Storage, bytes_keys, resolve, tensor_entries
+from muon_ckpt.store import Storage, resolve
+from muon_ckpt.store.dcp import bytes_keys, tensor_entries
+from muon_ckpt.store.keys import KEY_FORMAT_VERSION
 
 __all__ = [
     "ExportSummary",

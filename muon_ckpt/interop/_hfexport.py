@@ -47,7 +47,8 @@ from muon_ckpt.interop._safetensors import write_safetensors
 from muon_ckpt.interop._sources import split_state_key
 from muon_ckpt.load import CheckpointReader
 from muon_ckpt.state import strip_wrappers
-from muon_ckpt.store import Storage, bytes_keys, resolve, tensor_entries
+from muon_ckpt.store import Storage, resolve
+from muon_ckpt.store.dcp import bytes_keys, tensor_entries
 
 __all__ = ["HFExportSummary", "export_hf"]
 

@@ -27,7 +27,8 @@ from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, Checkpoin
 from muon_ckpt.interop._hflayout import OPTIMIZER_STEM, index_name, read_set, single_name
 from muon_ckpt.interop._safetensors import SafetensorsFile
 from muon_ckpt.load import CheckpointReader, unbounded_records
-from muon_ckpt.store import Storage, resolve, tensor_entries
+from muon_ckpt.store import Storage, resolve
+from muon_ckpt.store.dcp import tensor_entries
 
 __all__ = ["STATE_PREFIXES", "Source", "SrcEntry", "open_source"]
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from muon_ckpt._errors import CheckpointCorruptError
-from muon_ckpt.store import FileEntry, check_chunks, chunk_span
+from muon_ckpt.store import FileEntry
+from muon_ckpt.store.checksums import check_chunks, chunk_span
 
 __all__ = ["SpanReader", "corrupt_chunk"]
 

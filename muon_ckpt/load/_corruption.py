@@ -1,16 +1,15 @@
-"""Small helpers of the read paths: parallel per-file tasks, and preferring the corruption
-error over a parser's complaint."""
+"""Preferring the corruption error over a parser's complaint: a damaged item often fails to
+parse before its file's checksum is known."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt.load._declared import UntrustedItem
 
-__all__ = ["prefer_corruption", "run_all"]
+__all__ = ["prefer_corruption"]
 
 T = TypeVar("T")
 
@@ -30,17 +29,3 @@ def prefer_corruption(run: Callable[[], T], verdict: Callable[[], BaseException 
         if isinstance(e, UntrustedItem):
             raise CheckpointCorruptError(str(e)) from e
         raise
-
-
-def run_all(threads: int, fn: Callable[[T], None], tasks: list[T]) -> None:
-    """``fn(task)`` for every task on ``threads`` threads; the first failure is raised once
-    every started task has ended (tasks not started yet are cancelled)."""
-    with ThreadPoolExecutor(threads, thread_name_prefix="muon_ckpt_read") as ex:
-        futures = [ex.submit(fn, t) for t in tasks]
-        try:
-            for f in futures:
-                f.result()
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise

@@ -18,7 +18,7 @@ from muon_ckpt._errors import (
     CheckpointNotFoundError,
     CheckpointVersionError,
 )
-from muon_ckpt.store import COMMITTED, CORRUPT, NEWER, SUPERSEDED, Catalog, FileEntry, StepInfo
+from muon_ckpt.store import Catalog, FileEntry, Status, StepInfo
 
 __all__ = ["Decision", "Skip", "decide"]
 
@@ -74,7 +74,7 @@ def decide(
 
 def _refuse_newer_format(catalog: Catalog, scan: list[StepInfo], step: int | None) -> None:
     """A step of a newer format is never read, nor loaded past."""
-    newer = [s for s in scan if s.status == NEWER]
+    newer = [s for s in scan if s.status == Status.NEWER]
     if newer and (step is None or step in [s.step for s in newer]):
         raise CheckpointVersionError(
             f"{catalog.storage.url}: step(s) {[s.step for s in newer]} were written by a newer "
@@ -86,7 +86,7 @@ def _refuse_newer_format(catalog: Catalog, scan: list[StepInfo], step: int | Non
 def _asked_for(catalog: Catalog, scan: list[StepInfo], step: int, committed: list[int]) -> int:
     if step in committed:
         return step
-    gone = next((s for s in scan if s.step == step and s.status == SUPERSEDED), None)
+    gone = next((s for s in scan if s.step == step and s.status == Status.SUPERSEDED), None)
     if gone is not None:
         raise CheckpointNotFoundError(
             f"{catalog.storage.url!r}: step {step} is not loadable: it was {gone.problem}. "
@@ -128,7 +128,7 @@ def _first_that_checks_out(
     present = [
         (s.step, (s.gen or 0) if s.committed else None)
         for s in scan
-        if s.status in (COMMITTED, CORRUPT)
+        if s.status in (Status.COMMITTED, Status.CORRUPT)
     ]
     tried = {(s.from_resume, s.step) for s in skipped}
     for cat, s, from_resume in candidates:
@@ -145,7 +145,7 @@ def _first_that_checks_out(
         newer = present if from_resume else [(n, g) for n, g in present if n > s]
         if step is None:
             for info in scan:
-                if info.status == CORRUPT and info.step in {n for n, _ in newer}:
+                if info.status == Status.CORRUPT and info.step in {n for n, _ in newer}:
                     _log.warning("skipping step %d: %s", info.step, info.problem)
         return Decision(
             from_resume,

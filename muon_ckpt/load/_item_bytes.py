@@ -20,8 +20,9 @@ from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt.load._chunk_spans import SpanReader
 from muon_ckpt.load._declared import StoredChunks, load_object, load_stored
 from muon_ckpt.load._item_zip import EDGE, Layout, parse_layout
-from muon_ckpt.load._local_files import _narrow, commit_part, commit_slices, slice_spans
-from muon_ckpt.store import FileEntry, check_chunks, chunk_span
+from muon_ckpt.load._targets import commit_part, commit_slices, narrow, slice_spans
+from muon_ckpt.store import FileEntry
+from muon_ckpt.store.checksums import check_chunks, chunk_span
 
 __all__ = ["Capture", "fetch_items", "load_blob"]
 
@@ -56,7 +57,7 @@ def load_blob(
     if lay is not None:
         chunks.check(reqs[0], lay.size, lay.dtype, where)
     for req in reqs:
-        commit_part(planner, req, _narrow(src, req.storage_offsets, req.lengths), where)
+        commit_part(planner, req, narrow(src, req.storage_offsets, req.lengths), where)
 
 
 def _view(data: Any, lay: Layout) -> torch.Tensor:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import ReadItem
 
-from muon_ckpt import _collective as coll
+import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt._tensors import tensor_bytes
 from muon_ckpt.load._declared import StoredChunks

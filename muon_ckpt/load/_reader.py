@@ -38,20 +38,15 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt._tensors import local_tensor, overlapping
+from muon_ckpt._threads import run_all
 from muon_ckpt.load._chunk_spans import corrupt_chunk
-from muon_ckpt.load._corruption import prefer_corruption, run_all
+from muon_ckpt.load._corruption import prefer_corruption
 from muon_ckpt.load._declared import StoredChunks, UntrustedItem
 from muon_ckpt.load._local_files import FileLoad, ReadBuffers
 from muon_ckpt.load._read_once import agree, distribute, plan_shared
 from muon_ckpt.load._remote_files import ServingFileSystem, read_remote
-from muon_ckpt.store import (
-    Checksum,
-    FileEntry,
-    Storage,
-    chunk_span,
-    file_checksum,
-    mismatched_chunks,
-)
+from muon_ckpt.store import FileEntry, Storage
+from muon_ckpt.store.checksums import Checksum, chunk_span, file_checksum, mismatched_chunks
 
 __all__ = ["VerifyingReader"]
 

@@ -20,15 +20,35 @@ import threading
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from muon_ckpt._errors import CheckpointCorruptError
-from muon_ckpt.load._corruption import prefer_corruption, run_all
+from muon_ckpt._threads import run_all
+from muon_ckpt.load._corruption import prefer_corruption
+from muon_ckpt.load._declared import StoredChunks
 from muon_ckpt.load._item_bytes import Capture, fetch_items, load_blob
-from muon_ckpt.store import DelegatingFileSystem, Storage, dcp_filesystem, is_file_name
+from muon_ckpt.store import FileEntry, Storage, is_file_name
+from muon_ckpt.store.checksums import Checksum
+from muon_ckpt.store.dcp import DelegatingFileSystem, dcp_filesystem
 
-if TYPE_CHECKING:
-    from muon_ckpt.load._reader import VerifyingReader
+
+class VerifyingReader(Protocol):
+    """What a remote read needs of the reader it reads for (``_reader.VerifyingReader``)."""
+
+    step: Storage
+    threads: int
+    storage_data: Any
+    captures: dict[str, dict[int, memoryview]]
+    chunks: StoredChunks
+
+    def entry(self, name: str) -> FileEntry | None: ...
+    def where(self, name: str) -> str: ...
+    def checksum(self, name: str) -> Checksum: ...
+    def check(self, name: str, got: Checksum) -> None: ...
+    def count(self, n: int) -> None: ...
+    def fetch_and_check(self, name: str) -> None: ...
+    def to_check(self, read: set[str]) -> set[str]: ...
+
 
 __all__ = ["ServingFileSystem", "read_remote"]
 

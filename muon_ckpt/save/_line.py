@@ -7,7 +7,9 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
+import muon_ckpt._collective as coll
 from muon_ckpt.store import Catalog, SavePlan
 
 __all__ = ["RunLine"]
@@ -60,13 +62,21 @@ class RunLine:
         """The save committed: what it retired is retired."""
         self.abandoned = []
 
-    def loaded(
-        self, line: str | None, newer: list[tuple[int, int | None]], from_resume: bool
-    ) -> None:
-        """A load: a plain resume continues the step's line; a rewind (newer steps exist) or
-        a start from ``resume_from`` begins a new one, whose first commit retires ``newer``."""
-        self.resumed, self.abandoned = True, list(newer)
-        self.line = line if not newer and not from_resume else None
+    def loaded(self, url: str, d: Any) -> None:
+        """A load of decision ``d``: a plain resume continues the step's line; a rewind (newer
+        steps exist) or a start from ``resume_from`` begins one, whose first commit retires
+        the newer steps."""
+        self.resumed, self.abandoned = True, list(d.newer)
+        self.line = d.line if not d.newer and not d.from_resume else None
+        if d.newer and coll.rank() == 0:
+            _log.warning(
+                "%s: loaded step %d while newer steps %s exist; the first save of this run "
+                "retires them and deletes them once it is committed (to keep them, resume "
+                "into another url with resume_from)",
+                url,
+                d.step,
+                [s for s, _ in d.newer],
+            )
 
     def fresh(self) -> None:
         """A load that found nothing: the next save starts the url's first line."""

@@ -32,13 +32,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from muon_ckpt._errors import CheckpointError
 from muon_ckpt.save._writeback import start_writeback
-from muon_ckpt.store import (
-    Checksum,
-    DelegatingFileSystem,
-    FileEntry,
-    Storage,
-    dcp_filesystem,
-)
+from muon_ckpt.store import FileEntry, Storage
+from muon_ckpt.store.checksums import Checksum
+from muon_ckpt.store.dcp import DelegatingFileSystem, dcp_filesystem
 
 __all__ = ["ChecksumWriter", "FileRecords"]
 

@@ -24,7 +24,13 @@ from torch import Tensor
 from muon_ckpt._tensors import host_copy
 from muon_ckpt.state._extra import _ExtraState, extra_state_owner
 from muon_ckpt.state._names import canonical_names, param_fqns
-from muon_ckpt.store import extra_key, model_key, optim_group_key, optim_state_key, rank_extra_key
+from muon_ckpt.store.keys import (
+    extra_key,
+    model_key,
+    optim_group_key,
+    optim_state_key,
+    rank_extra_key,
+)
 
 __all__ = ["GROUPS", "GROUP_SKIP", "PARTS", "FlatState", "prepare_optimizer_state"]
 

@@ -18,6 +18,7 @@ A step directory ``step-XXXXXXXX`` is
 from __future__ import annotations
 
 import datetime
+import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -31,13 +32,29 @@ __all__ = [
     "NEWER",
     "SUPERSEDED",
     "UNCOMMITTED",
+    "Status",
     "StepInfo",
     "read_manifest",
     "read_step",
 ]
 
-COMMITTED, CORRUPT, UNCOMMITTED = "committed", "corrupt", "uncommitted"
-NEWER, SUPERSEDED = "newer", "superseded"
+
+class Status(str, enum.Enum):
+    """A step's status (the module says what each means); a ``str``, so that it compares,
+    prints and serialises as its value."""
+
+    COMMITTED = "committed"
+    SUPERSEDED = "superseded"
+    NEWER = "newer"
+    CORRUPT = "corrupt"
+    UNCOMMITTED = "uncommitted"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMMITTED, SUPERSEDED, NEWER = Status.COMMITTED, Status.SUPERSEDED, Status.NEWER
+CORRUPT, UNCOMMITTED = Status.CORRUPT, Status.UNCOMMITTED
 
 
 @dataclass
@@ -46,7 +63,7 @@ class StepInfo:
 
     step: int
     dirname: str
-    status: str
+    status: Status
     size: int | None = None  # bytes: the manifest's total, else what the listing shows
     files: int | None = None
     time: str | None = None  # ISO 8601 UTC: the manifest's, else the newest file's

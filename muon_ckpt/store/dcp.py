@@ -1,0 +1,14 @@
+"""DCP's side of a stored step: its ``.metadata`` read without unpickling untrusted bytes
+(and checked: paths, byte ranges, chunks that tile each tensor), and the filesystem its
+readers and writers go through (a Storage's)."""
+
+from muon_ckpt.store._dcpfs import DelegatingFileSystem, dcp_filesystem
+from muon_ckpt.store._metadata import bytes_keys, parse_metadata, tensor_entries
+
+__all__ = [
+    "DelegatingFileSystem",
+    "bytes_keys",
+    "dcp_filesystem",
+    "parse_metadata",
+    "tensor_entries",
+]
