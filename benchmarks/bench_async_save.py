@@ -101,11 +101,46 @@ def build(
     return model, opt, grads
 
 
-def step(model: nn.Module, opt: Muon, grads: list, dev: torch.device) -> float:
+def build_gpt(
+    layers: int, dim: int, batch: int, dev: torch.device, offload: bool
+) -> tuple[nn.Module, Muon, None]:
+    """A GPT-like stack (``layers`` MLP blocks of dim x 4dim and back, FSDP2 over every rank
+    when there are several) whose forward and backward on a ``batch`` x dim input take most
+    of a step; Muon on every matrix."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[
+            nn.Sequential(
+                nn.Linear(dim, 4 * dim, bias=False), nn.GELU(), nn.Linear(4 * dim, dim, bias=False)
+            )
+            for _ in range(layers)
+        ]
+    ).to(dev)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    model.batch = torch.randn(batch, dim, device=dev)  # type: ignore[assignment]
+    opt = Muon(list(model.parameters()), chunk_size=8, lr=0.02)
+    if offload:
+        opt.turn_on_cpu_offload()
+    return model, opt, None
+
+
+def step(model: nn.Module, opt: Muon, grads: list | None, dev: torch.device) -> float:
+    """One training step: the fixed gradients set (matrices), or a forward and backward
+    (``build_gpt``); then the optimizer step."""
     sync(dev)
     t0 = time.perf_counter()
-    for p, g in zip(model.parameters(), grads, strict=True):
-        p.grad = g
+    if grads is None:
+        model(model.batch).float().pow(2).mean().backward()
+    else:
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g
     opt.step()
     opt.zero_grad(set_to_none=True)
     if dev.type == "cuda":
@@ -142,7 +177,7 @@ def _cpu_group() -> Any:
 
 
 def measure_ours(
-    model, opt, grads, dev, url, opts, rounds: int, io_threads: int, plain
+    model, opt, grads, dev, url, opts, rounds: int, io_threads: int, plain, snapshot: str
 ) -> dict[str, Any]:
     """Our saves, each round after one run of ``plain()`` (plain writes of the same bytes to
     the same storage: interleaved, so that both meet the disk in the same state)."""
@@ -154,6 +189,7 @@ def measure_ours(
         async_save=True,
         keep_last=1,
         io_threads=io_threads,
+        snapshot=snapshot,
     )
     base_steps = [step(model, opt, grads, dev) for _ in range(5)]
     out: dict[str, Any] = {
@@ -162,6 +198,7 @@ def measure_ours(
         "in_flight": [],
         "steps": base_steps,
         "plain": [],
+        "next_step": [],  # the first step after save() returned
     }
     for r in range(rounds + 1):
         if r:
@@ -181,6 +218,8 @@ def measure_ours(
             continue
         out["blocked"].append(blocked)
         out["e2e"].append(e2e)
+        if flight:
+            out["next_step"].append(flight[0])
         out["in_flight"] += flight[1:] or flight  # the first step also waits for the GIL
         out["steps"] += [step(model, opt, grads, dev) for _ in range(3)]
     # The same save with no training in flight (what the write costs by itself), its phases.
@@ -290,6 +329,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--adamw", action="store_true", help="AdamW groups instead of Muon ones")
+    ap.add_argument(
+        "--gpt",
+        action="append",
+        default=[],
+        help="LAYERSxDIMxBATCH: a GPT-like stack whose forward and backward take most of a step",
+    )
+    ap.add_argument(
+        "--snapshot",
+        nargs="+",
+        default=["blocking", "deferred"],
+        choices=["blocking", "deferred"],
+        help="the snapshot modes to measure, in the same run",
+    )
     args = ap.parse_args()
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -326,19 +378,36 @@ def main() -> None:
     dcp_dir = box[0]
     group = _cpu_group() if dist.is_initialized() else None
     rows = []
-    for case in args.case or ["16x4096"]:
-        n, side = (int(x) for x in case.split("x"))
+    cases = (args.case or ([] if args.gpt else ["16x4096"])) + [f"gpt{g}" for g in args.gpt]
+    for case in cases:
         for offload in (True, False):
-            model, opt, grads = build(n, side, dev, offload, args.adamw)
+            if case.startswith("gpt"):
+                layers, dim, batch = (int(x) for x in case[3:].split("x"))
+                model, opt, grads = build_gpt(layers, dim, batch, dev, offload)
+            else:
+                n, side = (int(x) for x in case.split("x"))
+                model, opt, grads = build(n, side, dev, offload, args.adamw)
             step(model, opt, grads, dev)  # states exist (and are parked, with offload on)
             nbytes = state_bytes(model, opt)
             gib = nbytes / GiB
             copies = nbytes // sum(_nbytes(local_tensor(p)) for p in model.parameters())
             plain = plain_writer(model, copies, Storage(url, opts), args.io_threads)
             run_url = f"{url}/{case}-{'on' if offload else 'off'}"
-            ours = measure_ours(
-                model, opt, grads, dev, run_url, opts, args.rounds, args.io_threads, plain
-            )
+            modes = {
+                mode: measure_ours(
+                    model,
+                    opt,
+                    grads,
+                    dev,
+                    f"{run_url}-{mode}",
+                    opts,
+                    args.rounds,
+                    args.io_threads,
+                    plain,
+                    mode,
+                )
+                for mode in args.snapshot
+            }
             k = max(1, args.rounds - 1)
             ref = measure_dcp(model, opt, dev, dcp_dir, k, pinned=False, group=group)
             try:
@@ -346,7 +415,11 @@ def main() -> None:
             except Exception as e:  # report it and go on: it is a reference, not ours
                 print(f"dcp.async_save with the pinned stager failed: {type(e).__name__}: {e}")
                 ref_pin = None
-            rows.append((case, offload, gib, statistics.median(ours["plain"]), ours, ref, ref_pin))
+            for mode, ours in modes.items():
+                label = f"{case}:{mode[:5]}"
+                rows.append(
+                    (label, offload, gib, statistics.median(ours["plain"]), ours, ref, ref_pin)
+                )
             del model, opt, grads
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -367,24 +440,26 @@ def report(rows, dev, world: int, url: str) -> None:
     med = statistics.median
     print(f"\ndevice {dev}, {world} rank(s), storage {url}; medians; state = params + momentum")
     print(
-        f"{'case':>9} {'offload':>7} {'state':>8} | {'blocked':>9} {'ms/GiB':>7} "
+        f"{'case':>16} {'offload':>7} {'state':>8} | {'blocked':>9} {'ms/GiB':>7} "
         f"{'first':>8} | {'dcp.async':>9} {'ratio':>6} {'dcp pin':>9} {'ratio':>6} | "
-        f"{'step':>8} {'in flight':>9} {'ratio':>6} | {'e2e GB/s':>8} {'plain':>6} "
-        f"{'ratio':>6} | peak MiB save/sync/load"
+        f"{'step':>8} {'next':>8} {'ratio':>6} {'in flight':>9} {'ratio':>6} | "
+        f"{'e2e GB/s':>8} {'plain':>6} {'ratio':>6} | peak MiB save/sync/load"
     )
     for case, offload, gib, plain, o, ref, ref_pin in rows:
         b = med(o["blocked"])
         r = med(ref) if ref else float("nan")
         rp = med(ref_pin) if ref_pin else float("nan")
         st, fl = med(o["steps"]), med(o["in_flight"]) if o["in_flight"] else float("nan")
+        nx = med(o["next_step"]) if o["next_step"] else float("nan")
         e2e = gib * GiB * world / med(o["e2e"]) / 1e9
         peaks = o.get("peaks")
         pk = "/".join(f"{peaks[k]:.0f}" for k in ("save", "sync save", "load")) if peaks else "-"
         print(
-            f"{case:>9} {'on' if offload else 'off':>7} {gib * world:>6.2f}Gi | "
+            f"{case:>16} {'on' if offload else 'off':>7} {gib * world:>6.2f}Gi | "
             f"{b * 1e3:>7.1f}ms {b * 1e3 / gib:>7.1f} {o['first_blocked'] * 1e3:>6.0f}ms | "
             f"{r * 1e3:>7.0f}ms {b / r:>6.3f} {rp * 1e3:>7.0f}ms {b / rp:>6.3f} | "
-            f"{st * 1e3:>6.1f}ms {fl * 1e3:>7.1f}ms {fl / st:>6.3f} | {e2e:>8.2f} "
+            f"{st * 1e3:>6.1f}ms {nx * 1e3:>6.1f}ms {nx / st:>6.3f} "
+            f"{fl * 1e3:>7.1f}ms {fl / st:>6.3f} | {e2e:>8.2f} "
             f"{plain * world / 1e9:>6.2f} {e2e / (plain * world / 1e9):>6.3f} | {pk}"
         )
     for case, offload, gib, _, o, _, _ in rows:
@@ -398,7 +473,8 @@ def report(rows, dev, world: int, url: str) -> None:
     print(
         "blocked: save() until it returns (rank 0; ms/GiB of that rank's state); ratio: ours / "
         "the reference; step: "
-        "median step without a write; in flight: median step while our write runs; e2e: state "
+        "median step without a write; next: the first step after save() returned (it waits for "
+        "a deferred snapshot's copies); in flight: median step while our write runs; e2e: state "
         "bytes over save() -> commit, all ranks; plain: plain parallel writes of the same bytes"
     )
 

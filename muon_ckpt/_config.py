@@ -12,6 +12,7 @@ __all__ = ["ManagerConfig", "read_threads"]
 # every file read; "crc32" is its name before CRC32C, still accepted; "size": sizes only.
 VERIFY_MODES = ("checksum", "crc32", "size")
 CONFIRM_MODES = ("checksum", "crc32", "size", "off")  # as muon_ckpt.store.CONFIRM_MODES
+SNAPSHOT_MODES = ("blocking", "deferred")  # when a save's copies of parameters finish
 
 
 def checks_content(verify: str) -> bool:
@@ -90,6 +91,8 @@ OPTIONS: dict[str, str] = {
     "(None: when storage is remote or ranks span hosts)",
     "new_run": "a first `save()` without `load()` may start a new run where another run's "
     "steps are: they are deleted once its first step is committed",
+    "snapshot": '`"deferred"` (with `async_save`): `save()` only queues the copies of parameters '
+    "and optimizer states; the next `optimizer.step()` waits for them",
 }
 
 
@@ -114,6 +117,7 @@ class ManagerConfig:
     resume_storage_options: dict[str, Any] | None = None
     read_once: bool | None = None
     new_run: bool = False
+    snapshot: str = "blocking"
 
     @property
     def write_threads(self) -> int:
@@ -188,6 +192,13 @@ class ManagerConfig:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
         if self.read_once not in (None, True, False):
             raise ValueError(f"read_once must be None, True or False, got {self.read_once!r}")
+        if self.snapshot not in SNAPSHOT_MODES:
+            raise ValueError(f"snapshot must be one of {SNAPSHOT_MODES}, got {self.snapshot!r}")
+        if self.snapshot == "deferred" and not self.async_save:
+            raise ValueError(
+                "snapshot='deferred' needs async_save=True: a synchronous save writes the "
+                "state before it returns, so there is nothing to defer"
+            )
         if not isinstance(self.new_run, bool):
             raise ValueError(f"new_run must be True or False, got {self.new_run!r}")
         if self.confirm not in CONFIRM_MODES:

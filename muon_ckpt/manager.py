@@ -27,7 +27,7 @@ from muon_ckpt._errors import CheckpointError
 from muon_ckpt._exit import finish_at_exit
 from muon_ckpt._preempt import PreemptionWatch
 from muon_ckpt.load import LoadTargets, resume
-from muon_ckpt.save import RunLine, SaveJob, SaveSources, WriteSpec, spec_for, take
+from muon_ckpt.save import RunLine, SaveJob, SaveSources, WriteSpec, hook_step, spec_for, take
 from muon_ckpt.state import PARTS, HostStaging, LoadReport, check_objects, optimizer_name
 from muon_ckpt.store import MAX_STEP, StepInfo, open_run
 
@@ -63,6 +63,7 @@ class CheckpointManager:
         confirm: str = "checksum",
         read_once: bool | None = None,
         new_run: bool = False,
+        snapshot: str = "blocking",
     ) -> None:
         given = locals()
         names = ManagerConfig.__dataclass_fields__
@@ -86,7 +87,9 @@ class CheckpointManager:
         warned: set[str] = set()  # warnings given once per manager
         limit = c.max_staging_bytes
         state = (model, optimizer, self._extra, self._rank_extra, self._staging)
-        self._sources = SaveSources(*state, group=None, max_staging_bytes=limit, warned=warned)
+        deferred = c.snapshot == "deferred"
+        self._sources = SaveSources(*state, None, limit, warned, deferred)
+        self._hook = hook_step(optimizer, self._deferred) if deferred else None
         self._targets = LoadTargets(*state, config=c, group=None, hosts=1, warned=warned)
         self._closed = False
         self._write_gate: threading.Event | None = None  # tests: background writes wait for it
@@ -180,6 +183,11 @@ class CheckpointManager:
         t["total"] = sum(t.get(k, 0.0) for k in ("blocked", "dcp_save", "commit", "retention"))
         self.last_save_timings = dict(t)
         _log.debug("saved step %d: %s", spec.step, ", ".join(f"{k} {v:.3f}s" for k, v in t.items()))
+
+    def _deferred(self) -> Any:
+        """The pending save's copies that the next optimizer step must wait for, if any."""
+        job = self._pending
+        return None if job is None else job.spec.deferred
 
     def wait(self) -> int | None:
         """Block until the pending asynchronous save is committed and return its step (None
@@ -280,6 +288,8 @@ class CheckpointManager:
             self._closed = True
             if self._preempt is not None:
                 self._preempt.restore()
+            if self._hook is not None:
+                self._hook.remove()
             self._calls.close()
             if coll.rank() == 0:  # the next job may write at once
                 with contextlib.suppress(CheckpointError):

@@ -3,8 +3,18 @@ rank's files written and checksummed, confirmed on the storage, committed by ran
 old steps deleted (``SaveJob``, here or in a thread); what the run's line retires
 (``RunLine``)."""
 
+from muon_ckpt.save._deferred import hook_step
 from muon_ckpt.save._job import SaveJob, WriteSpec, spec_for
 from muon_ckpt.save._line import RunLine
 from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
 
-__all__ = ["RunLine", "SaveJob", "SaveSources", "Snapshot", "WriteSpec", "spec_for", "take"]
+__all__ = [
+    "RunLine",
+    "SaveJob",
+    "SaveSources",
+    "Snapshot",
+    "WriteSpec",
+    "hook_step",
+    "spec_for",
+    "take",
+]

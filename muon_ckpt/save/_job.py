@@ -33,6 +33,7 @@ import muon_ckpt._collective as coll
 import muon_ckpt._dcp as _dcp
 from muon_ckpt._config import ManagerConfig
 from muon_ckpt._errors import CheckpointError
+from muon_ckpt.save._deferred import DeferredCopies
 from muon_ckpt.save._snapshot import Snapshot
 from muon_ckpt.save._writer import ChecksumWriter, FileRecords
 from muon_ckpt.state import HostStaging
@@ -70,6 +71,7 @@ class WriteSpec:
     plan: SavePlan  # rank 0's decisions: generation, retired steps, written beside or not
     line: str | None = None  # the line of steps the commit continues (the manifest's)
     optimizer: str | None = None  # the optimizer's type (the manifest's extra, for messages)
+    deferred: DeferredCopies | None = None  # snapshot="deferred": checked before the commit
     group: Any = None  # process group of the collectives (None: the default group)
     confirm: str = "checksum"  # how the storage's copy is confirmed before the commit (_confirm)
     gate: threading.Event | None = None  # tests: the write starts once this is set
@@ -104,6 +106,7 @@ def spec_for(
         confirm=config.confirm,
         group=group,
         gate=gate if snap.background else None,
+        deferred=snap.deferred,
     )
 
 
@@ -130,6 +133,8 @@ def write_and_commit(w: WriteSpec) -> None:
     t1 = time.perf_counter()
     failed: Exception | None = None
     try:
+        if w.deferred is not None:  # every copy has landed (finish): was a source changed?
+            w.deferred.verify()
         confirm_files(storage, dirname, records.files, w.confirm, w.io_threads)
     except Exception as e:  # every rank must reach the gather: rank 0 raises it for all
         failed = e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")

@@ -24,6 +24,7 @@ import torch
 import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointError
 from muon_ckpt._tensors import local_tensor
+from muon_ckpt.save._deferred import DeferredCopies
 from muon_ckpt.state import FlatState, HostStaging, extra_digests, freeze_offloaded, offloaded_views
 
 __all__ = ["SaveSources", "Snapshot", "take"]
@@ -43,6 +44,7 @@ class SaveSources:
     group: Any
     max_staging_bytes: int | None
     warned: set[str]  # warnings given once per manager
+    deferred: bool = False  # snapshot="deferred": parameters and states copied after the call
 
 
 @dataclasses.dataclass
@@ -55,6 +57,7 @@ class Snapshot:
     staging: HostStaging
     background: bool
     release: Callable[[], None] | None = None
+    deferred: DeferredCopies | None = None  # copies that finish after save() returns
 
 
 def take(src: SaveSources, step: int, background: bool) -> Snapshot:
@@ -83,7 +86,7 @@ def take(src: SaveSources, step: int, background: bool) -> Snapshot:
     snap = None
     if error is None:
         try:
-            snap = _copy(src, flat, views, keep, background)
+            snap = _copy(src, step, flat, views, keep, background)
         except Exception as e:  # every rank must learn of it before any starts to write
             error = e
     outcome = coll.all_gather((error is None, digests), src.group)
@@ -103,6 +106,7 @@ def take(src: SaveSources, step: int, background: bool) -> Snapshot:
 
 def _copy(
     src: SaveSources,
+    step: int,
     flat: FlatState,
     views: dict[int, torch.Tensor],
     keep: set[str],
@@ -111,7 +115,7 @@ def _copy(
     """The copies of this moment: offloaded states frozen (asynchronous) or viewed in place,
     every other tensor into the host buffers (all of them for an asynchronous save, device
     tensors for a synchronous one unless over ``max_staging_bytes``)."""
-    release = None
+    release, deferred = None, None
     try:
         if background and keep:
             frozen = freeze_offloaded(src.optimizer)  # these values while training goes on
@@ -121,9 +125,12 @@ def _copy(
             flat.detach_objects()
         staged = flat.sd
         limit = src.max_staging_bytes
+        defer = flat.deferrable_keys() - keep if background and src.deferred else set()
         if background or limit is None or _fits(src.staging, flat.sd, keep, limit):
-            staged = src.staging.stage(flat.sd, copy_cpu=background, keep=keep)
-        if background:
+            staged = src.staging.stage(flat.sd, copy_cpu=background, keep=keep, defer=defer)
+        if defer:  # the next step waits for these copies (DeferredCopies.before_step)
+            deferred = DeferredCopies(step, src.staging, {k: flat.sd[k] for k in defer})
+        elif background:
             src.staging.finish()  # every copy has landed: training may change anything
     except BaseException:
         try:
@@ -132,7 +139,7 @@ def _copy(
             if release is not None:
                 release()
         raise
-    return Snapshot(staged, src.staging, background, release)
+    return Snapshot(staged, src.staging, background, release, deferred)
 
 
 def _fits(staging: HostStaging, sd: dict[str, Any], keep: set[str], limit: int) -> bool:

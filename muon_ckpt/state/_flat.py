@@ -70,6 +70,7 @@ class FlatState:
     group_of: dict[str, int] = field(default_factory=dict)  # param FQN -> its group's index
     unsure_groups: set[int] = field(default_factory=set)  # relaxed: groups with a changed param
     stateless: list[Tensor] = field(default_factory=list)  # params without state when saved
+    param_keys: set[str] = field(default_factory=set)  # model.<fqn> keys of parameters
 
     @classmethod
     def build(
@@ -86,8 +87,11 @@ class FlatState:
         if model is not None and "model" in parts:
             msd = model.state_dict()
             clean = canonical_names(model, list(msd))
+            params = {n for n, _ in model.named_parameters()}
             for k, v in msd.items():
                 fs.sd[model_key(clean[k])] = v
+                if k in params:
+                    fs.param_keys.add(model_key(clean[k]))
                 owner = extra_state_owner(model, k)
                 if owner is not None:  # loaded through set_extra_state, as extra is
                     fs.stateful[model_key(clean[k])] = _ExtraState(owner)
@@ -118,6 +122,14 @@ class FlatState:
             fs.sd[key] = obj.state_dict()
             fs.stateful[key] = obj
         return fs
+
+    def deferrable_keys(self) -> set[str]:
+        """The keys that only an optimizer step changes: parameters and optimizer states (not
+        buffers, which a forward may write in place, nor Python values)."""
+        tensors = {
+            k for k in self.param_keys | set(self.state_slots) if isinstance(self.sd.get(k), Tensor)
+        }
+        return tensors
 
     def host_state_keys(self, views: dict[int, Tensor]) -> set[str]:
         """The keys whose state has a host view in ``views`` (``id(state tensor) -> view``)."""

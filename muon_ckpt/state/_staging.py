@@ -55,6 +55,9 @@ class HostStaging:
         self._events: dict[str, Any] = {}
         self._streams: dict[torch.device, Any] = {}
         self._lock = threading.Lock()
+        self._copier: threading.Thread | None = None  # deferred CPU copies (stage(defer=))
+        self._copied: dict[str, threading.Event] = {}
+        self._copy_error: BaseException | None = None
         self.wait_seconds = 0.0  # summed over the writer threads, since the last stage()
 
     @staticmethod
@@ -112,18 +115,32 @@ class HostStaging:
         return {key: (src, dst) for _, key, src, dst in self._ranges(sd, copy_cpu, set())}
 
     def stage(
-        self, sd: dict[str, Any], *, copy_cpu: bool = False, keep: set[str] = frozenset()
+        self,
+        sd: dict[str, Any],
+        *,
+        copy_cpu: bool = False,
+        keep: set[str] = frozenset(),
+        defer: set[str] = frozenset(),
     ) -> dict[str, Any]:
-        """Host copies of ``sd``'s tensors (not of the keys in ``keep``)."""
+        """Host copies of ``sd``'s tensors (not of the keys in ``keep``). The keys in
+        ``defer`` are copied after every other (device copies are queued last; CPU tensors by
+        a copier thread that starts when this returns); this returns once every other key's
+        copy has landed. Their copies finish later: ``wait``/``finish`` wait for them, and
+        ``before_step`` orders the next optimizer step after them."""
         ranges = self._ranges(sd, copy_cpu, keep)
+        ranges.sort(key=lambda r: r[1] in defer)  # the copies waited for here, first
         self.wait_seconds = 0.0
         if not ranges:
             return sd
         out = dict(sd)
         streams = {dev: self._stream(dev) for dev in {r[0] for r in ranges}}
+        later: list[tuple[str, Tensor, Tensor]] = []
         for dev, key, src, dst in ranges:
             stream = streams[dev]
-            if stream is None:
+            if stream is None and key in defer:
+                later.append((key, src, dst))
+                self._copied[key] = threading.Event()
+            elif stream is None:
                 dst.copy_(src)
             else:
                 with torch.cuda.stream(stream):
@@ -136,7 +153,37 @@ class HostStaging:
                 self._events[key] = ev
             v = sd[key]
             out[key] = DTensor(dst, v._spec, requires_grad=False) if v is not src else dst
+        waited = [k for _, k, _, _ in ranges if k not in defer and k in self._events]
+        if waited:
+            # Sync: copies run in order on each side stream; the last one not deferred landed.
+            self._events[waited[-1]].synchronize()
+        if later:
+            self._copy_error = None
+            self._copier = threading.Thread(
+                target=self._copy_later, args=(later,), name="muon_ckpt-copier", daemon=True
+            )
+            self._copier.start()
         return out
+
+    def _copy_later(self, later: list[tuple[str, Tensor, Tensor]]) -> None:
+        """The copier thread: the deferred CPU copies, in order, each key's event set once its
+        copy is done (or failed: ``wait`` raises it)."""
+        try:
+            for key, src, dst in later:
+                dst.copy_(src)
+                self._copied[key].set()
+        except BaseException as e:
+            self._copy_error = e
+            for ev in self._copied.values():
+                ev.set()
+
+    def before_step(self) -> None:
+        """Order the next optimizer step after every deferred copy: on the GPU without waiting
+        on the host (``fence``), on the CPU by joining the copier."""
+        self.fence()
+        copier = self._copier  # (the writer's finish() may clear it meanwhile)
+        if copier is not None:
+            copier.join()
 
     def _stream(self, dev: torch.device) -> Any:
         if dev.type != "cuda":
@@ -149,6 +196,15 @@ class HostStaging:
         return s
 
     def wait(self, key: str) -> None:
+        copied = self._copied.get(key)
+        if copied is not None:
+            t0 = time.perf_counter()
+            copied.wait()
+            with self._lock:
+                self.wait_seconds += time.perf_counter() - t0
+            if self._copy_error is not None:
+                raise self._copy_error
+            return
         ev = self._events.get(key)
         if ev is not None:
             t0 = time.perf_counter()
@@ -173,3 +229,7 @@ class HostStaging:
         for ev in self._events.values():
             ev.synchronize()
         self._events.clear()
+        if self._copier is not None:
+            self._copier.join()
+            self._copier = None
+        self._copied.clear()

@@ -1,0 +1,94 @@
+"""The deferred snapshot (``snapshot="deferred"``): a save the training loop does not feel.
+
+Parameters and optimizer states do not change between ``save()`` and the next
+``optimizer.step()``: the forward and backward of the next step only read them. So ``save()``
+queues their copies into the host buffers (device tensors on a side stream after the work
+already queued; CPU tensors on a copier thread) and returns; the next step waits for them
+(a step pre-hook: on the GPU in stream order, no host wait; on the CPU by joining the
+copier) before it changes anything. What the next forward may write in place (buffers such
+as BatchNorm's running statistics) and Python values are copied at the call; offloaded
+states need no copy (they are frozen, as for any asynchronous save).
+
+The promise stays that the checkpoint holds the state of the ``save()`` call, and what would
+break it is detected: a parameter or state written in place between ``save()`` and the next
+step (an EMA, a manual edit) bumps its version counter, which is compared before the step (or,
+when no step came, once the copies are done); then that save fails and is not committed.
+Writes through ``.data`` bypass the version counter and are not detected.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from muon_ckpt._errors import CheckpointError
+from muon_ckpt._tensors import local_tensor
+from muon_ckpt.state import HostStaging
+
+__all__ = ["DeferredCopies", "hook_step"]
+
+
+class DeferredCopies:
+    """The copies of one save that finish after ``save()`` returned, and the version counters
+    of their sources at the call."""
+
+    def __init__(self, step: int, staging: HostStaging, sources: dict[str, torch.Tensor]) -> None:
+        self.step = step
+        self._staging = staging
+        self._versions = {
+            k: (local_tensor(t), local_tensor(t)._version) for k, t in sources.items()
+        }
+        self._lock = threading.Lock()
+        self._changed: list[str] | None = None  # decided once: before the step, or at the write
+
+    def before_step(self) -> None:
+        """The next optimizer step is about to change parameters and states: it waits for the
+        copies, and what changed since the call is noted (the save then fails)."""
+        self._staging.before_step()
+        self._decide()
+
+    def verify(self) -> None:
+        """Once every copy has landed (the job, before its commit): raise CheckpointError if a
+        source was written in place between the call and the next step."""
+        changed = self._decide()
+        if changed:
+            shown = ", ".join(changed[:5]) + (
+                f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+            )
+            raise CheckpointError(
+                f"saving step {self.step}: {shown} changed in place between save() and the next "
+                "optimizer.step() while snapshot='deferred' was still copying it, so the "
+                "checkpoint cannot be the state of the save() call; it is not committed. In "
+                "this mode, leave parameters and optimizer states alone until the next step "
+                "(apply an EMA or manual edit after it), or use snapshot='blocking'"
+            )
+
+    def _decide(self) -> list[str]:
+        with self._lock:
+            if self._changed is None:
+                self._changed = sorted(k for k, (t, v) in self._versions.items() if t._version != v)
+                self._versions = {}
+            return self._changed
+
+
+def hook_step(
+    optimizer: torch.optim.Optimizer | None, pending: Callable[[], DeferredCopies | None]
+) -> Any:
+    """Make ``optimizer.step()`` wait for the deferred copies of the save ``pending()`` names
+    (a step pre-hook, which every ``torch.optim.Optimizer`` runs); its removable handle."""
+    if optimizer is None:
+        raise ValueError(
+            "snapshot='deferred' needs the optimizer: its next step() waits for the copies "
+            "of a save, and nothing else tells when the parameters change; pass optimizer=, "
+            "or use snapshot='blocking'"
+        )
+
+    def before_step(opt: Any, args: Any, kwargs: Any) -> None:
+        deferred = pending()
+        if deferred is not None:
+            deferred.before_step()
+
+    return optimizer.register_step_pre_hook(before_step)
