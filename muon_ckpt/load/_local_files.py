@@ -28,6 +28,8 @@ read.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any
 
 import torch
@@ -93,17 +95,51 @@ def item_layout(edges: _Edges) -> Layout | None:
     return parse_layout(edges.read, edges.length)
 
 
+# What a reading thread's time goes to: reads (``pread``), the checksum, page-locking its
+# buffers, and waiting for its copies to the device to finish with a buffer.
+PHASES = ("io", "checksum", "pin", "h2d_wait")
+
+
+class _PinnedChunks:
+    """Page-locked ``CHUNK`` buffers kept from one load for the next in this process:
+    page-locking costs about 1 s/GiB (``cudaHostRegister``), which a load would otherwise pay
+    again for every reading thread's two chunks (8 MiB a thread). Registered for every
+    device (portable). At most ``keep`` are kept (two for each of 64 threads: 512 MiB);
+    more are unregistered when freed."""
+
+    def __init__(self, keep: int) -> None:
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._keep = keep
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return pinned_empty(CHUNK, pin=True, device=device)
+
+    def give(self, bufs: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._free.extend(bufs[: max(0, self._keep - len(self._free))])
+
+
+_PINNED = _PinnedChunks(keep=2 * 64)
+
+
 class ReadBuffers:
     """The reused buffers of one reading thread: a pageable chunk, a whole-record buffer and
     two page-locked chunks for copies to the GPU. A thread's ``FileLoad``s share them one
     after another (each waits for its copies out of them before it ends), so a load split
-    into many parts registers page-locked memory once per thread, not once per part."""
+    into many parts takes page-locked memory once per thread, not once per part; the load
+    gives them back (``release``) for the next load of the process."""
 
     def __init__(self) -> None:
         self._chunk: bytearray | None = None
         self._whole: bytearray | None = None
         self._pinned: list[tuple[torch.Tensor, memoryview, Any]] = []
         self._device: torch.device | None = None
+        # Seconds this thread spent in each phase (PHASES), for the load's timings.
+        self.phases = dict.fromkeys(PHASES, 0.0)
 
     def chunk(self) -> memoryview:
         if self._chunk is None:
@@ -125,20 +161,34 @@ class ReadBuffers:
         if self._device != device:
             self.drain()
             if not self._pinned:
+                t0 = time.perf_counter()
                 for _ in range(2):
-                    t = pinned_empty(CHUNK, pin=True, device=device)
+                    t = _PINNED.take(device)
                     self._pinned.append((t, tensor_bytes(t), None))
+                self.phases["pin"] += time.perf_counter() - t0
             self._pinned = [(t, v, torch.cuda.Event()) for t, v, _ in self._pinned]
             self._device = device
         buf, view, event = self._pinned[i]
+        t0 = time.perf_counter()
         event.synchronize()  # returns at once if never recorded
+        self.phases["h2d_wait"] += time.perf_counter() - t0
         return buf, view, event
 
     def drain(self) -> None:
         """Wait for the copies out of the page-locked buffers (no-op without any)."""
+        if not self._pinned:
+            return
+        t0 = time.perf_counter()
         for _, _, event in self._pinned:
             if event is not None:
                 event.synchronize()
+        self.phases["h2d_wait"] += time.perf_counter() - t0
+
+    def release(self) -> None:
+        """Wait for the copies out of the page-locked chunks and keep them for the next load."""
+        self.drain()
+        _PINNED.give([t for t, _, _ in self._pinned])
+        self._pinned, self._device = [], None
 
 
 class FileLoad:
@@ -179,12 +229,13 @@ class FileLoad:
         self._pos = window[0] if window is not None else 0
         self._counted = [0]
         self._spans = SpanReader(where, entry, self._pread)
+        self._own_bufs = buffers is None
         self._bufs = buffers if buffers is not None else ReadBuffers()
         self.file_size = -1
 
     # ------------------------------------------------------------------ reading
     def _pread(self, fd: int, mv: memoryview, offset: int) -> None:
-        done = 0
+        done, t0 = 0, time.perf_counter()
         while done < len(mv):
             got = os.preadv(fd, [mv[done:]], offset + done)
             if got == 0:
@@ -195,6 +246,7 @@ class FileLoad:
                 )
             done += got
             self._counted[0] += got
+        self._bufs.phases["io"] += time.perf_counter() - t0
 
     @property
     def bytes_read(self) -> int:
@@ -210,7 +262,9 @@ class FileLoad:
         if self._sum is not None:
             if offset != self._pos:
                 raise AssertionError(f"crc out of order: at {self._pos}, read at {offset}")
+            t0 = time.perf_counter()
             self._sum.update(mv)
+            self._bufs.phases["checksum"] += time.perf_counter() - t0
             self._pos = offset + len(mv)
 
     def _take_discard(self, fd: int, offset: int, end: int) -> None:
@@ -401,6 +455,9 @@ class FileLoad:
             return self._sum
         finally:
             try:
-                self._bufs.drain()
+                if self._own_bufs:
+                    self._bufs.release()
+                else:
+                    self._bufs.drain()
             finally:
                 os.close(fd)

@@ -42,7 +42,7 @@ from muon_ckpt._threads import run_all
 from muon_ckpt.load._chunk_spans import corrupt_chunk
 from muon_ckpt.load._corruption import prefer_corruption
 from muon_ckpt.load._declared import StoredChunks, UntrustedItem
-from muon_ckpt.load._local_files import FileLoad, ReadBuffers
+from muon_ckpt.load._local_files import PHASES, FileLoad, ReadBuffers
 from muon_ckpt.load._read_once import agree, distribute, plan_shared
 from muon_ckpt.load._remote_files import ServingFileSystem, read_remote
 from muon_ckpt.store import FileEntry, Storage
@@ -97,6 +97,7 @@ class VerifyingReader(FileSystemReader):
         self.chunks = StoredChunks(metadata)  # what the metadata declares for each stored chunk
         self.captures: dict[str, dict[int, memoryview]] = {}  # read here for other ranks
         self.timings: dict[str, float] = {}  # "read": wall time of read_data
+        self.phases: dict[str, float] = {}  # local reads: thread-seconds per PHASES entry
         self.bytes_read = 0  # bytes this reader read from storage
         self.shared_bytes = 0  # bytes of stored items read once for several ranks (all ranks)
         self._shared_targets: frozenset[str] = frozenset()  # (set per local read)
@@ -238,6 +239,7 @@ class VerifyingReader(FileSystemReader):
                 share, planner, self.where, self.chunks, self._rank, self._world, self._group
             )
         self.timings = {"read": t1 - t0, "share": time.perf_counter() - t1}
+        self.timings.update({f"threads_{k}": v for k, v in self.phases.items()})
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
@@ -262,10 +264,12 @@ class VerifyingReader(FileSystemReader):
         work = sum(e.size for n in names if (e := self.entry(n)) is not None)
         part_bytes = max(PART_BYTES, -(-work // (4 * self.threads)))
         local = threading.local()
+        made: list[ReadBuffers] = []
 
         def buffers() -> ReadBuffers:  # one set per thread, reused by all its parts
             if not hasattr(local, "buffers"):
                 local.buffers = ReadBuffers()
+                made.append(local.buffers)
             return local.buffers
 
         tasks: list[tuple[int, Callable[[], None]]] = []
@@ -282,7 +286,13 @@ class VerifyingReader(FileSystemReader):
                     run = partial(self._load_file, name, part, planner, verify, cap)
                     tasks.append((n, lambda run=run, window=window: run(buffers(), window)))
         tasks.sort(key=lambda t: -t[0])  # largest first: even finish
-        run_all(self.threads, lambda task: task[1](), tasks)
+        try:
+            run_all(self.threads, lambda task: task[1](), tasks)
+        finally:
+            for b in made:
+                b.release()
+            for phase in PHASES:  # seconds summed over the threads
+                self.phases[phase] = sum(b.phases[phase] for b in made)
 
     def _whole_file(
         self,
