@@ -28,6 +28,9 @@ __all__ = ["PreemptionWatch"]
 _log = logging.getLogger("muon_ckpt")
 
 
+_LAST_WORK: list[Any] = []  # the exit's last collective (``exit``), kept until the end
+
+
 class PreemptionWatch:
     """Signal handlers that set ``received`` (installed from the main thread)."""
 
@@ -78,6 +81,13 @@ class PreemptionWatch:
         """Step ``step`` is committed: leave the training loop with exit code 0."""
         if rank() == 0:
             _log.warning("preempted: step %d is committed; exiting with code 0", step)
+        if self._group is not None:
+            # torch + gloo may abort the process at exit ("terminate called without an
+            # active exception", pytorch#190489) when it ends right after a blocking
+            # collective: the last one is asynchronous, and its Work lives until the exit.
+            work = dist.barrier(group=self._group, async_op=True)
+            work.wait()
+            _LAST_WORK.append(work)
         raise SystemExit(0)
 
     def restore(self) -> None:
