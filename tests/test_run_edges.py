@@ -149,7 +149,7 @@ def test_a_save_that_cannot_finish_at_exit_is_logged_and_left_uncommitted(tmp_pa
     uncommitted (never half-committed) and each rank logs the failure at ERROR, naming it."""
     url, out = str(tmp_path / "run"), str(tmp_path / "out")
     os.makedirs(out)
-    cfg = {"url": url, "out": out, "steps": 2, "gate_seconds": 60.0, "end": "destroy"}
+    cfg = {"url": url, "out": out, "steps": 2, "gate_seconds": 5.0, "end": "destroy"}
     for rc, err in _finish(_launch(cfg, 2)):
         assert rc == 0, err
         line = next((ln for ln in err.splitlines() if "ERROR" in ln or "at exit" in ln), err)
@@ -165,7 +165,7 @@ def test_a_background_failure_after_the_last_save_is_logged_at_exit(tmp_path):
     ERROR, naming the step."""
     url, out = str(tmp_path / "run"), str(tmp_path / "out")
     os.makedirs(out)
-    cfg = {"url": url, "out": out, "steps": 2, "gate_seconds": 60.0, "end": "steal"}
+    cfg = {"url": url, "out": out, "steps": 2, "gate_seconds": 5.0, "end": "steal"}
     [(rc, err)] = _finish(_launch(cfg, 1))
     assert rc == 0, err
     errors = [ln for ln in err.splitlines() if ln.startswith("ERROR")]
