@@ -391,8 +391,8 @@ def report(
                 for proc in ("fresh", "warm"):
                     k = (lay, cache, proc)
                     print(
-                        f"load vs raw dcp.load, {lay} {cache} {proc}: "
-                        f"{med((*k, 'dcp')) / med((*k, 'load')):.2f}x faster"
+                        f"raw dcp.load time / load() time, {lay} {cache} {proc}: "
+                        f"{med((*k, 'dcp')) / med((*k, 'load')):.2f}x"
                     )
     if "load" in methods:
         print("\nper phase, seconds (one load each; threads_*: summed over the reading threads):")

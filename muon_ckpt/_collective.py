@@ -182,13 +182,18 @@ class Calls:
 
     _made: dict[str, int] = {}  # managers of each url made in this process
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, *, background_groups: bool = False) -> None:
         url_id = hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
         n = Calls._made[url_id] = Calls._made.get(url_id, 0) + 1
         self._tag = f"muon_ckpt/{url_id}/{n}"
         self._timeout = timeout
         self._count = 0  # calls so far: the handshake's sequence number
         self.group: Any = None  # gloo group of every save/load collective
+        # With a memory tier, a save's write and a memory save's job run in the background
+        # at the same time as the calls: each on a gloo group of its own.
+        self._background_groups = background_groups
+        self.write_group: Any = None  # a save's write and commit (else ``group``)
+        self.memory_group: Any = None  # a memory save's replication and agreement
         self.hosts = 1
 
     def join(self, call: str) -> None:
@@ -206,6 +211,10 @@ class Calls:
         if is_dist() and self.group is None:
             self.group = new_group(self._timeout)
             self.hosts = len(set(all_gather(socket.gethostname(), self.group)))
+            self.write_group = self.group
+            if self._background_groups:
+                self.write_group = new_group(self._timeout)
+                self.memory_group = new_group(self._timeout)
 
     def close(self) -> None:
         """Remove the last handshake's keys (housekeeping: the store's host may be gone)."""

@@ -93,6 +93,17 @@ OPTIONS: dict[str, str] = {
     "steps are: they are deleted once its first step is committed",
     "snapshot": '`"deferred"` (with `async_save`): `save()` only queues the copies of parameters '
     "and optimizer states; the next `optimizer.step()` waits for them",
+    "memory_interval": "`save(step)` also keeps every K-th step in host memory that outlives "
+    "the process (the memory tier, written in the background; never counted as persisted); "
+    "`load()` restores it first when it is the newest step (None: off)",
+    "memory_dir": "the memory tier's directory on this rank (created 0700; None: "
+    "`/dev/shm/muon-ckpt-<uid>`); each run has its own directory in it",
+    "replicas": "copies of each rank's memory-tier part kept by ranks on other nodes",
+    "node_size": "consecutive ranks per node, for replicas (None: `LOCAL_WORLD_SIZE`)",
+    "memory_keep": "memory-tier steps kept (older ones are deleted once a newer one is "
+    "complete on every rank)",
+    "memory_flush": "`close()` saves the newest memory-tier step to `url` when it is newer than "
+    "the newest committed one (the state must still be that step's)",
 }
 
 
@@ -118,6 +129,12 @@ class ManagerConfig:
     read_once: bool | None = None
     new_run: bool = False
     snapshot: str = "blocking"
+    memory_interval: int | None = None
+    memory_dir: str | None = None
+    replicas: int = 1
+    node_size: int | None = None
+    memory_keep: int = 1
+    memory_flush: bool = True
 
     @property
     def write_threads(self) -> int:
@@ -203,6 +220,36 @@ class ManagerConfig:
             raise ValueError(f"new_run must be True or False, got {self.new_run!r}")
         if self.confirm not in CONFIRM_MODES:
             raise ValueError(f"confirm must be one of {CONFIRM_MODES}, got {self.confirm!r}")
+        self._check_memory()
+
+    def _check_memory(self) -> None:
+        mi = self.memory_interval
+        if mi is not None and (not _is_int(mi) or mi < 1):
+            raise ValueError(
+                f"memory_interval must be an int >= 1 (or None: no memory tier), got {mi!r}"
+            )
+        d = self.memory_dir
+        if isinstance(d, os.PathLike):
+            object.__setattr__(self, "memory_dir", os.fspath(d))
+            d = self.memory_dir
+        if d is not None and (not isinstance(d, str) or not d or "://" in d):
+            raise ValueError(f"memory_dir must be a local directory path or None, got {d!r}")
+        if d is not None:
+            object.__setattr__(self, "memory_dir", os.path.abspath(d))
+        elif mi is not None and not os.path.isdir("/dev/shm"):
+            raise ValueError(
+                "memory_interval is set but this machine has no /dev/shm: pass memory_dir, a "
+                "directory in host memory (tmpfs) of your own"
+            )
+        if not _is_int(self.replicas) or self.replicas < 0:
+            raise ValueError(f"replicas must be an int >= 0, got {self.replicas!r}")
+        n = self.node_size
+        if n is not None and (not _is_int(n) or n < 1):
+            raise ValueError(f"node_size must be an int >= 1 or None, got {n!r}")
+        if not _is_int(self.memory_keep) or self.memory_keep < 1:
+            raise ValueError(f"memory_keep must be an int >= 1, got {self.memory_keep!r}")
+        if not isinstance(self.memory_flush, bool):
+            raise ValueError(f"memory_flush must be True or False, got {self.memory_flush!r}")
 
     @property
     def resume_kwargs(self) -> dict[str, Any]:

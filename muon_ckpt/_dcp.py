@@ -56,10 +56,19 @@ def _single_process(alone: bool | None = None) -> bool:
     return True
 
 
-def save(sd: dict[str, Any], writer: Any, planner: Any, group: Any, what: str) -> None:
-    """``dcp.save`` of ``sd`` on ``group``'s ranks (or in this process alone); a failure is a
-    CheckpointError naming ``what`` (``failures``)."""
-    alone = _single_process()
+def save(
+    sd: dict[str, Any],
+    writer: Any,
+    planner: Any,
+    group: Any,
+    what: str,
+    *,
+    alone: bool | None = None,
+) -> None:
+    """``dcp.save`` of ``sd`` on ``group``'s ranks, or in this process alone (``alone``; None:
+    when there is no process group); a failure is a CheckpointError naming ``what``
+    (``failures``)."""
+    alone = _single_process(alone)
     with failures(what):
         dcp.save(sd, storage_writer=writer, planner=planner, process_group=group, no_dist=alone)
 

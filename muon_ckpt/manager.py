@@ -27,6 +27,7 @@ from muon_ckpt._errors import CheckpointError
 from muon_ckpt._exit import finish_at_exit
 from muon_ckpt._preempt import PreemptionWatch
 from muon_ckpt.load import LoadTargets, resume
+from muon_ckpt.memory import MemorySaves, restore_from_memory
 from muon_ckpt.save import RunLine, SaveJob, SaveSources, WriteSpec, hook_step, spec_for, take
 from muon_ckpt.state import PARTS, HostStaging, LoadReport, check_objects, optimizer_name
 from muon_ckpt.store import MAX_STEP, StepInfo, open_run
@@ -64,6 +65,12 @@ class CheckpointManager:
         read_once: bool | None = None,
         new_run: bool = False,
         snapshot: str = "blocking",
+        memory_interval: int | None = None,
+        memory_dir: str | None = None,
+        replicas: int = 1,
+        node_size: int | None = None,
+        memory_keep: int = 1,
+        memory_flush: bool = True,
     ) -> None:
         given = locals()
         names = ManagerConfig.__dataclass_fields__
@@ -79,7 +86,9 @@ class CheckpointManager:
             resume_from=c.resume_from,
             resume_options=None if c.resume_storage_options is None else c.resume_kwargs,
         )
-        self._calls = coll.Calls(c.url, c.collective_timeout)
+        self._calls = coll.Calls(
+            c.url, c.collective_timeout, background_groups=c.memory_interval is not None
+        )
         self._line = RunLine(c.new_run)
         self._pending: SaveJob | None = None
         self._preempt: PreemptionWatch | None = None
@@ -90,6 +99,8 @@ class CheckpointManager:
         deferred = c.snapshot == "deferred"
         self._sources = SaveSources(*state, None, limit, warned, deferred)
         self._hook = hook_step(optimizer, self._deferred) if deferred else None
+        self._memory = MemorySaves.of(c, self._catalog.storage.url_of(), self._sources)
+        self._latest_deferred: Any = None  # the newest snapshot's deferred copies
         self._targets = LoadTargets(*state, config=c, group=None, hosts=1, warned=warned)
         self._closed = False
         self._write_gate: threading.Event | None = None  # tests: background writes wait for it
@@ -99,6 +110,9 @@ class CheckpointManager:
         self.last_load_timings: dict[str, float] = {}
         self.last_load_report = LoadReport()
         self.last_load_bytes_read = 0
+        # Where the last load read this rank's state: "memory" (its own memory tier), "peer"
+        # (a replica on another rank) or "storage" (url, or resume_from); None before one.
+        self.last_load_tier: str | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -114,6 +128,12 @@ class CheckpointManager:
         """The newest committed step, or None."""
         steps = self.steps()
         return steps[-1] if steps else None
+
+    @property
+    def durable_step(self) -> int | None:
+        """The newest step committed to ``url`` (persistent storage; a listing): memory-tier
+        steps never count."""
+        return self.latest_step()
 
     def step_info(self, step: int | None = None) -> StepInfo | None:
         """What the manifest of committed ``step`` (default: the newest) says, before loading
@@ -136,20 +156,43 @@ class CheckpointManager:
         step = self._check_step(step)
         if self._preempt is not None and self._preempt.agreed(self.config.collective_timeout, step):
             self._save_and_exit(step)
-        if not force and self.config.interval is not None and step % self.config.interval:
+        interval = self.config.interval
+        persist = force or interval is None or step % interval == 0
+        memory = self._memory is not None and self._memory.tier.due(step)
+        if not persist and not memory:
             return False
         self._calls.join(f"save(step={step})")
+        if not persist and self._memory is not None:
+            return self._save_memory(step)
         self.wait()
-        return self._save(step, overwrite, self.config.async_save)
+        return self._save(step, overwrite, self.config.async_save, memory=memory)
 
-    def _save(self, step: int, overwrite: bool, background: bool) -> bool:
+    def _save_memory(self, step: int) -> bool:
+        """A step due for the memory tier only: never waits for the url's write in flight."""
+        assert self._memory is not None
+        job = self._pending
+        if job is not None and job.done():
+            self.wait()  # (in this thread: its release; its failure is raised here)
+        writing = self._pending is not None
+        name = optimizer_name(self._optimizer)
+        started, snap = self._memory.save_alone(
+            step, self._calls, self._line, self._catalog, writing, name, self._write_gate
+        )
+        if snap is not None:
+            self._latest_deferred = snap.deferred
+            finish_at_exit(self)  # the interpreter's exit waits for it (_exit)
+        return started
+
+    def _save(self, step: int, overwrite: bool, background: bool, memory: bool = False) -> bool:
         t0 = time.perf_counter()
         group = self._calls.group
         plan, line = coll.on_rank0(lambda: self._line.begin(self._catalog, step, overwrite), group)
         self._line.saving(plan, line)
         t1 = time.perf_counter()
         self._sources.group = group
-        snap = take(self._sources, step, background)
+        # A memory save writes in the background: it needs host copies, as an async save.
+        snap = take(self._sources, step, background or memory)
+        self._latest_deferred = snap.deferred
         t2 = time.perf_counter()
         name, gate = optimizer_name(self._optimizer), self._write_gate
         spec = spec_for(
@@ -160,12 +203,25 @@ class CheckpointManager:
             plan,
             line,
             optimizer=name,
-            group=group,
+            group=self._calls.write_group,
             gate=gate,
         )
         spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
-        job = SaveJob(spec, finish=lambda: self._finished(spec, snap.release))
-        if snap.background:
+        release = snap.release
+        if memory and self._memory is not None:
+            mem = self._memory.start(step, snap, line, self._calls, name, owns=False, finish=None)
+            # (not gated: tests hold the url's write and watch the memory part land)
+
+            def release_both() -> None:
+                mem.wait_written()  # the snapshot is read by both
+                if snap.release is not None:
+                    snap.release()
+
+            release = release_both
+        job = SaveJob(spec, finish=lambda: self._finished(spec, release))
+        if memory:
+            finish_at_exit(self)
+        if snap.background and background:
             finish_at_exit(self)  # the interpreter's exit waits for it (_exit)
             job.start()
             self._pending = job
@@ -185,22 +241,25 @@ class CheckpointManager:
         _log.debug("saved step %d: %s", spec.step, ", ".join(f"{k} {v:.3f}s" for k, v in t.items()))
 
     def _deferred(self) -> Any:
-        """The pending save's copies that the next optimizer step must wait for, if any."""
-        job = self._pending
-        return None if job is None else job.spec.deferred
+        """The newest snapshot's copies that the next optimizer step must wait for, if any."""
+        return self._latest_deferred
 
     def wait(self) -> int | None:
-        """Block until the pending asynchronous save is committed and return its step (None
-        when nothing was pending); its failure is raised here (CheckpointError naming it)."""
+        """Block until the pending asynchronous save is complete in every tier it goes to
+        (committed to ``url``; in the memory tier, replicas included) and return its step
+        (None when nothing was pending); a failure to commit is raised here (CheckpointError
+        naming the step); the memory tier's are WARNINGs."""
         self._check_open()
+        kept = self._memory.wait() if self._memory is not None else None
         job = self._pending
         if job is None:
-            return None
+            return kept
         try:
-            return job.wait()
+            step = job.wait()
         finally:
             if job.joined:  # interrupted while joining (Ctrl-C): still pending
                 self._pending = None
+        return step if kept is None else max(step, kept)
 
     # ------------------------------------------------------------------ preemption
     def watch_preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> None:
@@ -252,6 +311,15 @@ class CheckpointManager:
         self.wait()
         t = self._targets
         t.group, t.hosts = self._calls.group, self._calls.hosts
+        if self._memory is not None:
+            mem = restore_from_memory(
+                t, self._catalog, self._memory.tier, step, strict=strict, parts=chosen
+            )
+            if mem is not None:
+                self._line.loaded(self.url, mem.decision)
+                self.last_load_report, self.last_load_timings = mem.report, mem.timings
+                self.last_load_bytes_read, self.last_load_tier = 0, mem.tier
+                return mem.decision.step
         got = resume(
             t, self._catalog, self._resume, step, strict=strict, parts=chosen, elastic=elastic
         )
@@ -263,7 +331,7 @@ class CheckpointManager:
             return None
         self._line.loaded(self.url, got.decision)
         self.last_load_report, self.last_load_timings = got.report, got.timings
-        self.last_load_bytes_read = got.bytes_read
+        self.last_load_bytes_read, self.last_load_tier = got.bytes_read, "storage"
         return got.decision.step
 
     @staticmethod
@@ -283,7 +351,10 @@ class CheckpointManager:
             return
         try:
             self.wait()
+            self._flush_memory()
         finally:
+            if self._memory is not None:
+                self._memory.close()
             self._staging.release()
             self._closed = True
             if self._preempt is not None:
@@ -294,6 +365,19 @@ class CheckpointManager:
             if coll.rank() == 0:  # the next job may write at once
                 with contextlib.suppress(CheckpointError):
                     self._catalog.lease.release()
+
+    def _flush_memory(self) -> None:
+        """``memory_flush``: the newest memory-tier step saved to ``url`` when it is newer than
+        its newest step and still the state's (``MemorySaves.to_flush``)."""
+        step = self._memory.to_flush(self.url) if self._memory is not None else None
+        if step is None:
+            return
+        self._calls.join(f"close(flush step={step})")
+        newest = coll.on_rank0(self.latest_step, self._calls.group)
+        if newest is None or newest < step:
+            self._save(step, overwrite=False, background=False)
+            if coll.rank() == 0:
+                _log.info("close(): saved memory-tier step %d to %s (memory_flush)", step, self.url)
 
     def _close_at_exit(self) -> None:
         """The interpreter is exiting (``_exit``): commit the pending save, or say why not."""

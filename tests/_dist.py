@@ -159,6 +159,91 @@ def run_on_ranks(
     return [outs[r] for r in range(world_size)]
 
 
+def run_then_kill(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    kill_after: float | None = None,
+) -> list[Any] | None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks as ``run_on_ranks`` does;
+    once every rank's ``fn`` has returned, SIGKILL them all: no ``close()``, no exit hooks, no
+    process-group teardown (a crashed job). Returns what each ``fn`` returned; a rank that
+    failed is raised as by ``run_on_ranks``. With ``kill_after``, they are killed that many
+    seconds after they started, wherever they are (then None is returned)."""
+    ctx = _context()
+    port = _free_port()
+    results = ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="muon_ckpt_kill_")
+    stack_files = [os.path.join(tmp, f"stack{r}.txt") for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child_then_wait,
+            args=(fn, r, world_size, port, args, results, stack_files[r], timeout),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + (timeout if kill_after is None else kill_after)
+    try:
+        while len(outs) + len(failures) < world_size and time.monotonic() < deadline:
+            try:
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if ok:
+                outs[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = payload
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, 9)
+            p.join()
+    try:
+        if kill_after is None or failures:
+            _raise_failures(fn, world_size, outs, failures, stack_files, timeout)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return None if kill_after is not None else [outs[r] for r in range(world_size)]
+
+
+def _child_then_wait(fn, rank, world_size, port, args, results, stack_file, timeout):
+    """``_child``, but a rank that is done reports and waits to be killed (``run_then_kill``)."""
+    import threading
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    with open(stack_file, "w") as stacks:
+        faulthandler.dump_traceback_later(max(timeout - 5, 1), file=stacks, exit=False)
+        try:
+            if use_cuda(world_size):
+                torch.cuda.set_device(rank)
+            dist.init_process_group(
+                "nccl" if use_cuda(world_size) else "gloo", rank=rank, world_size=world_size
+            )
+            out = fn(rank, world_size, *args)
+            results.put((rank, True, pickle.dumps(out)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+            return
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    threading.Event().wait()  # until the parent's SIGKILL
+
+
 def _raise_failures(fn, world_size, outs, failures, stack_files, timeout) -> None:
     if failures or len(outs) < world_size:
         parts = [f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items())]

@@ -3,9 +3,10 @@
 
 Within ``muon_ckpt``: the top-level private modules (errors, collectives, options, threads...)
 are the base; ``store`` is above the base; ``state`` and ``_dcp`` above ``store``; ``save``
-and ``load`` above those, and neither imports the other; ``manager`` and ``interop`` above
-them; then ``demo`` (which uses the public API, like any script) and ``cli`` (which runs
-the demo); the package's ``__init__`` is the facade. Across packages:
+and ``load`` above those, and neither imports the other; ``memory`` (the memory tier, which
+saves and loads through both) and ``interop`` above them; ``manager`` above those; then
+``demo`` (which uses the public API, like any script) and ``cli`` (which runs the demo); the
+package's ``__init__`` is the facade. Across packages:
 ``offload`` imports neither of the others, ``optim`` only ``offload``, and ``muon_ckpt`` never
 ``optim`` (it works with any optimizer) but in its demo.
 """
@@ -28,11 +29,12 @@ _LEVEL = {
     "_dcp": 2,
     "save": 3,
     "load": 3,
-    "manager": 4,
+    "memory": 4,
     "interop": 4,
-    "demo": 5,
-    "cli": 6,
-    "__init__": 7,
+    "manager": 5,
+    "demo": 6,
+    "cli": 7,
+    "__init__": 8,
 }
 
 

@@ -70,7 +70,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"muon-ckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("ls", parents=[remote], help="list steps, committed or not")
+    # ls and prune: the url is optional with --memory (this node's memory tier).
+    maybe_url = argparse.ArgumentParser(add_help=False, parents=[common])
+    maybe_url.add_argument(
+        "url", nargs="?", help="run root (path or URL); with --memory: only this run's tier"
+    )
+    maybe_url.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec storage option for remote URLs (repeatable; VALUE may be JSON)",
+    )
+    maybe_url.add_argument(
+        "--memory",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="the memory tier on this node instead: memory_dir DIR (default "
+        "/dev/shm/muon-ckpt-<uid>)",
+    )
+
+    s = sub.add_parser("ls", parents=[maybe_url], help="list steps, committed or not")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_ls)
 
@@ -122,8 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_export)
 
-    s = sub.add_parser("prune", parents=[remote], help="delete old committed steps")
-    s.add_argument("--keep", type=int, required=True, help="committed steps to keep (>= 1)")
+    s = sub.add_parser(
+        "prune",
+        parents=[maybe_url],
+        help="delete old committed steps; with --memory, clear this node's memory tier",
+    )
+    s.add_argument("--keep", type=int, help="committed steps to keep (>= 1; not with --memory)")
     s.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_prune)

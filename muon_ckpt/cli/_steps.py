@@ -5,14 +5,27 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from muon_ckpt.cli._memory import cmd_ls_memory, cmd_prune_memory
 from muon_ckpt.cli._text import human, json_doc, open_url, printable
 
 __all__ = ["cmd_inspect", "cmd_ls", "cmd_prune", "cmd_verify"]
 
 
+def _url_or_memory(args: argparse.Namespace, command: str) -> bool:
+    """Whether ``args`` ask for the memory tier (``--memory``); a url is needed otherwise."""
+    if args.memory is not None:
+        return True
+    if not args.url:
+        raise ValueError(f"muon-ckpt {command} needs a url (or --memory [DIR])")
+    return False
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from muon_ckpt._errors import CheckpointNotFoundError
     from muon_ckpt.store import Catalog
+
+    if _url_or_memory(args, "ls"):
+        return cmd_ls_memory(args)
 
     st = open_url(args)
     st.check_root()
@@ -190,6 +203,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     from muon_ckpt.store import prune
+
+    if _url_or_memory(args, "prune"):
+        if args.keep is not None:
+            raise ValueError("prune --memory clears the memory tier: --keep does not apply")
+        return cmd_prune_memory(args)
+    if args.keep is None:
+        raise ValueError("muon-ckpt prune needs --keep N (committed steps to keep)")
 
     res = prune(open_url(args), args.keep, dry_run=args.dry_run)
     if args.json:

@@ -36,7 +36,8 @@ from muon_ckpt.state import (
     offloaded_views,
     prepare_optimizer_state,
 )
-from muon_ckpt.store import Catalog
+from muon_ckpt.store import Storage
+from muon_ckpt.store.dcp import check_held_chunks
 
 __all__ = ["LoadOutcome", "LoadTargets", "RankFailure", "attempt", "undo"]
 
@@ -58,11 +59,11 @@ class LoadTargets:
     hosts: int  # hosts the ranks run on (read_once's default)
     warned: set[str]  # warnings given once per manager
 
-    def reads_once(self, catalog: Catalog) -> bool:
-        """Whether a load from ``catalog`` reads shared items once (``read_once``)."""
+    def reads_once(self, storage: Storage) -> bool:
+        """Whether a load from ``storage`` reads shared items once (``read_once``)."""
         if self.config.read_once is not None:
             return self.config.read_once
-        return not catalog.storage.is_local or self.hosts > 1
+        return not storage.is_local or self.hosts > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +101,17 @@ class LoadOutcome:
 
 def attempt(
     t: LoadTargets,
-    catalog: Catalog,
+    storage: Storage,
     d: Decision,
     where: str,
     strict: bool,
     parts: tuple[str, ...],
+    *,
+    alone: bool = False,
 ) -> LoadOutcome:
-    """One try at loading ``d.step`` on every rank (two agreement points, see the module)."""
+    """One try at loading ``d.step`` (``d.dirname`` of ``storage``) on every rank (two
+    agreement points, see the module). ``alone``: each rank reads a checkpoint of its own
+    (a memory-tier part), without DCP's collectives; the agreements are the same."""
     out = LoadOutcome({})
     flat: FlatState | None = None
     try:
@@ -124,7 +129,7 @@ def attempt(
             if flat is None or out.report is None or out.rollback is None:
                 raise AssertionError("an agreed load without its state, report or backup")
             try:
-                _read(t, catalog, d, where, flat, out, strict, parts, out.rollback)
+                _read(t, storage, d, where, flat, out, strict, parts, out.rollback, alone)
             except Exception as e:
                 out.error = e
             out.failures = _agree(out.error, t.group)
@@ -191,7 +196,7 @@ def _prepare(
 
 def _read(
     t: LoadTargets,
-    catalog: Catalog,
+    storage: Storage,
     d: Decision,
     where: str,
     flat: FlatState,
@@ -199,22 +204,25 @@ def _read(
     strict: bool,
     parts: tuple[str, ...],
     rollback: Rollback,
+    alone: bool,
 ) -> None:
     """Read ``d.step`` into the live state and apply what DCP does not write in place; the
     backup keeps each tensor before the first write into it (``Rollback.keep``)."""
     t0 = time.perf_counter()
     reader = VerifyingReader(
-        catalog.storage.child(d.dirname),
+        storage.child(d.dirname),
         d.files,
         metadata=d.metadata,
-        rank=coll.rank(),
-        world_size=coll.world_size(),
-        io_threads=t.config.read_threads(catalog.storage.is_local),
+        rank=0 if alone else coll.rank(),
+        world_size=1 if alone else coll.world_size(),
+        io_threads=t.config.read_threads(storage.is_local),
         verify_crc=checks_content(t.config.verify),
-        group=t.group if t.reads_once(catalog) else None,
+        group=t.group if t.reads_once(storage) and not alone else None,
     )
     planner = SafeLoadPlanner(before_write=rollback.keep)
-    _dcp.load(flat.sd, reader, planner, t.group, f"loading {where}")
+    if alone:
+        check_held_chunks(flat.sd, d.metadata, where)
+    _dcp.load(flat.sd, reader, planner, t.group, f"loading {where}", alone=alone or None)
     out.timings.update(dcp_load=time.perf_counter() - t0, **reader.timings)
     out.bytes_read = reader.bytes_read
     report = out.report if out.report is not None else LoadReport()

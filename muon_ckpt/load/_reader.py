@@ -42,7 +42,8 @@ from muon_ckpt._threads import run_all
 from muon_ckpt.load._chunk_spans import corrupt_chunk
 from muon_ckpt.load._corruption import prefer_corruption
 from muon_ckpt.load._declared import StoredChunks, UntrustedItem
-from muon_ckpt.load._local_files import PHASES, FileLoad, ReadBuffers
+from muon_ckpt.load._local_files import FileLoad
+from muon_ckpt.load._read_buffers import PHASES, ReadBuffers
 from muon_ckpt.load._read_once import agree, distribute, plan_shared
 from muon_ckpt.load._remote_files import ServingFileSystem, read_remote
 from muon_ckpt.store import FileEntry, Storage
@@ -291,8 +292,7 @@ class VerifyingReader(FileSystemReader):
         finally:
             for b in made:
                 b.release()
-            for phase in PHASES:  # seconds summed over the threads
-                self.phases[phase] = sum(b.phases[phase] for b in made)
+            self.phases = {k: sum(b.phases[k] for b in made) for k in PHASES}  # thread-seconds
 
     def _whole_file(
         self,

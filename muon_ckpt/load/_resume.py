@@ -58,7 +58,7 @@ def resume(
         chosen = _elastic(t, d, parts) if elastic else parts
         source = resume_from[0] if d.from_resume and resume_from else catalog
         where = source.storage.url_of(d.dirname)
-        out = attempt(t, source, d, where, strict, chosen)
+        out = attempt(t, source.storage, d, where, strict, chosen)
         if not out.failures:
             break
         undo(t, out.rollback)

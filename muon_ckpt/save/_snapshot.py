@@ -45,6 +45,9 @@ class SaveSources:
     max_staging_bytes: int | None
     warned: set[str]  # warnings given once per manager
     deferred: bool = False  # snapshot="deferred": parameters and states copied after the call
+    # Offloaded states are frozen (no copy) unless another save holds the pool's one freeze:
+    # then they are copied like any host tensor (a memory save while a write is in flight).
+    freeze: bool = True
 
 
 @dataclasses.dataclass
@@ -117,6 +120,8 @@ def _copy(
     tensors for a synchronous one unless over ``max_staging_bytes``)."""
     release, deferred = None, None
     try:
+        if background and keep and not src.freeze:
+            keep = set()  # copied into the host buffers: the pool's freeze is taken
         if background and keep:
             frozen = freeze_offloaded(src.optimizer)  # these values while training goes on
             views, release = frozen.views, frozen.release

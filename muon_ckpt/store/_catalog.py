@@ -381,9 +381,12 @@ def _pick(infos: list[StepInfo]) -> StepInfo | None:
     return best
 
 
-def check_files(storage: Storage, parts: tuple[str, ...], m: Manifest) -> Metadata:
+def check_files(
+    storage: Storage, parts: tuple[str, ...], m: Manifest, tiles: bool = True
+) -> Metadata:
     """Every file of manifest ``m`` present at its size; the DCP metadata checksummed and
-    parsed. Raises CheckpointCorruptError naming the first bad file."""
+    parsed (``tiles``: chunks must tile each tensor). Raises CheckpointCorruptError naming
+    the first bad file."""
     infos = storage.walk_info(*parts)
     for fname, entry in sorted(m.files.items()):
         info = infos.get(fname)
@@ -416,7 +419,7 @@ def check_files(storage: Storage, parts: tuple[str, ...], m: Manifest) -> Metada
             f"{where}: {md_entry.algorithm} {got.hexdigest()} ({len(data)} bytes), the "
             f"manifest says {md_entry.digest} ({md_entry.size} bytes); load another step"
         )
-    md = parse_metadata(data, where)
+    md = parse_metadata(data, where, tiles)
     check_paths(md, set(m.files), where)
     check_ranges(md, {n: e.size for n, e in m.files.items()}, where)
     return md

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from muon_ckpt._errors import CheckpointCorruptError
 
-__all__ = ["check_tensors", "tiling_problem"]
+__all__ = ["check_held_chunks", "check_tensors", "tiling_problem"]
 
 MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
 # How many pieces the chunks' cuts may make of a tensor, per chunk: a sharded save's chunks
@@ -51,10 +51,13 @@ def _dims(v: Any) -> tuple[int, ...] | None:
 
 
 def tiling_problem(
-    size: Sequence[int], chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
+    size: Sequence[int],
+    chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+    whole: bool = True,
 ) -> str | None:
     """None when ``chunks`` ((offsets, sizes) each, of ``len(size)`` plain non-negative ints)
-    tile a tensor of ``size`` exactly, else what is wrong, for an error message."""
+    tile a tensor of ``size`` exactly, else what is wrong, for an error message. Without
+    ``whole`` they may leave gaps (a memory-tier part holds one rank's shards)."""
     for offsets, sizes in chunks:
         if any(o + n > s for o, n, s in zip(offsets, sizes, size)):
             return f"has a chunk at {list(offsets)} of {list(sizes)}, outside its size {list(size)}"
@@ -87,7 +90,7 @@ def tiling_problem(
                 return f"has chunks that overlap at element {where}"
             seen[i] = 1
     gap = seen.find(0)
-    if gap >= 0:
+    if gap >= 0 and whole:
         where = [cuts[d][(gap // s) % (len(cuts[d]) - 1)] for d, s in enumerate(step)]
         return f"has no chunk that stores element {where} (its chunks leave a gap)"
     return None
@@ -100,12 +103,13 @@ def _corrupt(where: str, key: str, problem: str) -> CheckpointCorruptError:
     )
 
 
-def check_tensors(md: Metadata, where: str) -> None:
-    """Every tensor of ``md`` is tiled exactly by its chunks, each non-empty chunk stored in
-    an item of at least its bytes (no storage transform: its expansion has no bound); every
-    stored object has an item. Raises CheckpointCorruptError naming the first tensor that is
-    not. (That no two items share bytes of a file, and each lies inside its file, is
-    ``check_ranges``'s: it needs the files' sizes.)"""
+def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
+    """Every tensor of ``md`` is tiled exactly by its chunks (without ``tiles``: chunks inside
+    it that do not overlap), each non-empty chunk stored in an item of at least its bytes (no
+    storage transform: its expansion has no bound); every stored object has an item. Raises
+    CheckpointCorruptError naming the first tensor that is not. (That no two items share
+    bytes of a file, and each lies inside its file, is ``check_ranges``'s: it needs the
+    files' sizes.)"""
     items = md.storage_data
     if not isinstance(items, dict):
         raise CheckpointCorruptError(f"{where}: DCP metadata without a storage index")
@@ -119,7 +123,7 @@ def check_tensors(md: Metadata, where: str) -> None:
             continue
         if not isinstance(meta, TensorStorageMetadata):
             raise _corrupt(where, str(key), f"is described by a {type(meta).__name__}")
-        _check_tensor(key, meta, stored, where)
+        _check_tensor(key, meta, stored, where, tiles)
     for info in items.values():
         if getattr(info, "transform_descriptors", None):
             raise CheckpointCorruptError(
@@ -130,7 +134,9 @@ def check_tensors(md: Metadata, where: str) -> None:
             )
 
 
-def _check_tensor(key: str, meta: TensorStorageMetadata, stored: dict, where: str) -> None:
+def _check_tensor(
+    key: str, meta: TensorStorageMetadata, stored: dict, where: str, tiles: bool
+) -> None:
     props, size = meta.properties, _dims(meta.size)
     if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
         raise _corrupt(where, key, "has no dtype")
@@ -147,7 +153,7 @@ def _check_tensor(key: str, meta: TensorStorageMetadata, stored: dict, where: st
         if sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
             raise _corrupt(where, key, f"of {len(size)} dimensions has the chunk {str(c)[:200]}")
         chunks.append((offsets, sizes))
-    problem = tiling_problem(size, chunks)
+    problem = tiling_problem(size, chunks, whole=tiles)
     if problem is not None:
         raise _corrupt(where, key, problem)
     itemsize = props.dtype.itemsize
@@ -165,3 +171,23 @@ def _check_tensor(key: str, meta: TensorStorageMetadata, stored: dict, where: st
                 f"declares {nbytes} bytes for its chunk at {list(offsets)}, stored in an item "
                 f"of {info.length} bytes",
             )
+
+
+def check_held_chunks(sd: dict[str, Any], md: Metadata, where: str) -> None:
+    """A checkpoint of one rank's own state (a memory-tier part, whose chunks need not tile
+    the tensors): each tensor of ``sd`` it stores is stored as exactly the chunks this rank
+    holds (a DTensor's local shards, a plain tensor whole), so that a load writes every
+    element of this rank's targets and nothing else."""
+    from torch.distributed.tensor import DTensor
+
+    for key, v in sd.items():
+        meta = md.state_dict_metadata.get(key)
+        if not isinstance(v, torch.Tensor) or not isinstance(meta, TensorStorageMetadata):
+            continue
+        if isinstance(v, DTensor):
+            want = sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.__create_chunk_list__())
+        else:
+            want = [((0,) * v.dim(), tuple(v.shape))]
+        got = sorted((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks)
+        if [w for w in want if all(w[1])] != [g for g in got if all(g[1])]:
+            raise _corrupt(where, key, f"stores the chunks {got[:4]}, this rank holds {want[:4]}")

@@ -61,7 +61,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def parse_metadata(data: bytes, where: str) -> Metadata:
+def parse_metadata(data: bytes, where: str, tiles: bool = True) -> Metadata:
     """DCP metadata from its bytes, its tensors checked (``check_tensors``: chunks that tile
     each tensor, items that store what the chunks declare): every reader gets it from here."""
     try:
@@ -74,7 +74,7 @@ def parse_metadata(data: bytes, where: str) -> Metadata:
         raise CheckpointCorruptError(f"{where}: not DCP metadata (found {type(md).__name__})")
     if not isinstance(md.state_dict_metadata, dict):
         raise CheckpointCorruptError(f"{where}: DCP metadata without a state dict index")
-    check_tensors(md, where)
+    check_tensors(md, where, tiles)
     return md
 
 

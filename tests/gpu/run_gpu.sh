@@ -23,7 +23,7 @@ rc=0
 step() { echo; echo "=== $* ==="; "$@" 2>&1 | tee -a "$out/gpu.log"; local r=${PIPESTATUS[0]}; echo "=== exit $r: $1 ==="; [ "$r" = 0 ] || rc=1; }
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step torchrun --nproc-per-node="$ngpu" tests/gpu/test_cpu_offload.py
-  suite="tests/gpu/test_optim_gpu.py tests/gpu/test_checkpoint_gpu.py tests/gpu/test_itemread_gpu.py tests/gpu/test_async_gpu.py tests/gpu/test_deferred_gpu.py tests/gpu/test_resume_gpu.py tests/test_optim_dist.py tests/test_optim_reference.py tests/test_optim_config.py tests/test_offload_dist.py"
+  suite="tests/gpu/test_optim_gpu.py tests/gpu/test_checkpoint_gpu.py tests/gpu/test_itemread_gpu.py tests/gpu/test_async_gpu.py tests/gpu/test_deferred_gpu.py tests/gpu/test_resume_gpu.py tests/gpu/test_memory_tier_gpu.py tests/test_optim_dist.py tests/test_optim_reference.py tests/test_optim_config.py tests/test_offload_dist.py"
   # With several GPUs the checkpoint resume/reshard suites run on NCCL too (on one GPU their
   # multi-rank cases would be gloo on the CPU again, as in CI).
   [ "$ngpu" -gt 1 ] && suite="$suite tests/test_manager_resume.py tests/test_manager_fsdp.py tests/test_import_dist.py tests/test_async_save.py"
@@ -42,5 +42,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   cases=""; for c in ${ASYNC_CASES:-16x4096 16x8192}; do cases="$cases --case $c"; done
   step python3 benchmarks/bench_async_save.py --device cuda $cases --snapshot blocking deferred --url "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
   step python3 -m benchmarks.bench_resume --device cuda --size-gib "${CKPT_GIB:-4}" --dir "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
+  step python3 -m benchmarks.bench_memory_tier restore --world 1 --node-size 1 --device cuda --size-gib "${CKPT_GIB:-4}"
+  step python3 -m benchmarks.bench_memory_tier overhead --device cuda --case 16x4096 --every 1 2 4 8 16
 fi
 exit $rc

@@ -1,0 +1,329 @@
+"""The memory tier: how fast a restart restores from it, and what it costs a training loop.
+
+``restore`` (default): ``--world`` ranks as nodes of ``--node-size`` (gloo on the CPU; one
+rank per GPU with ``--device cuda``), ``--size-gib`` of state sharded over them (FSDP-style
+``Shard(0)`` DTensors, Muon momentum included). Step 2 is saved to both tiers; then, in the same
+run, ``load()`` of it (slowest rank, median of ``--rounds``) from:
+
+* ``memory``: every rank's own part, in this node's memory tier;
+* ``peer``: the parts of the last node's ranks deleted, so those ranks fetch their replicas
+  from the other node (the fetch restores them: each round deletes them again);
+* ``storage hot``/``storage cold``: the url (memory tier off), its files in the page cache, or
+  evicted (fsync + ``POSIX_FADV_DONTNEED``, checked with mincore); ``--url moto``: a local
+  moto S3 server instead (no cache);
+* ``plain /dev/shm``: the same part files read by plain ``pread`` into the targets' memory
+  (the physical path of a memory-tier restore, nothing else).
+
+``overhead``: one process, ``--case NxD`` fp32 matrices with Muon on ``--device``; the step
+time while saving to memory every ``k`` steps over the step time with none, for k in
+``--every``, in one run: the smallest k within 1.05x is the interval to pick.
+
+Usage::
+
+    python -m benchmarks.bench_memory_tier restore --world 4 --node-size 2 --size-gib 0.5
+    python -m benchmarks.bench_memory_tier restore --world 4 --node-size 2 --url moto
+    python -m benchmarks.bench_memory_tier restore --world 1 --device cuda --size-gib 4
+    python -m benchmarks.bench_memory_tier overhead --device cuda --case 16x4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks._timing import sync
+from tests._pagecache import evict
+
+GiB = 1 << 30
+
+
+def _sharded_state(size_gib: float, device: torch.device, world: int) -> tuple[Any, Any]:
+    """Square fp32 matrices (half the bytes; Muon momentum the other half), as Shard(0)
+    DTensors over every rank (plain tensors with one rank)."""
+    from torch import nn
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from optim.muon import Muon
+
+    side = 2048
+    n = max(1, round(size_gib * GiB / 2 / (side * side * 4)))
+    mesh = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world,))
+    model = nn.Module()
+    g = torch.Generator().manual_seed(0)
+    for i in range(n):
+        t = torch.randn(side, side, generator=g).to(device)
+        if mesh is not None:
+            t = distribute_tensor(t, mesh, [Shard(0)])
+        model.register_parameter(f"w{i}", nn.Parameter(t))
+    opt = Muon(list(model.parameters()), chunk_size=4)
+    opt.init_state()
+    return model, opt
+
+
+def _slowest(seconds: float) -> float:
+    if not dist.is_initialized():
+        return seconds
+    t = torch.tensor([seconds])
+    w = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+    w.wait()
+    return float(t.item())
+
+
+def _restore_rank(rank: int, world: int, args: argparse.Namespace, base: str, opts: dict) -> None:
+    from muon_ckpt import CheckpointManager
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    model, opt = _sharded_state(args.size_gib, device, world)
+    url = base if args.url == "moto" else os.path.join(base, "run")
+    mem_root = os.path.join(args.memory_root, f"node{rank // args.node_size}")
+    kw = dict(storage_options=opts, node_size=args.node_size)
+    with CheckpointManager(
+        url,
+        model=model,
+        optimizer=opt,
+        interval=2,
+        memory_interval=1,
+        memory_dir=mem_root,
+        memory_flush=False,
+        **kw,
+    ) as mgr:
+        mgr.load()
+        assert mgr.save(2) and mgr.wait() == 2
+    run_dir = glob.glob(os.path.join(mem_root, "run-*"))[0]
+    own = os.path.join(run_dir, "step-00000002", f"rank-{rank:05d}")
+    step_files = glob.glob(os.path.join(url, "step-00000002", "*")) if args.url != "moto" else []
+    last_node = rank // args.node_size == (world - 1) // args.node_size and world > args.node_size
+
+    def load(memory: bool, cold: bool = False, drop_own: bool = False) -> tuple[float, str]:
+        if drop_own and last_node:
+            shutil.rmtree(own)
+        if cold and step_files and rank == 0:
+            evict(step_files)
+        if dist.is_initialized():
+            w = dist.barrier(async_op=True)
+            w.wait()
+        extra = dict(memory_interval=1, memory_dir=mem_root, memory_flush=False) if memory else {}
+        mgr = CheckpointManager(url, model=model, optimizer=opt, **kw, **extra)
+        sync(device)
+        t0 = time.perf_counter()
+        assert mgr.load() == 2
+        sync(device)
+        took = time.perf_counter() - t0
+        tier = mgr.last_load_tier
+        mgr.close()
+        return _slowest(took), str(tier)
+
+    def plain() -> tuple[float, str]:
+        from benchmarks.bench_resume import parts_of, physical_local
+
+        files = [(p, os.path.getsize(p)) for p in glob.glob(os.path.join(own, "*.distcp"))]
+        target = torch.empty(sum(n for _, n in files), dtype=torch.uint8, device=device)
+        target.fill_(1)
+        parts = parts_of(sorted(files, key=lambda f: -f[1]), 4)
+        sync(device)
+        t0 = time.perf_counter()
+        physical_local(parts, target, 4)
+        sync(device)
+        return _slowest(time.perf_counter() - t0), "-"
+
+    cases: dict[str, Any] = {
+        "memory": lambda: load(True),
+        "peer": lambda: load(True, drop_own=True),
+        "storage hot" if args.url != "moto" else "storage (moto)": lambda: load(False),
+        "plain /dev/shm": plain,
+    }
+    if args.url != "moto":
+        cases["storage cold"] = lambda: load(False, cold=True)
+    if world <= args.node_size:
+        del cases["peer"]
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    tiers: dict[str, str] = {}
+    for r in range(args.rounds + 1):  # round 0 warms up (and is not counted)
+        names = list(cases)
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            took, tiers[k] = cases[k]()
+            if r:
+                times[k].append(took)
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        state = sum(
+            t.numel() * t.element_size()
+            for t in [*model.parameters(), *(s["momentum_buffer"] for s in opt.state.values())]
+        )
+        print(
+            f"restore of step 2: {state / GiB:.2f} GiB of state (global), {world} rank(s), "
+            f"node_size {args.node_size}, device {device.type}; slowest rank, median of "
+            f"{args.rounds}"
+        )
+        ref = med.get("storage cold", med.get("storage (moto)"))
+        for k, v in med.items():
+            print(
+                f"  {k:16} {v * 1e3:8.1f} ms   tier of rank {world - 1}: {tiers[k]:8}  "
+                f"storage {'cold' if 'storage cold' in med else '(moto)'} / this: "
+                f"{ref / v:5.2f}x"
+            )
+        if "storage hot" in med:
+            print(f"  memory vs storage hot: {med['storage hot'] / med['memory']:.2f}x faster")
+        print(
+            f"  memory vs plain reads of its files: {med['plain /dev/shm'] / med['memory']:.2f}x "
+            "(1.0 = the speed of the memory)"
+        )
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, base: str, opts: dict):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    torch.set_num_threads(1)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        _restore_rank(rank, world, args, base, opts)
+    finally:
+        w = dist.barrier(async_op=True)
+        w.wait()
+        dist.destroy_process_group()
+
+
+def restore(args: argparse.Namespace) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    tmp = tempfile.mkdtemp(prefix="muon_ckpt_memtier_")
+    args.memory_root = args.memory_dir or os.path.join("/dev/shm", f"bench-{uuid.uuid4().hex[:8]}")
+    server, opts, base = None, {}, tmp
+    if args.url == "moto":
+        import s3fs
+
+        from benchmarks.bench_checkpoint import start_moto
+
+        server, opts = start_moto()
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        s3fs.S3FileSystem(**opts).mkdir(bucket)
+        base = f"s3://{bucket}/run"
+    try:
+        if args.world == 1:
+            _restore_rank(0, 1, args, base, opts)
+            return
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_spawned, args=(args.world, port, args, base, opts), nprocs=args.world)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(args.memory_root, ignore_errors=True)
+        if server is not None:
+            server.stop()
+
+
+def overhead(args: argparse.Namespace) -> None:
+    from muon_ckpt import CheckpointManager
+    from optim.muon import Muon
+
+    device = torch.device(args.device)
+    n, side = (int(x) for x in args.case.split("x"))
+    params = [torch.nn.Parameter(torch.randn(side, side, device=device)) for _ in range(n)]
+    opt = Muon(params, chunk_size=4)
+    grads = [torch.randn_like(p) for p in params]
+    x = torch.randn(side, side, device=device)
+
+    def step() -> None:  # a forward/backward stand-in, then the optimizer step
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+            torch.mm(x, p.detach())
+        opt.step()
+
+    tmp = tempfile.mkdtemp(prefix="muon_ckpt_memtier_")
+    mem = args.memory_dir or os.path.join("/dev/shm", f"bench-{uuid.uuid4().hex[:8]}")
+    try:
+        for _ in range(3):
+            step()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        sync(device)
+        base = (time.perf_counter() - t0) / args.steps
+        state = sum(p.numel() * 4 * 2 for p in params) / GiB
+        print(
+            f"{args.case} fp32 on {device.type}: {state:.2f} GiB of state, {base * 1e3:.1f} ms a "
+            "step without memory saves"
+        )
+        model = torch.nn.Module()
+        for i, p in enumerate(params):
+            model.register_parameter(f"w{i}", p)
+        for k in args.every:
+            url = os.path.join(tmp, f"run-{k}")
+            with CheckpointManager(
+                url,
+                model=model,
+                optimizer=opt,
+                interval=10**7,
+                memory_interval=k,
+                memory_dir=mem,
+                memory_flush=False,
+                async_save=True,
+            ) as mgr:
+                mgr.load()
+                mgr.save(0)
+                mgr.wait()
+                skipped = mgr._memory.tier.skipped if mgr._memory is not None else 0
+                sync(device)
+                t0 = time.perf_counter()
+                for s in range(1, args.steps + 1):
+                    step()
+                    mgr.save(s)
+                sync(device)
+                took = (time.perf_counter() - t0) / args.steps
+                mgr.wait()
+                skipped = (mgr._memory.tier.skipped if mgr._memory is not None else 0) - skipped
+            print(
+                f"  memory every {k:4} steps: {took * 1e3:7.1f} ms a step, {took / base:5.3f}x; "
+                f"{skipped} skipped (previous still running); ~{state / (k * took):.2f} GiB/s "
+                "of host bandwidth"
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(mem, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("what", nargs="?", choices=["restore", "overhead"], default="restore")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--size-gib", type=float, default=0.5)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--node-size", type=int, default=2)
+    ap.add_argument("--url", default=None, help="'moto': the url on a local moto S3 server")
+    ap.add_argument("--memory-dir", default=None, help="tier root (default: a new /dev/shm dir)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--case", default="16x1024", help="overhead: N matrices of D x D")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--every", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    args = ap.parse_args()
+    if args.what == "restore":
+        restore(args)
+    else:
+        overhead(args)
+
+
+if __name__ == "__main__":
+    main()

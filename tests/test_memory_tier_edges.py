@@ -1,0 +1,358 @@
+"""The memory tier's edges, in one process unless said: its bound (``memory_keep``), a memory
+save that finds the previous one still running (skipped) or a write in flight (not waited
+for), directories it must not read, steps of another line, the budget, ``close()``'s flush,
+SIGKILLs while parts are written and replicated, and ``muon-ckpt ls/prune --memory``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+from muon_ckpt import CheckpointError, CheckpointExistsError, CheckpointManager
+from muon_ckpt.cli import main as cli
+from tests._ckpt import TinyNet, make_muon, muon_state_sd, train
+from tests._dist import run_on_ranks, run_then_kill
+
+
+def _fresh(seed=0, offload=False):
+    torch.manual_seed(seed)
+    model = TinyNet(vocab=64, dim=16)
+    opt = make_muon(model)
+    if offload:
+        opt.turn_on_cpu_offload()
+    return model, opt
+
+
+def _mgr(tmp_path, model, opt, **kw):
+    kw.setdefault("interval", 5)
+    kw.setdefault("memory_interval", 1)
+    kw.setdefault("memory_dir", str(tmp_path / "mem"))
+    return CheckpointManager(str(tmp_path / "run"), model=model, optimizer=opt, **kw)
+
+
+def _state(model, opt):
+    on = opt.cpu_offload
+    if on:
+        opt.turn_off_cpu_offload()
+    out = muon_state_sd(model, opt)
+    if on:
+        opt.turn_on_cpu_offload()
+    return out
+
+
+def _assert_same(want, got):
+    assert want.keys() == got.keys()
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v.view(-1).view(torch.uint8), got[k].view(-1).view(torch.uint8)), k
+        else:
+            assert v == got[k], k
+
+
+def _run_dir(tmp_path, node=None):
+    base = tmp_path / "mem" if node is None else tmp_path / "mem" / f"node{node}"
+    (run,) = [p for p in base.iterdir() if p.name.startswith("run-")]
+    return run
+
+
+def _load_fresh(tmp_path, seed=1, offload=False, **kw):
+    model, opt = _fresh(seed, offload)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    mgr = _mgr(tmp_path, model, opt, **kw)
+    step = mgr.load()
+    tier = mgr.last_load_tier
+    mgr._memory.mark = None  # (nothing to flush: this manager saved nothing)
+    mgr.close()
+    return step, tier, _state(model, opt)
+
+
+def test_the_tier_keeps_memory_keep_steps(tmp_path, caplog):
+    model, opt = _fresh()
+    with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
+        mgr = _mgr(tmp_path, model, opt, memory_keep=2, replicas=1)
+        assert mgr.load() is None
+        for s in range(0, 9):
+            train(model, opt, 1, seed=s)
+            assert mgr.save(s)
+            assert mgr.wait() == s
+        mgr.close()
+    # One process is one node: the replica has nowhere to go, said once.
+    said = [r.getMessage() for r in caplog.records if "replica" in r.getMessage()]
+    assert len(said) == 1 and "one node" in said[0], said
+    run = _run_dir(tmp_path)
+    steps = sorted(p.name for p in run.iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-00000007", "step-00000008"]
+    sizes = []
+    for s in steps:
+        parts = list((run / s).iterdir())
+        assert [p.name for p in parts] == ["rank-00000"]
+        files = list(parts[0].iterdir())
+        sizes.append(sum(f.stat().st_size for f in files))
+        assert "manifest.json" in [f.name for f in files]
+        for f in files:
+            assert f.stat().st_mode & 0o777 == 0o600, f
+        assert parts[0].stat().st_mode & 0o777 == 0o700
+    one = sum(
+        v.numel() * v.element_size() for v in _state(model, opt).values() if torch.is_tensor(v)
+    )
+    assert all(one <= n < 2 * one + (1 << 20) for n in sizes), (sizes, one)
+
+
+def test_a_memory_save_is_skipped_while_the_previous_one_runs(tmp_path, caplog):
+    model, opt = _fresh()
+    mgr = _mgr(tmp_path, model, opt, interval=100)
+    mgr.load()
+    gate = mgr._write_gate = threading.Event()
+    assert mgr.save(1)  # held at the gate
+    with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
+        assert not mgr.save(2)
+    assert mgr._memory.tier.skipped == 1
+    assert any("still running" in r.getMessage() for r in caplog.records)
+    gate.set()
+    assert mgr.wait() == 1
+    assert mgr.save(3) and mgr.wait() == 3
+    mgr.close()
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["offload-off", "offload-on"])
+def test_a_memory_save_does_not_wait_for_a_write_in_flight(tmp_path, offload):
+    model, opt = _fresh(offload=offload)
+    mgr = _mgr(tmp_path, model, opt, async_save=True)
+    mgr.load()
+    train(model, opt, 1, seed=0)
+    gate = mgr._write_gate = threading.Event()
+    assert mgr.save(5)  # due for both tiers; the url's write waits at the gate
+    mgr._memory.job.wait()  # (the memory part of step 5 is not gated)
+    mgr._write_gate = None
+    train(model, opt, 1, seed=1)
+    want = _state(model, opt)
+    assert mgr.save(6)  # memory only: its own buffers, offloaded states copied
+    mgr._memory.job.wait()
+    assert mgr._pending is not None and not mgr._pending.done()  # step 5 still writing
+    train(model, opt, 1, seed=2)  # step 6's snapshot is not changed by this
+    gate.set()
+    assert mgr.wait() == 6  # the newest step pending in any tier
+    assert mgr.steps() == [5]
+    mgr._memory.mark = None
+    mgr.close()
+    step, tier, got = _load_fresh(tmp_path, offload=offload)
+    assert (step, tier) == (6, "memory")
+    _assert_same(want, got)
+
+
+def test_a_tier_others_may_read_is_neither_written_nor_read(tmp_path, caplog):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    os.chmod(open_dir, 0o755)
+    model, opt = _fresh()
+    with pytest.raises(CheckpointError, match="mode 0755: others may read"):
+        _mgr(tmp_path, model, opt, memory_dir=str(open_dir))
+    # A run directory opened up after the save is not read: the load goes to storage.
+    mgr = _mgr(tmp_path, model, opt)
+    mgr.load()
+    for s in range(5, 8):
+        mgr.save(s)
+        mgr.wait()
+    mgr._memory.mark = None
+    mgr.close()
+    run = _run_dir(tmp_path)
+    os.chmod(run, 0o755)
+    with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
+        step, tier, _ = _load_fresh(tmp_path)
+    assert (step, tier) == (5, "storage")
+    assert any("is not read" in r.getMessage() for r in caplog.records)
+    os.chmod(run, 0o700)
+    assert _load_fresh(tmp_path)[:2] == (7, "memory")
+
+
+def test_memory_steps_of_another_run_are_not_loaded(tmp_path):
+    import shutil
+
+    model, opt = _fresh()
+    mgr = _mgr(tmp_path, model, opt)
+    mgr.load()
+    for s in range(5, 8):
+        mgr.save(s)
+        mgr.wait()
+    mgr._memory.mark = None
+    mgr.close()
+    # The url is emptied and a new run starts there: step 7 in memory is not its own.
+    shutil.rmtree(tmp_path / "run")
+    model2, opt2 = _fresh(seed=3)
+    mgr2 = _mgr(tmp_path, model2, opt2)
+    assert mgr2.load() is None
+    assert mgr2.save(1) and mgr2.wait() == 1
+    run = _run_dir(tmp_path)
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == ["step-00000001"]
+    mgr2._memory.mark = None
+    mgr2.close()
+
+
+def test_a_first_memory_save_without_a_load_is_refused_beside_another_run(tmp_path):
+    model, opt = _fresh()
+    with CheckpointManager(str(tmp_path / "run"), model=model, optimizer=opt) as mgr:
+        mgr.save(5)
+    mgr2 = _mgr(tmp_path, model, opt, interval=100)
+    with pytest.raises(CheckpointExistsError, match="Call load\\(\\) first"):
+        mgr2.save(6)
+    assert not (tmp_path / "mem" / "run").exists()
+    mgr2.close()
+
+
+def test_over_the_budget_a_memory_save_is_skipped(tmp_path, caplog):
+    model, opt = _fresh()
+    mgr = _mgr(tmp_path, model, opt, interval=100, max_staging_bytes=4096)
+    mgr.load()
+    with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
+        assert mgr.save(1)
+        mgr.wait()
+    assert mgr._memory.tier.skipped == 1
+    assert any("max_staging_bytes=4096" in r.getMessage() for r in caplog.records)
+    mgr._memory.mark = None
+    mgr.close()
+
+
+def test_close_saves_the_newest_memory_step_to_the_url(tmp_path, caplog):
+    model, opt = _fresh()
+    mgr = _mgr(tmp_path, model, opt)
+    mgr.load()
+    for s in range(1, 8):
+        train(model, opt, 1, seed=s)
+        mgr.save(s)
+        mgr.wait()
+    want = _state(model, opt)
+    assert mgr.durable_step == 5
+    mgr.close()  # step 7 is the state's: it goes to the url
+    assert mgr.steps() == [5, 7]
+    import shutil
+
+    shutil.rmtree(tmp_path / "mem")
+    step, tier, got = _load_fresh(tmp_path)
+    assert (step, tier) == (7, "storage")
+    _assert_same(want, got)
+    # The state moved on after the newest memory step: nothing is flushed, and it says so.
+    model, opt = _fresh()
+    mgr = _mgr(tmp_path, model, opt)
+    assert mgr.load() == 7
+    mgr.save(8)
+    mgr.wait()
+    train(model, opt, 1, seed=9)
+    with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
+        mgr.close()
+    assert mgr.steps() == [5, 7]
+    assert any("optimizer stepped" in r.getMessage() for r in caplog.records)
+
+
+def body_save_forever(rank, world_size, url, root, progress):
+    from muon_ckpt import CheckpointManager
+
+    model, opt = _fresh()
+    opt.init_state()
+    mgr = CheckpointManager(
+        url,
+        model=model,
+        optimizer=opt,
+        interval=10**6,
+        memory_interval=1,
+        memory_dir=os.path.join(root, f"node{rank}"),
+        node_size=1,
+        async_save=True,
+    )
+    loaded = mgr.load()
+    if loaded is not None:  # every value must be the loaded step's, on every rank
+        bad = [
+            k for k, v in _state(model, opt).items() if torch.is_tensor(v) and (v != loaded).any()
+        ]
+        with open(progress, "a") as f:
+            f.write(f"rank {rank} loaded {loaded} from {mgr.last_load_tier} bad {bad}\n")
+    step = loaded or 0
+    while True:
+        step += 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(step)
+            for st in opt.state.values():
+                for v in st.values():
+                    if torch.is_tensor(v):
+                        v.fill_(step)
+        mgr.save(step)
+
+
+def body_load_once(rank, world_size, url, root):
+    from muon_ckpt import CheckpointManager
+
+    model, opt = _fresh()
+    mgr = CheckpointManager(
+        url,
+        model=model,
+        optimizer=opt,
+        interval=10**6,
+        memory_interval=1,
+        memory_dir=os.path.join(root, f"node{rank}"),
+        node_size=1,
+    )
+    loaded = mgr.load()
+    bad = [k for k, v in _state(model, opt).items() if torch.is_tensor(v) and (v != loaded).any()]
+    return loaded, mgr.last_load_tier, bad
+
+
+def test_sigkills_while_writing_and_replicating_never_load_a_torn_step(tmp_path):
+    url, root = str(tmp_path / "run"), str(tmp_path / "mem")
+    progress = str(tmp_path / "progress")
+    # Step 0 in the url: memory steps load only on a line the url has committed.
+    model, opt = _fresh()
+    opt.init_state()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0)
+        for st in opt.state.values():
+            for v in st.values():
+                if torch.is_tensor(v):
+                    v.fill_(0)
+    with CheckpointManager(url, model=model, optimizer=opt) as mgr:
+        mgr.save(0)
+    rng = random.Random(7)
+    for _ in range(10):
+        run_then_kill(body_save_forever, 2, url, root, progress, kill_after=rng.uniform(3, 6))
+    got = run_on_ranks(body_load_once, 2, url, root)
+    with open(progress) as f:
+        lines = f.read().splitlines()
+    assert len(lines) >= 2 * 9, lines  # each restart loaded something
+    assert all(line.endswith("bad []") for line in lines), lines
+    assert any("from memory" in line for line in lines), lines
+    assert [g[2] for g in got] == [[], []]
+    assert got[0][0] == got[1][0] and got[0][0] > 0
+
+
+def test_cli_lists_and_prunes_the_tier(tmp_path, capsys):
+    model, opt = _fresh()
+    mgr = _mgr(tmp_path, model, opt)
+    mgr.load()
+    mgr.save(5)
+    mgr.save(6)
+    mgr.wait()
+    mgr._memory.mark = None
+    mgr.close()
+    mem = str(tmp_path / "mem")
+    assert cli(["ls", "--memory", mem, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (run,) = doc["runs"]
+    assert run["url"] == str(tmp_path / "run") and run["problem"] is None
+    assert [s["step"] for s in run["steps"]] == [6]
+    assert run["steps"][0]["own"] == [0]
+    assert cli(["ls", "--memory", mem]) == 0
+    out = capsys.readouterr().out
+    assert "step        6  parts of ranks 0" in out
+    assert cli(["prune", "--memory", mem, "--dry-run"]) == 0
+    assert "would remove 1" in capsys.readouterr().out
+    assert os.path.isdir(run["dir"])
+    assert cli(["prune", "--memory", mem]) == 0
+    assert not os.path.exists(run["dir"])
