@@ -83,6 +83,15 @@ def _slowest(seconds: float) -> float:
     return float(t.item())
 
 
+def _last_rank_tier(tier: str) -> str:
+    """The last rank's ``last_load_tier`` (on the last node: the one that may fetch)."""
+    if not dist.is_initialized():
+        return tier
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, tier)
+    return str(out[-1])
+
+
 def _restore_rank(rank: int, world: int, args: argparse.Namespace, base: str, opts: dict) -> None:
     from muon_ckpt import CheckpointManager
 
@@ -126,9 +135,9 @@ def _restore_rank(rank: int, world: int, args: argparse.Namespace, base: str, op
         assert mgr.load() == 2
         sync(device)
         took = time.perf_counter() - t0
-        tier = mgr.last_load_tier
+        tier = _last_rank_tier(str(mgr.last_load_tier))
         mgr.close()
-        return _slowest(took), str(tier)
+        return _slowest(took), tier
 
     def plain() -> tuple[float, str]:
         from benchmarks.bench_resume import parts_of, physical_local
@@ -254,23 +263,28 @@ def overhead(args: argparse.Namespace) -> None:
     tmp = tempfile.mkdtemp(prefix="muon_ckpt_memtier_")
     mem = args.memory_dir or os.path.join("/dev/shm", f"bench-{uuid.uuid4().hex[:8]}")
     try:
+
+        def steps_alone() -> float:
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            sync(device)
+            return (time.perf_counter() - t0) / args.steps
+
         for _ in range(3):
             step()
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        sync(device)
-        base = (time.perf_counter() - t0) / args.steps
         state = sum(p.numel() * 4 * 2 for p in params) / GiB
         print(
-            f"{args.case} fp32 on {device.type}: {state:.2f} GiB of state, {base * 1e3:.1f} ms a "
-            "step without memory saves"
+            f"{args.case} fp32 on {device.type}: {state:.2f} GiB of state; each line: "
+            f"{args.steps} steps saving to memory every k steps, over {args.steps} steps "
+            "without, run just before (the machine's drift hits both)"
         )
         model = torch.nn.Module()
         for i, p in enumerate(params):
             model.register_parameter(f"w{i}", p)
         for k in args.every:
+            base = steps_alone()
             url = os.path.join(tmp, f"run-{k}")
             with CheckpointManager(
                 url,
@@ -296,7 +310,8 @@ def overhead(args: argparse.Namespace) -> None:
                 mgr.wait()
                 skipped = (mgr._memory.tier.skipped if mgr._memory is not None else 0) - skipped
             print(
-                f"  memory every {k:4} steps: {took * 1e3:7.1f} ms a step, {took / base:5.3f}x; "
+                f"  memory every {k:4} steps: {took * 1e3:7.1f} ms a step ({base * 1e3:.1f} "
+                f"without), {took / base:5.3f}x; "
                 f"{skipped} skipped (previous still running); ~{state / (k * took):.2f} GiB/s "
                 "of host bandwidth"
             )
