@@ -159,3 +159,16 @@ def muon_state_sd(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
         for p in g["params"]:
             sd[f"optim.param_groups.{names[id(p)]}.lr"] = g["lr"]
     return sd
+
+
+def offload_off(opt: Any, read: Any) -> Any:
+    """``read()`` with the optimizer's CPU offload off (offloaded states are not device
+    tensors), then back on if it was."""
+    on = opt.cpu_offload
+    if on:
+        opt.turn_off_cpu_offload()
+    try:
+        return read()
+    finally:
+        if on:
+            opt.turn_on_cpu_offload()

@@ -71,7 +71,8 @@ def use_cuda(world_size: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
 
 
-def _child(fn, rank, world_size, port, args, results, stack_file, timeout):
+def _rank_env(rank: int, world_size: int, port: int) -> None:
+    """This process as rank ``rank`` of ``world_size`` on 127.0.0.1:``port``, one thread."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -81,16 +82,23 @@ def _child(fn, rank, world_size, port, args, results, stack_file, timeout):
         LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+
+
+def _init_group(rank: int, world_size: int) -> None:
+    """NCCL on ``cuda:<rank>`` when there are enough GPUs, else gloo."""
+    if use_cuda(world_size):
+        torch.cuda.set_device(rank)
+    backend = "nccl" if use_cuda(world_size) else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+
+
+def _child(fn, rank, world_size, port, args, results, stack_file, timeout):
+    _rank_env(rank, world_size, port)
     with open(stack_file, "w") as stacks:
         # If the parent's timeout is about to fire, leave every thread's stack behind.
         faulthandler.dump_traceback_later(max(timeout - 5, 1), file=stacks, exit=False)
         try:
-            if use_cuda(world_size):
-                torch.cuda.set_device(rank)
-                backend = "nccl"
-            else:
-                backend = "gloo"
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
+            _init_group(rank, world_size)
             try:
                 out = fn(rank, world_size, *args)
             finally:
@@ -217,23 +225,11 @@ def _child_then_wait(fn, rank, world_size, port, args, results, stack_file, time
     """``_child``, but a rank that is done reports and waits to be killed (``run_then_kill``)."""
     import threading
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    torch.set_num_threads(1)
+    _rank_env(rank, world_size, port)
     with open(stack_file, "w") as stacks:
         faulthandler.dump_traceback_later(max(timeout - 5, 1), file=stacks, exit=False)
         try:
-            if use_cuda(world_size):
-                torch.cuda.set_device(rank)
-            dist.init_process_group(
-                "nccl" if use_cuda(world_size) else "gloo", rank=rank, world_size=world_size
-            )
+            _init_group(rank, world_size)
             out = fn(rank, world_size, *args)
             results.put((rank, True, pickle.dumps(out)))
         except BaseException:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from muon_ckpt import CheckpointManager
-from tests._ckpt import flip_byte
+from tests._ckpt import flip_byte, offload_off
 from tests._dist import run_on_ranks, run_then_kill
 from tests.test_manager_fsdp import build, snapshot, train
 
@@ -82,14 +82,7 @@ def body_restore(rank, world_size, url, root, offload, node_size=NODE):
 
 
 def _state(model, opt):
-    """The full state, read with offload off (offloaded states are not device tensors)."""
-    on = opt.cpu_offload
-    if on:
-        opt.turn_off_cpu_offload()
-    out = snapshot(model, opt)
-    if on:
-        opt.turn_on_cpu_offload()
-    return out
+    return offload_off(opt, lambda: snapshot(model, opt))
 
 
 def _assert_state(want, got, what):

@@ -16,7 +16,7 @@ import torch
 
 from muon_ckpt import CheckpointError, CheckpointExistsError, CheckpointManager
 from muon_ckpt.cli import main as cli
-from tests._ckpt import TinyNet, make_muon, muon_state_sd, train
+from tests._ckpt import TinyNet, make_muon, muon_state_sd, offload_off, train
 from tests._dist import run_on_ranks, run_then_kill
 
 
@@ -37,13 +37,7 @@ def _mgr(tmp_path, model, opt, **kw):
 
 
 def _state(model, opt):
-    on = opt.cpu_offload
-    if on:
-        opt.turn_off_cpu_offload()
-    out = muon_state_sd(model, opt)
-    if on:
-        opt.turn_on_cpu_offload()
-    return out
+    return offload_off(opt, lambda: muon_state_sd(model, opt))
 
 
 def _assert_same(want, got):
@@ -196,6 +190,39 @@ def test_memory_steps_of_another_run_are_not_loaded(tmp_path):
     mgr2.close()
 
 
+def test_after_a_rewind_newer_memory_steps_last_until_the_first_memory_save(tmp_path):
+    def steps_held():
+        return sorted(p.name for p in _run_dir(tmp_path).iterdir() if p.name.startswith("step-"))
+
+    model, opt = _fresh()
+    mgr = _mgr(tmp_path, model, opt)
+    mgr.load()
+    for s in range(1, 8):  # url: 5; memory: 7
+        mgr.save(s)
+        mgr.wait()
+    mgr._memory.mark = None
+    mgr.close()
+    model, opt = _fresh(seed=2)
+    mgr = _mgr(tmp_path, model, opt)
+    assert mgr.load(5) == 5 and mgr.last_load_tier == "storage"
+    # Killed now, the run resumes its newest step, as the url keeps a rewind's newer steps.
+    assert _load_fresh(tmp_path)[:2] == (7, "memory")
+    assert mgr.save(6) and mgr.wait() == 6
+    assert steps_held() == ["step-00000006"]
+    assert _load_fresh(tmp_path)[:2] == (6, "memory")
+    for s in range(7, 13):  # url: 5, 10; memory: 12
+        mgr.save(s)
+        mgr.wait()
+    # A rewind below the url's newest step starts a line the url has not committed: its
+    # memory steps replace the old line's, and a restart reads the url until it commits.
+    assert mgr.load(5) == 5
+    assert mgr.save(6) and mgr.wait() == 6
+    assert steps_held() == ["step-00000006"]
+    assert _load_fresh(tmp_path)[:2] == (10, "storage")
+    mgr._memory.mark = None
+    mgr.close()
+
+
 def test_a_first_memory_save_without_a_load_is_refused_beside_another_run(tmp_path):
     model, opt = _fresh()
     with CheckpointManager(str(tmp_path / "run"), model=model, optimizer=opt) as mgr:
@@ -251,12 +278,9 @@ def test_close_saves_the_newest_memory_step_to_the_url(tmp_path, caplog):
     assert any("optimizer stepped" in r.getMessage() for r in caplog.records)
 
 
-def body_save_forever(rank, world_size, url, root, progress):
-    from muon_ckpt import CheckpointManager
-
-    model, opt = _fresh()
-    opt.init_state()
-    mgr = CheckpointManager(
+def _memory_only(url, root, rank, model, opt, **kw):
+    """A manager that saves to memory only (after step 0), one rank per node."""
+    return CheckpointManager(
         url,
         model=model,
         optimizer=opt,
@@ -264,8 +288,14 @@ def body_save_forever(rank, world_size, url, root, progress):
         memory_interval=1,
         memory_dir=os.path.join(root, f"node{rank}"),
         node_size=1,
-        async_save=True,
+        **kw,
     )
+
+
+def body_save_forever(rank, world_size, url, root, progress):
+    model, opt = _fresh()
+    opt.init_state()
+    mgr = _memory_only(url, root, rank, model, opt, async_save=True)
     loaded = mgr.load()
     if loaded is not None:  # every value must be the loaded step's, on every rank
         bad = [
@@ -287,18 +317,8 @@ def body_save_forever(rank, world_size, url, root, progress):
 
 
 def body_load_once(rank, world_size, url, root):
-    from muon_ckpt import CheckpointManager
-
     model, opt = _fresh()
-    mgr = CheckpointManager(
-        url,
-        model=model,
-        optimizer=opt,
-        interval=10**6,
-        memory_interval=1,
-        memory_dir=os.path.join(root, f"node{rank}"),
-        node_size=1,
-    )
+    mgr = _memory_only(url, root, rank, model, opt)
     loaded = mgr.load()
     bad = [k for k, v in _state(model, opt).items() if torch.is_tensor(v) and (v != loaded).any()]
     return loaded, mgr.last_load_tier, bad

@@ -165,15 +165,8 @@ def list_parts(run_dir: str) -> list[PartInfo]:
     manifest (written when the process died) is left out, one whose manifest is unreadable
     comes with ``problem``."""
     out: list[PartInfo] = []
-    try:
-        steps = os.listdir(run_dir)
-    except FileNotFoundError:
-        return out
-    for sname in steps:
-        step = parse_step_dirname(sname)
-        sdir = os.path.join(run_dir, sname)
-        if step is None or not os.path.isdir(sdir) or os.path.islink(sdir):
-            continue
+    for step, sdir in step_dirs(run_dir).items():
+        sname = os.path.basename(sdir)
         for pname in sorted(os.listdir(sdir)):
             own, cp = _OWN.fullmatch(pname), _COPY.fullmatch(pname)
             if own is None and cp is None:
@@ -231,7 +224,7 @@ def step_dirs(run_dir: str) -> dict[int, str]:
     except FileNotFoundError:
         return out
     for n in names:
-        s = parse_step_dirname(n)
-        if s is not None and os.path.isdir(os.path.join(run_dir, n)):
-            out[s] = os.path.join(run_dir, n)
+        s, path = parse_step_dirname(n), os.path.join(run_dir, n)
+        if s is not None and os.path.isdir(path) and not os.path.islink(path):
+            out[s] = path
     return out
