@@ -14,16 +14,19 @@ run, ``load()`` of it (slowest rank, median of ``--rounds``) from:
 * ``plain /dev/shm``: the same part files read by plain ``pread`` into the targets' memory
   (the physical path of a memory-tier restore, nothing else).
 
-``overhead``: one process, ``--case NxD`` fp32 matrices with Muon on ``--device``; the step
-time while saving to memory every ``k`` steps over the step time with none, for k in
-``--every``, in one run: the smallest k within 1.05x is the interval to pick.
+``overhead``: one process, ``--case NxD`` fp32 matrices (fixed gradients) or ``--gpt
+LAYERSxDIMxBATCH`` (a GPT-like stack whose forward and backward take most of a step), Muon
+on ``--device``, offload on and off; the step time while saving to memory every ``k`` steps
+over the step time with none, for k in ``--every`` and each ``--snapshot`` mode, in one run:
+the smallest k within 1.05x is the interval to pick. Also what ``save()`` blocks and the host
+bandwidth the tier takes.
 
 Usage::
 
     python -m benchmarks.bench_memory_tier restore --world 4 --node-size 2 --size-gib 0.5
     python -m benchmarks.bench_memory_tier restore --world 4 --node-size 2 --url moto
     python -m benchmarks.bench_memory_tier restore --world 1 --device cuda --size-gib 4
-    python -m benchmarks.bench_memory_tier overhead --device cuda --case 16x4096
+    python -m benchmarks.bench_memory_tier overhead --device cuda --case 16x4096 --gpt 12x2048x4096
 """
 
 from __future__ import annotations
@@ -244,80 +247,85 @@ def restore(args: argparse.Namespace) -> None:
 
 
 def overhead(args: argparse.Namespace) -> None:
-    from muon_ckpt import CheckpointManager
-    from optim.muon import Muon
+    from benchmarks.bench_async_save import build, build_gpt, state_bytes, step
 
     device = torch.device(args.device)
-    n, side = (int(x) for x in args.case.split("x"))
-    params = [torch.nn.Parameter(torch.randn(side, side, device=device)) for _ in range(n)]
-    opt = Muon(params, chunk_size=4)
-    grads = [torch.randn_like(p) for p in params]
-    x = torch.randn(side, side, device=device)
-
-    def step() -> None:  # a forward/backward stand-in, then the optimizer step
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-            torch.mm(x, p.detach())
-        opt.step()
-
     tmp = tempfile.mkdtemp(prefix="muon_ckpt_memtier_")
     mem = args.memory_dir or os.path.join("/dev/shm", f"bench-{uuid.uuid4().hex[:8]}")
+    cases = (args.case or ([] if args.gpt else ["16x1024"])) + [f"gpt{g}" for g in args.gpt]
     try:
-
-        def steps_alone() -> float:
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            sync(device)
-            return (time.perf_counter() - t0) / args.steps
-
-        for _ in range(3):
-            step()
-        state = sum(p.numel() * 4 * 2 for p in params) / GiB
-        print(
-            f"{args.case} fp32 on {device.type}: {state:.2f} GiB of state; each line: "
-            f"{args.steps} steps saving to memory every k steps, over {args.steps} steps "
-            "without, run just before (the machine's drift hits both)"
-        )
-        model = torch.nn.Module()
-        for i, p in enumerate(params):
-            model.register_parameter(f"w{i}", p)
-        for k in args.every:
-            base = steps_alone()
-            url = os.path.join(tmp, f"run-{k}")
-            with CheckpointManager(
-                url,
-                model=model,
-                optimizer=opt,
-                interval=10**7,
-                memory_interval=k,
-                memory_dir=mem,
-                memory_flush=False,
-                async_save=True,
-            ) as mgr:
-                mgr.load()
-                mgr.save(0)
-                mgr.wait()
-                skipped = mgr._memory.tier.skipped if mgr._memory is not None else 0
-                sync(device)
-                t0 = time.perf_counter()
-                for s in range(1, args.steps + 1):
-                    step()
-                    mgr.save(s)
-                sync(device)
-                took = (time.perf_counter() - t0) / args.steps
-                mgr.wait()
-                skipped = (mgr._memory.tier.skipped if mgr._memory is not None else 0) - skipped
-            print(
-                f"  memory every {k:4} steps: {took * 1e3:7.1f} ms a step ({base * 1e3:.1f} "
-                f"without), {took / base:5.3f}x; "
-                f"{skipped} skipped (previous still running); ~{state / (k * took):.2f} GiB/s "
-                "of host bandwidth"
-            )
+        for case in cases:
+            for offload in args.offload:
+                if case.startswith("gpt"):
+                    layers, dim, batch = (int(x) for x in case[3:].split("x"))
+                    model, opt, grads = build_gpt(layers, dim, batch, device, offload == "on")
+                else:
+                    n, side = (int(x) for x in case.split("x"))
+                    model, opt, grads = build(n, side, device, offload == "on", adamw=False)
+                for _ in range(3):
+                    step(model, opt, grads, device)
+                state = state_bytes(model, opt) / GiB
+                print(
+                    f"{case} fp32 on {device.type}, offload {offload}: {state:.2f} GiB of state; "
+                    f"each line: {args.steps} steps saving to memory every k steps, over "
+                    f"{args.steps} steps without, run just before (drift hits both)"
+                )
+                for mode in args.snapshot:
+                    for k in args.every:
+                        _overhead_line(args, model, opt, grads, step, state, mode, k, tmp, mem)
+                del model, opt, grads
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(mem, ignore_errors=True)
+
+
+def _overhead_line(args, model, opt, grads, step, state, mode, k, tmp, mem) -> None:
+    """One line of ``overhead``: steps without memory saves, then with one every ``k``."""
+    from muon_ckpt import CheckpointManager
+
+    device = torch.device(args.device)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step(model, opt, grads, device)
+    sync(device)
+    base = (time.perf_counter() - t0) / args.steps
+    url = os.path.join(tmp, f"run-{uuid.uuid4().hex[:8]}")
+    with CheckpointManager(
+        url,
+        model=model,
+        optimizer=opt,
+        interval=10**7,
+        memory_interval=k,
+        memory_dir=mem,
+        memory_flush=False,
+        async_save=True,
+        snapshot=mode,
+    ) as mgr:
+        mgr.load()
+        mgr.save(0)
+        mgr.wait()
+        tier = mgr._memory.tier if mgr._memory is not None else None
+        skipped = tier.skipped if tier is not None else 0
+        blocked = 0.0
+        sync(device)
+        t0 = time.perf_counter()
+        for s in range(1, args.steps + 1):
+            step(model, opt, grads, device)
+            t1 = time.perf_counter()
+            mgr.save(s)
+            blocked += time.perf_counter() - t1
+        sync(device)
+        took = (time.perf_counter() - t0) / args.steps
+        mgr.wait()
+        skipped = (tier.skipped if tier is not None else 0) - skipped
+    print(
+        f"  {mode:8} memory every {k:3} steps: {took * 1e3:7.1f} ms a step ({base * 1e3:.1f} "
+        f"without), {took / base:5.3f}x; save() blocks {blocked / args.steps * 1e3:5.1f} ms a "
+        f"step; {skipped} skipped (previous still running); ~{state / (k * took):.2f} GiB/s "
+        "of host bandwidth"
+    )
+    shutil.rmtree(url, ignore_errors=True)
 
 
 def main() -> None:
@@ -330,7 +338,10 @@ def main() -> None:
     ap.add_argument("--url", default=None, help="'moto': the url on a local moto S3 server")
     ap.add_argument("--memory-dir", default=None, help="tier root (default: a new /dev/shm dir)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--case", default="16x1024", help="overhead: N matrices of D x D")
+    ap.add_argument("--case", action="append", help="overhead: N matrices of D x D (16x1024)")
+    ap.add_argument("--gpt", action="append", default=[], help="overhead: LAYERSxDIMxBATCH")
+    ap.add_argument("--snapshot", nargs="+", default=["blocking", "deferred"])
+    ap.add_argument("--offload", nargs="+", choices=["on", "off"], default=["on", "off"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = ap.parse_args()

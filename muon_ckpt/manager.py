@@ -27,7 +27,7 @@ from muon_ckpt._errors import CheckpointError
 from muon_ckpt._exit import finish_at_exit
 from muon_ckpt._preempt import PreemptionWatch
 from muon_ckpt.load import LoadTargets, resume
-from muon_ckpt.memory import MemorySaves, restore_from_memory
+from muon_ckpt.memory import MemorySaves, new_id, restore_from_memory
 from muon_ckpt.save import RunLine, SaveJob, SaveSources, WriteSpec, hook_step, spec_for, take
 from muon_ckpt.state import PARTS, HostStaging, LoadReport, check_objects, optimizer_name
 from muon_ckpt.store import MAX_STEP, StepInfo, open_run
@@ -171,12 +171,13 @@ class CheckpointManager:
         """A step due for the memory tier only: never waits for the url's write in flight."""
         assert self._memory is not None
         job = self._pending
-        if job is not None and job.done():
-            self.wait()  # (in this thread: its release; its failure is raised here)
+        busy, ended = self._memory.agree(self._calls.group, job is not None and job.done())
+        if job is not None and ended:
+            self._wait_write()  # (in this thread: its release; its failure is raised here)
         writing = self._pending is not None
         name = optimizer_name(self._optimizer)
         started, snap = self._memory.save_alone(
-            step, self._calls, self._line, self._catalog, writing, name, self._write_gate
+            step, self._calls, self._line, self._catalog, writing, busy, name, self._write_gate
         )
         if snap is not None:
             self._latest_deferred = snap.deferred
@@ -186,7 +187,9 @@ class CheckpointManager:
     def _save(self, step: int, overwrite: bool, background: bool, memory: bool = False) -> bool:
         t0 = time.perf_counter()
         group = self._calls.group
-        plan, line = coll.on_rank0(lambda: self._line.begin(self._catalog, step, overwrite), group)
+        plan, line, save_id = coll.on_rank0(
+            lambda: (*self._line.begin(self._catalog, step, overwrite), new_id()), group
+        )
         self._line.saving(plan, line)
         t1 = time.perf_counter()
         self._sources.group = group
@@ -209,7 +212,9 @@ class CheckpointManager:
         spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
         release = snap.release
         if memory and self._memory is not None:
-            mem = self._memory.start(step, snap, line, self._calls, name, owns=False, finish=None)
+            mem = self._memory.start(
+                step, snap, line, save_id, self._calls, name, owns=False, finish=None
+            )
             # (not gated: tests hold the url's write and watch the memory part land)
 
             def release_both() -> None:
@@ -251,15 +256,19 @@ class CheckpointManager:
         naming the step); the memory tier's are WARNINGs."""
         self._check_open()
         kept = self._memory.wait() if self._memory is not None else None
+        step = self._wait_write()
+        return kept if step is None else step if kept is None else max(step, kept)
+
+    def _wait_write(self) -> int | None:
+        """Until the pending write to ``url`` is committed (its failure raised here)."""
         job = self._pending
         if job is None:
-            return kept
+            return None
         try:
-            step = job.wait()
+            return job.wait()
         finally:
             if job.joined:  # interrupted while joining (Ctrl-C): still pending
                 self._pending = None
-        return step if kept is None else max(step, kept)
 
     # ------------------------------------------------------------------ preemption
     def watch_preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> None:

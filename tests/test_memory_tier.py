@@ -157,3 +157,55 @@ def test_a_damaged_part_comes_from_its_replica_then_from_storage(tmp_path):
     assert [g[1] for g in got] == ["storage", "storage"]
     for r, g in enumerate(got):
         _assert_state(want[5], g[3], f"rank {r}, step 5")
+
+
+def body_save_again(rank, world_size, url, root):
+    """Step 7 loaded, trained on, and kept in memory again as step 7 (another save)."""
+    from optim.newton_schulz import set_ns_compile
+
+    set_ns_compile(False)
+    model, opt = build(world_size)
+    mgr = _manager(url, model, opt, root, rank, 1, memory_flush=False)
+    assert mgr.load() == 7
+    train(model, range(100, 101), opt)
+    assert mgr.save(7) and mgr.wait() == 7
+    mgr.close()
+
+
+def _step_dir(root: str, node: int) -> str:
+    (path,) = glob.glob(os.path.join(root, f"node{node}", "run-*", "step-00000007"))
+    return path
+
+
+def test_parts_of_two_saves_of_a_step_never_load_together(tmp_path):
+    url, root = str(tmp_path / "run"), str(tmp_path / "mem")
+    want = run_then_kill(body_train, 2, url, root, False, 1)[0]
+    node1, first = _step_dir(root, 1), str(tmp_path / "first-save")
+    shutil.copytree(node1, first)
+    run_on_ranks(body_save_again, 2, url, root)
+    # Node 1 still holds the first save's parts (its second save was lost), node 0 the
+    # second save's, whose replica of rank 1 is gone: only the first save is whole.
+    shutil.rmtree(node1)
+    shutil.copytree(first, node1)
+    shutil.rmtree(os.path.join(_step_dir(root, 0), "copy-00001"))
+    got = run_on_ranks(body_restore, 2, url, root, False, 1)
+    assert [g[0] for g in got] == [7, 7]
+    assert [g[1] for g in got] == ["peer", "memory"]
+    for r, g in enumerate(got):
+        _assert_state(want[7], g[3], f"rank {r}, the first save of step 7")
+
+
+def test_nodes_numbered_otherwise_load_the_replicas_they_hold(tmp_path):
+    url, root = str(tmp_path / "run"), str(tmp_path / "mem")
+    want = run_then_kill(body_train, 2, url, root, False, 1)[0]
+    # The restart gives node 0's ranks to the other machine: each rank finds the replica of
+    # its own part, and no part of its own.
+    os.rename(os.path.join(root, "node0"), os.path.join(root, "swap"))
+    os.rename(os.path.join(root, "node1"), os.path.join(root, "node0"))
+    os.rename(os.path.join(root, "swap"), os.path.join(root, "node1"))
+    got = run_on_ranks(body_restore, 2, url, root, False, 1)
+    assert [g[0] for g in got] == [7, 7]
+    assert [g[1] for g in got] == ["memory", "memory"]
+    assert [g[2] for g in got] == [0, 0]
+    for r, g in enumerate(got):
+        _assert_state(want[7], g[3], f"rank {r}, step 7 from the replica it holds")

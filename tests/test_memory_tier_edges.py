@@ -247,6 +247,29 @@ def test_over_the_budget_a_memory_save_is_skipped(tmp_path, caplog):
     mgr.close()
 
 
+def test_the_budget_counts_this_ranks_parts_only(tmp_path):
+    """Ranks of a node share a directory: another rank's part there is not this rank's."""
+    import shutil
+
+    model, opt = _fresh()
+    mgr = _mgr(tmp_path, model, opt, interval=100)
+    mgr.load()
+    assert mgr.save(1) and mgr.wait() == 1
+    tier = mgr._memory.tier
+    step = _run_dir(tmp_path) / "step-00000001"
+    mine = tier.held_bytes({1}, 0, 2)
+    assert mine > 0
+    shutil.copytree(step / "rank-00000", step / "rank-00001")  # rank 1's, on this node
+    manifest = step / "rank-00001" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["extra"]["memory"]["rank"] = 1
+    manifest.write_text(json.dumps(m))
+    assert tier.held_bytes({1}, 0, 2) == mine
+    assert tier.held_bytes({1}, 1, 2) == mine
+    mgr._memory.mark = None
+    mgr.close()
+
+
 def test_close_saves_the_newest_memory_step_to_the_url(tmp_path, caplog):
     model, opt = _fresh()
     mgr = _mgr(tmp_path, model, opt)

@@ -58,6 +58,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
 
+_LAST_WORK: list[Any] = []  # the last collective's Work, kept until the process exits
+
+
 def main(cfg_path: str) -> None:
     with open(cfg_path) as f:
         cfg = json.load(f)
@@ -156,8 +159,12 @@ def main(cfg_path: str) -> None:
         event(kind="done")
     # Tear the group down together: a gloo rank destroying its group while a peer is still
     # busy (rank 0 writing the files above) aborted once in CI-like runs ("terminate called
-    # without an active exception", SIGABRT).
-    dist.barrier()
+    # without an active exception", SIGABRT). torch + gloo may also abort at exit when the
+    # process ends right after a blocking collective while a device mesh lives
+    # (pytorch#190489): the last one is asynchronous, and its Work lives until the exit.
+    work = dist.barrier(async_op=True)
+    work.wait()
+    _LAST_WORK.append(work)
     dist.destroy_process_group()
 
 

@@ -154,6 +154,7 @@ def part_manifest(data: bytes, where: str) -> Manifest:
         and type(mem.get("rank")) is int
         and type(mem.get("node_size")) is int
         and isinstance(mem.get("layout"), str)
+        and isinstance(mem.get("save", ""), str)
     )
     if not ok:
         raise CheckpointError(f"{where}: not a memory-tier part (no 'memory' record)")

@@ -56,13 +56,14 @@ def _private_dir(path: str) -> None:
 
 
 def drop_part(path: str) -> None:
-    """Remove a part: its manifest first (a crash half way leaves no committed part)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(path, MANIFEST))
+    """Remove a part: its manifest first (a crash half way leaves no committed part); a
+    link in its place is removed, never followed."""
     if os.path.islink(path):
         os.unlink(path)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
+        return
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        os.unlink(os.path.join(path, MANIFEST))
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _commit(path: str, m: Manifest) -> None:
@@ -121,8 +122,11 @@ def send_part(path: str | None, dst: int, group: Any) -> None:
     taken."""
     header = None
     if path is not None:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
-            header = f.read(MAX_PART_MANIFEST + 1)
+        try:  # gone since it was listed: offered as nothing
+            with open(os.path.join(path, MANIFEST), "rb") as f:
+                header = f.read(MAX_PART_MANIFEST + 1)
+        except OSError as e:
+            _log.warning("memory tier: %s is not sent to rank %d: %s", path, dst, e)
     with coll.communicating(f"sending a memory-tier part to rank {dst}"):
         dist.send_object_list([header], dst=dst, group=group)
         if header is None:
@@ -133,17 +137,31 @@ def send_part(path: str | None, dst: int, group: Any) -> None:
             return
         m = part_manifest(header, os.path.join(str(path), MANIFEST))
         for name, entry in sorted(m.files.items()):
-            fd = os.open(os.path.join(str(path), name), os.O_RDONLY)
-            try:
-                for at in range(0, entry.size, PIECE):
-                    n = min(PIECE, entry.size - at)
-                    buf = bytearray(n)
+            _send_file(os.path.join(str(path), name), entry.size, dst, group)
+
+
+def _send_file(where: str, size: int, dst: int, group: Any) -> None:
+    """``size`` bytes of a file, in pieces; what cannot be read (gone, shrunk since its
+    manifest) goes as zeros, which the receiver's check refuses: the stream stays in step."""
+    try:
+        fd: int | None = os.open(where, os.O_RDONLY)
+    except OSError as e:
+        _log.warning("memory tier: %s cannot be read: %s", where, e)
+        fd = None
+    try:
+        for at in range(0, size, PIECE):
+            n = min(PIECE, size - at)
+            buf = bytearray(n)
+            got = 0
+            if fd is not None:
+                with contextlib.suppress(OSError):
                     got = os.preadv(fd, [buf], at)
-                    if got != n:  # shrunk since its manifest: the receiver's check fails it
-                        buf[got:] = bytes(n - got)
-                    dist.send(torch.frombuffer(buf, dtype=torch.uint8), dst=dst, group=group)
-            finally:
-                os.close(fd)
+            if got != n:
+                buf[got:] = bytes(n - got)
+            dist.send(torch.frombuffer(buf, dtype=torch.uint8), dst=dst, group=group)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def receive_part(
@@ -182,15 +200,19 @@ def receive_part(
             _private_dir(incoming)
         except OSError as e:
             problem = f"{incoming}: {e}"
-        for name, entry in sorted(m.files.items()):
-            problem = _receive_file(incoming, name, entry, src, group, problem)
-        if problem is None:
-            try:
-                _commit(incoming, m)
-                drop_part(path)
-                os.rename(incoming, path)
-            except OSError as e:
-                problem = f"{path}: {e}"
+        try:
+            for name, entry in sorted(m.files.items()):
+                problem = _receive_file(incoming, name, entry, src, group, problem)
+            if problem is None:
+                try:
+                    _commit(incoming, m)
+                    drop_part(path)
+                    os.rename(incoming, path)
+                except OSError as e:
+                    problem = f"{path}: {e}"
+        except BaseException:  # the sender gone, a timeout: nothing half received is left
+            drop_part(incoming)
+            raise
         if problem is not None:
             drop_part(incoming)
             return None, problem

@@ -28,10 +28,10 @@ from muon_ckpt._errors import CheckpointError
 from muon_ckpt.load._attempt import LoadTargets, attempt, undo
 from muon_ckpt.load._decide import Decision
 from muon_ckpt.memory._dirs import PartInfo, copy_dirname, layout_digest, own_dirname, part_manifest
-from muon_ckpt.memory._parts import receive_part, send_part
+from muon_ckpt.memory._parts import drop_part, receive_part, send_part
 from muon_ckpt.memory._tier import MemoryTier
 from muon_ckpt.state import FlatState
-from muon_ckpt.store import MANIFEST, Catalog, Storage
+from muon_ckpt.store import MANIFEST, Catalog, Manifest, Storage
 from muon_ckpt.store.dcp import check_files
 
 __all__ = ["MemoryLoaded", "restore_from_memory"]
@@ -51,6 +51,7 @@ class _Held:
     node_size: Any
     layout: Any
     url: Any
+    save: Any  # the memory save that wrote it
 
 
 @dataclasses.dataclass
@@ -81,7 +82,10 @@ def restore_from_memory(
     why_not = tier.readable()
     # Its own part and the replicas it holds (ranks of a node may share a directory: the
     # other ranks' own parts there are theirs to report).
-    found = [] if why_not is not None else tier.parts()
+    try:
+        found = [] if why_not is not None else tier.parts()
+    except OSError as e:
+        found, why_not = [], f"{tier.run_dir}: {e}"
     held = [_held(p) for p in found if p.manifest and (p.copy or p.rank == rank)]
     flat = FlatState.build(t.model, None, {}, rank=rank)
     layout = layout_digest(flat.sd)
@@ -94,22 +98,22 @@ def restore_from_memory(
     choice = _choose(gathered, newest, step, world, node, tier.url)
     if choice is None:
         return None
-    chosen, sources = choice
-    line = newest[1] if newest is not None else None
+    chosen, save, sources = choice
     cur = [0] * world
     decided = time.perf_counter() - t0
+    storage = Storage(tier.run_dir)
+    rel = own_dirname(chosen, rank)
+    where = os.path.join(tier.run_dir, rel)
     while True:
-        fetched = _fetch(tier, chosen, sources, cur, line, group)
-        problems = coll.all_gather(fetched if fetched is not None else _check(tier, chosen), group)
+        problem = _fetch(tier, chosen, save, sources, cur, group)
+        checked = _check(storage, rel, chosen, save) if problem is None else problem
+        problems = coll.all_gather(checked if isinstance(checked, str) else None, group)
         if _advance(problems, sources, cur, chosen, "memory tier"):
             continue
         if any(c >= len(s) for c, s in zip(cur, sources, strict=True)):
             return _to_storage(chosen, "no rank has a whole copy of some rank's part")
-        storage = Storage(tier.run_dir)
-        rel = own_dirname(chosen, rank)
-        where = os.path.join(tier.run_dir, rel)
-        m = part_manifest(storage.read_bytes(rel, MANIFEST), where)
-        md = check_files(storage, (rel,), m, tiles=False)
+        assert not isinstance(checked, str)
+        m, md = checked
         d = Decision(
             from_resume=False,
             step=chosen,
@@ -139,6 +143,7 @@ def restore_from_memory(
         t.staging.release("cpu")
     holder, _ = sources[rank][cur[rank]]
     where_from = "memory" if holder == rank else "peer"
+    tier.complete_steps.add(chosen)  # kept by retention as a step complete on every rank
     timings = {"decide": decided, **out.timings, "total": time.perf_counter() - t0}
     timings["apply"] = timings["total"] - sum(
         timings.get(k, 0.0) for k in ("decide", "prepare", "backup", "dcp_load")
@@ -161,6 +166,7 @@ def _held(p: PartInfo) -> _Held:
         p.meta("node_size"),
         p.meta("layout"),
         p.meta("url"),
+        p.meta("save"),
     )
 
 
@@ -176,13 +182,15 @@ def _choose(
     world: int,
     node: int,
     url: str,
-) -> tuple[int, list[list[tuple[int, bool]]]] | None:
-    """The step to load from memory and, for each rank, where its part is (holder, copy),
-    its own first; None when no step qualifies (rank 0 says why at INFO)."""
+) -> tuple[int, str, list[list[tuple[int, bool]]]] | None:
+    """The step to load from memory, the save that wrote it and, for each rank, where its
+    part is (holder, copy), its own first; None when no step qualifies (rank 0 says why at
+    INFO). Every rank's part must come from one save: parts of a step saved twice (after a
+    restart or a rewind) never mix."""
     if newest is None or len(gathered) != world:
         return None
     layouts = [g[1] for g in gathered]
-    by_step: dict[int, list[list[tuple[int, bool]]]] = {}
+    by_save: dict[tuple[int, str], list[list[tuple[int, bool]]]] = {}
     seen_newer: set[int] = set()
     for holder, (held, _, _) in enumerate(gathered):
         for h in held:
@@ -190,6 +198,7 @@ def _choose(
                 seen_newer.add(h.step)
             ok = (
                 h.url == url
+                and isinstance(h.save, str)
                 and h.line == newest[1]
                 and h.world_size == world
                 and h.node_size == node
@@ -199,14 +208,14 @@ def _choose(
                 and (step is None or h.step == step)
             )
             if ok:
-                slots = by_step.setdefault(h.step, [[] for _ in range(world)])
+                slots = by_save.setdefault((h.step, h.save), [[] for _ in range(world)])
                 slots[h.rank].append((holder, h.copy))
-    for s in sorted(by_step, reverse=True):
-        sources = by_step[s]
+    for s, save in sorted(by_save, reverse=True):
+        sources = by_save[s, save]
         if all(sources):
             for slot in sources:  # its own part first, then copies by holder
                 slot.sort(key=lambda hc: (hc[1], hc[0]))
-            return s, sources
+            return s, save, sources
     if seen_newer and coll.rank() == 0:
         _log.info(
             "memory tier: step(s) %s newer than the url's step %d are not loadable here (another "
@@ -217,47 +226,52 @@ def _choose(
     return None
 
 
-def _check(tier: MemoryTier, step: int) -> str | None:
-    """Why this rank's own part of ``step`` cannot be read (None: it can, as far as its
-    manifest and sizes tell; the load checks every byte)."""
-    rel = own_dirname(step, coll.rank())
+def _check(storage: Storage, rel: str, step: int, save: str) -> str | tuple[Manifest, Any]:
+    """This rank's own part of ``step`` as far as its manifest and sizes tell (the load
+    checks every byte): (its manifest, its DCP metadata), or why it cannot be read."""
+    where = os.path.join(storage.url, rel)
     try:
-        storage = Storage(tier.run_dir)
-        m = part_manifest(storage.read_bytes(rel, MANIFEST), os.path.join(tier.run_dir, rel))
-        check_files(storage, (rel,), m, tiles=False)
+        m = part_manifest(storage.read_bytes(rel, MANIFEST), where)
+        if m.step != step or m.extra["memory"].get("save") != save:
+            return f"{where} is another save's part than the one chosen"
+        return m, check_files(storage, (rel,), m, tiles=False)
     except (CheckpointError, OSError) as e:
         return str(e)
-    return None
 
 
 def _fetch(
     tier: MemoryTier,
     step: int,
+    save: str,
     sources: list[list[tuple[int, bool]]],
     cur: list[int],
-    line: str | None,
     group: Any,
 ) -> str | None:
     """Every part whose current source is a replica moves from its holder to its rank (the
-    same transfers, in rank order, on every rank). Returns why this rank's fetch failed, or
-    None (also when it fetched nothing; ``_check`` then looks at its own part)."""
+    same transfers, in rank order, on every rank; a replica this rank holds of its own part
+    is moved in place). Returns why this rank's fetch failed, or None (also when it fetched
+    nothing; ``_check`` then looks at its own part)."""
     rank, problem = coll.rank(), None
-    fetched = False
     for r, slot in enumerate(sources):
         if cur[r] >= len(slot):
             continue
         holder, is_copy = slot[cur[r]]
-        if not is_copy:
+        if not is_copy or (rank != holder and rank != r):
             continue
-        if rank == holder:
-            send_part(os.path.join(tier.run_dir, copy_dirname(step, r)), r, group)
-        elif rank == r:
-            fetched = True
-
+        copy, own = (os.path.join(tier.run_dir, f(step, r)) for f in (copy_dirname, own_dirname))
+        if holder == r:  # (the nodes' ranks were numbered otherwise when it was taken)
+            try:
+                drop_part(own)
+                os.rename(copy, own)
+            except OSError as e:
+                problem = f"{copy}: {e}"
+        elif rank == holder:
+            send_part(copy, r, group)
+        else:
             try:
                 tier.ensure_dirs()
                 unsafe = None
-            except CheckpointError as e:  # declined: the holder sends nothing
+            except (CheckpointError, OSError) as e:  # declined: the holder sends nothing
                 unsafe = str(e)
 
             def expect(
@@ -265,16 +279,16 @@ def _fetch(
             ) -> str | None:
                 if unsafe is not None:
                     return unsafe
-                if m.step != step or m.extra["memory"].get("rank") != r or m.line != line:
+                if m.step != step or m.extra["memory"].get("rank") != r:
                     return f"rank {holder} sent another part than rank {r}'s of step {step}"
+                if m.extra["memory"].get("save") != save:
+                    return f"rank {holder} sent a part of another save of step {step}"
                 return None
 
             m, why = receive_part(tier.run_dir, own_dirname(step, r), holder, group, expect=expect)
             if m is None:
                 problem = why or f"rank {holder} no longer holds rank {r}'s part of step {step}"
-    if fetched and problem is None:
-        return _check(tier, step)
-    return problem if fetched else None
+    return problem
 
 
 def _advance(

@@ -28,7 +28,7 @@ from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
 from muon_ckpt.state import HostStaging
 from muon_ckpt.store import Catalog
 
-__all__ = ["MemorySaves"]
+__all__ = ["MemorySaves", "new_id"]
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -109,6 +109,15 @@ class MemorySaves:
         job, self.job = self.job, None
         return job.wait() if job is not None else None
 
+    def agree(self, group: Any, write_ended: bool) -> tuple[bool, bool]:
+        """Before a memory-only save, one all-gather: whether the previous memory save still
+        runs on some rank, and whether the url's write ended on every rank (``write_ended``:
+        on this one; it is then waited for everywhere, so that its failure, if any, is
+        raised on every rank)."""
+        self.reap()
+        flags = coll.all_gather((self.job is not None, write_ended), group)
+        return any(b for b, _ in flags), all(e for _, e in flags)
+
     def save_alone(
         self,
         step: int,
@@ -116,14 +125,15 @@ class MemorySaves:
         line: RunLine,
         catalog: Catalog,
         writing: bool,
+        busy: bool,
         optimizer: str | None,
         gate: threading.Event | None = None,
     ) -> tuple[bool, Snapshot | None]:
         """A memory-only save of ``step`` (``writing``: the url's write is in flight on this
-        rank). Returns whether it started, and its snapshot."""
+        rank; ``busy``: ``agree``'s first answer). Returns whether it started, and its
+        snapshot."""
         group = calls.group
-        self.reap()
-        if any(coll.all_gather(self.job is not None, group)):
+        if busy:
             self.tier.skipped += 1
             if coll.rank() == 0:
                 _log.warning(
@@ -133,12 +143,22 @@ class MemorySaves:
                     self.tier.skipped,
                 )
             return False, None
-        line_id = coll.on_rank0(lambda: _line_for(line, catalog, step), group)
+        line_id, save_id = coll.on_rank0(lambda: (_line_for(line, catalog, step), new_id()), group)
         line.line = line_id
         src = self._own if writing else self._main
         src.group = group
         snap = take(src, step, background=True)
-        self.start(step, snap, line_id, calls, optimizer, owns=True, finish=snap.release, gate=gate)
+        self.start(
+            step,
+            snap,
+            line_id,
+            save_id,
+            calls,
+            optimizer,
+            owns=True,
+            finish=snap.release,
+            gate=gate,
+        )
         return True, snap
 
     def start(
@@ -146,6 +166,7 @@ class MemorySaves:
         step: int,
         snap: Snapshot,
         line: str | None,
+        save_id: str,
         calls: coll.Calls,
         optimizer: str | None,
         *,
@@ -153,8 +174,8 @@ class MemorySaves:
         finish: Callable[[], None] | None,
         gate: threading.Event | None = None,
     ) -> MemoryJob:
-        """The background job that keeps ``snap`` (``owns``: no other save reads it;
-        ``gate``: tests)."""
+        """The background job that keeps ``snap`` (``save_id``: rank 0's ``new_id()``, the
+        same on every rank; ``owns``: no other save reads it; ``gate``: tests)."""
         world, rank = coll.world_size(), coll.rank()
         if self.tier.opts.replicas and not self.tier.holders(rank, world) and rank == 0:
             self.tier.warn_once(
@@ -170,6 +191,7 @@ class MemorySaves:
             sd=snap.sd,
             staging=snap.staging,
             line=line,
+            save_id=save_id,
             world_size=world,
             rank=rank,
             layout=layout_digest(snap.sd),
@@ -187,6 +209,12 @@ class MemorySaves:
         if not snap.background:  # it reads the live state: done before training goes on
             job.wait_written()
         return job
+
+
+def new_id() -> str:
+    """A memory save's id (rank 0 makes it): parts of one step written by different saves
+    (a step saved again after a restart or a rewind) are never loaded together."""
+    return uuid.uuid4().hex[:16]
 
 
 def _line_for(line: RunLine, catalog: Catalog, step: int) -> str:

@@ -11,8 +11,10 @@ budget: skipped with a WARNING), offer it to the ranks that hold its replicas an
 parts of the ranks whose replicas it holds (``_parts``: the same transfers in the same order
 on every rank), then agree (one all-gather) on which ranks' parts are complete. Only once a
 step is complete on every rank does retention drop older steps: a process killed while
-writing step ``s`` leaves step ``s - 1`` whole. Steps of another line (a rewind, another run
-in the same url) are dropped then too.
+writing step ``s`` leaves step ``s - 1`` whole; while a complete step lacks some replica,
+the newest step that has them all is kept too. Steps of another line (a rewind, another run
+in the same url) are dropped then too. Every part of one save carries its id (rank 0 draws
+it): a step saved twice never loads from parts of both saves.
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ class MemoryTier:
         self.skipped = 0  # memory saves skipped (one still running, no room, over budget)
         self.failed = 0  # memory saves that failed on this rank (WARNING each)
         self.last_complete: int | None = None  # newest step complete on every rank, by a job
+        # Steps known complete on every rank (a job agreed, or a load read them): retention
+        # keeps the newest of these; and the newest whose replicas all arrived.
+        self.complete_steps: set[int] = set()
+        self.replicated: int | None = None
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ where
@@ -95,10 +101,11 @@ class MemoryTier:
         secure_dir(self.opts.root)
 
     def ensure_dirs(self) -> None:
-        """The run's directory too (CheckpointError when it is not this user's own)."""
+        """The run's directory too (CheckpointError when it is not this user's own), checked
+        at every save: a directory removed and made again by someone else is never used."""
+        secure_dir(self.opts.root)
+        secure_dir(self.run_dir)
         if not self._made:
-            secure_dir(self.opts.root)
-            secure_dir(self.run_dir)
             write_run_file(self.run_dir, self.url)
             self._made = True
 
@@ -139,30 +146,35 @@ class MemoryTier:
     def parts(self) -> list[PartInfo]:
         return list_parts(self.run_dir)
 
-    def held_bytes(self, steps: set[int]) -> int:
-        """Bytes of the parts (own and copies) of ``steps`` held here."""
+    def held_bytes(self, steps: set[int], rank: int, world: int) -> int:
+        """Bytes of ``rank``'s parts of ``steps`` here: its own and the copies it holds
+        (the node's other ranks may keep theirs in the same directory)."""
         total = 0
         for p in self.parts():
-            if p.step in steps and p.manifest is not None:
+            mine = rank in self.holders(p.rank, world) if p.copy else p.rank == rank
+            if p.step in steps and p.manifest is not None and mine:
                 total += p.manifest.total_bytes
         return total
 
-    def room_problem(self, need: int, keep_steps: set[int]) -> str | None:
-        """Why ``need`` more bytes do not fit here (free space, ``max_staging_bytes``)."""
+    def room_problem(self, need: int, keep_steps: set[int], rank: int, world: int) -> str | None:
+        """Why ``need`` more bytes on ``rank`` do not fit here: free space for as much on
+        each rank of its node (they write at the same time, and usually to one file system),
+        or ``max_staging_bytes`` for this rank."""
         try:
             st = os.statvfs(self.run_dir)
         except OSError as e:
             return f"{self.run_dir}: {e}"
         free = st.f_bavail * st.f_frsize
         margin = 64 << 20  # leave the node something
-        if need + margin > free:
+        ranks = self.node_size(world)
+        if need * ranks + margin > free:
             return (
-                f"{self.run_dir} has {free / 2**20:.0f} MiB free, the part needs "
-                f"{need / 2**20:.0f} MiB (and 64 MiB spare): {(need + margin - free) / 2**20:.0f} "
-                "MiB short"
+                f"{self.run_dir} has {free / 2**20:.0f} MiB free, the {ranks} rank(s) of this "
+                f"node need about {need * ranks / 2**20:.0f} MiB (and 64 MiB spare): "
+                f"{(need * ranks + margin - free) / 2**20:.0f} MiB short"
             )
         if self._budget is not None:
-            held = self.held_bytes(keep_steps)
+            held = self.held_bytes(keep_steps, rank, world)
             if held + need > self._budget:
                 return (
                     f"the memory tier would hold {(held + need) / 2**20:.0f} MiB on this rank, "
@@ -171,37 +183,61 @@ class MemoryTier:
         return None
 
     def kept_steps_after(self, step: int) -> set[int]:
-        """The older steps retention keeps beside ``step`` (``keep - 1`` of them)."""
-        older = sorted((s for s in step_dirs(self.run_dir) if s < step), reverse=True)
-        return set(older[: self.opts.keep - 1])
+        """The older steps retention keeps beside ``step`` (``keep - 1`` of them, and the
+        newest fully replicated one)."""
+        older = sorted((s for s in self.complete_steps if s < step), reverse=True)
+        kept = set(older[: self.opts.keep - 1])
+        if self.replicated is not None and self.replicated < step:
+            kept.add(self.replicated)
+        return kept
 
-    def retain(self, step: int, line: str | None) -> None:
-        """``step`` is complete on every rank: keep it and the ``keep - 1`` newest older steps
-        of its line; drop every other step here (older ones, other lines', newer leftovers)."""
-        parts = self.parts()
+    def retain(self, step: int, line: str | None, replicated: bool) -> None:
+        """``step`` is complete on every rank (``replicated``: its replicas too): keep it,
+        the ``keep - 1`` newest older complete steps of its line and, while ``step``'s
+        replicas are not all there, the newest step whose replicas were; drop every other
+        step here (older ones, incomplete ones, other lines', newer leftovers)."""
+        self.complete_steps.add(step)
+        if replicated:
+            self.replicated = step
         lines: dict[int, set[str | None]] = {}
-        for p in parts:
+        for p in self.parts():
             if p.manifest is not None:
                 lines.setdefault(p.step, set()).add(p.manifest.line)
         ours = sorted(
-            (s for s in step_dirs(self.run_dir) if s <= step and lines.get(s) == {line}),
+            (s for s in self.complete_steps if s <= step and lines.get(s) == {line}),
             reverse=True,
         )
         keep = set(ours[: self.opts.keep])
+        if self.replicated is not None and lines.get(self.replicated) == {line}:
+            keep.add(self.replicated)
+        else:
+            self.replicated = None
+        self.complete_steps &= keep
         for s, path in step_dirs(self.run_dir).items():
             if s not in keep:
-                for name in os.listdir(path):
-                    drop_part(os.path.join(path, name))
-                shutil.rmtree(path, ignore_errors=True)
+                _drop_step(path)
 
     def clear(self) -> None:
         """Remove this run's memory tier on this rank."""
         if os.path.isdir(self.run_dir) and self.readable() is None:
             for path in step_dirs(self.run_dir).values():
-                for name in os.listdir(path):
-                    drop_part(os.path.join(path, name))
+                _drop_step(path)
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self._made = False
+        self.complete_steps.clear()
+        self.replicated = None
+
+
+def _drop_step(path: str) -> None:
+    """A step's directory, each part's manifest first (the node's other ranks may be
+    dropping it too: what is gone already is skipped)."""
+    try:
+        names = os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for name in names:
+        drop_part(os.path.join(path, name))
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclasses.dataclass
@@ -212,6 +248,7 @@ class MemoryWrite:
     sd: dict[str, Any]
     staging: HostStaging
     line: str | None
+    save_id: str  # the same on every rank, new at every memory save
     world_size: int
     rank: int
     layout: str  # layout_digest of this rank's state
@@ -290,8 +327,19 @@ class MemoryJob:
         outcome = coll.all_gather((own is not None, taken), w.group)
         self.complete = all(ok for ok, _ in outcome)
         if self.complete:
+            held = {(src, h) for h, (_, srcs) in enumerate(outcome) for src in srcs}
+            want = {(r, h) for r in range(w.world_size) for h in tier.holders(r, w.world_size)}
+            replicated = want <= held
+            if not replicated and w.rank == 0:
+                _log.warning(
+                    "step %d is in host memory on every rank, but %d of its %d replica(s) did "
+                    "not arrive: the newest step with all its replicas is kept beside it",
+                    w.step,
+                    len(want - held),
+                    len(want),
+                )
             tier.last_complete = w.step
-            tier.retain(w.step, w.line)
+            tier.retain(w.step, w.line, replicated)
         w.timings.update(memory_write=t1 - t0, replicate=t2 - t1)
 
     def _write_own(self) -> str | None:
@@ -302,7 +350,9 @@ class MemoryJob:
         copies = sum(1 for r in range(w.world_size) if w.rank in tier.holders(r, w.world_size))
         try:
             tier.ensure_dirs()
-            why = tier.room_problem(need * (1 + copies), tier.kept_steps_after(w.step))
+            drop_part(os.path.join(tier.run_dir, rel))  # an earlier save's, never mixed in
+            kept = tier.kept_steps_after(w.step)
+            why = tier.room_problem(need * (1 + copies), kept, w.rank, w.world_size)
         except Exception as e:  # (a directory another user owns, or others may read)
             why = f"{type(e).__name__}: {e}"
         if why is not None:
@@ -320,6 +370,7 @@ class MemoryJob:
                 line=w.line,
                 memory={
                     "url": tier.url,
+                    "save": w.save_id,
                     "rank": w.rank,
                     "node_size": tier.node_size(w.world_size),
                     "layout": w.layout,
@@ -379,6 +430,6 @@ class MemoryJob:
 def _expected(m: Manifest, w: MemoryWrite, src: int, tier: MemoryTier) -> str | None:
     """Why a replica offered by ``src`` for this save is not taken (None: take it)."""
     mem = m.extra.get("memory", {})
-    if m.step != w.step or mem.get("rank") != src or m.line != w.line:
-        return f"it is not rank {src}'s part of step {w.step} (line {w.line})"
-    return tier.room_problem(m.total_bytes, tier.kept_steps_after(w.step))
+    if m.step != w.step or mem.get("rank") != src or mem.get("save") != w.save_id:
+        return f"it is not rank {src}'s part of this save of step {w.step}"
+    return tier.room_problem(m.total_bytes, tier.kept_steps_after(w.step), w.rank, w.world_size)

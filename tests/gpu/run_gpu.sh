@@ -29,20 +29,29 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   [ "$ngpu" -gt 1 ] && suite="$suite tests/test_manager_resume.py tests/test_manager_fsdp.py tests/test_import_dist.py tests/test_async_save.py"
   step python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-$suite}
 fi
+# BENCH picks benchmarks (default all): muon offload checkpoint async resume memory.
+want() { [[ " ${BENCH:-muon offload checkpoint async resume memory} " == *" $1 "* ]]; }
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  step python3 benchmarks/bench_muon.py --device cuda
-  step python3 benchmarks/bench_offload.py --device cuda --chunk-size 2
-  step python3 benchmarks/bench_offload.py --device cuda --chunk-size 8
-  if [ "$ngpu" -gt 1 ]; then  # Muon scaling over 1, 2, 4, 8 GPUs (as many as there are)
-    for n in 1 2 4 8; do
-      [ "$n" -le "$ngpu" ] && step torchrun --nproc-per-node="$n" benchmarks/bench_muon_scaling.py --csv "$out/scaling.csv" --offload --ckpt-dir "${CKPT_DIR:-/tmp/muon-ckpt-bench}-ranks$n"
-    done
+  if want muon; then
+    step python3 benchmarks/bench_muon.py --device cuda
+    if [ "$ngpu" -gt 1 ]; then  # Muon scaling over 1, 2, 4, 8 GPUs (as many as there are)
+      for n in 1 2 4 8; do
+        [ "$n" -le "$ngpu" ] && step torchrun --nproc-per-node="$n" benchmarks/bench_muon_scaling.py --csv "$out/scaling.csv" --offload --ckpt-dir "${CKPT_DIR:-/tmp/muon-ckpt-bench}-ranks$n"
+      done
+    fi
   fi
-  step python3 benchmarks/bench_checkpoint.py --device cuda --size-gib "${CKPT_GIB:-4}" --url "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
+  if want offload; then
+    step python3 benchmarks/bench_offload.py --device cuda --chunk-size 2
+    step python3 benchmarks/bench_offload.py --device cuda --chunk-size 8
+  fi
+  want checkpoint && step python3 benchmarks/bench_checkpoint.py --device cuda --size-gib "${CKPT_GIB:-4}" --url "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
   cases=""; for c in ${ASYNC_CASES:-16x4096 16x8192}; do cases="$cases --case $c"; done
-  step python3 benchmarks/bench_async_save.py --device cuda $cases --snapshot blocking deferred --url "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
-  step python3 -m benchmarks.bench_resume --device cuda --size-gib "${CKPT_GIB:-4}" --dir "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
-  step python3 -m benchmarks.bench_memory_tier restore --world 1 --node-size 1 --device cuda --size-gib "${CKPT_GIB:-4}"
-  step python3 -m benchmarks.bench_memory_tier overhead --device cuda --case 16x4096 --every 1 2 4 8 16
+  gpt=${GPT_CASE:-12x2048x4096}  # LAYERSxDIMxBATCH: forward and backward most of a step
+  want async && step python3 benchmarks/bench_async_save.py --device cuda $cases --gpt "$gpt" --snapshot blocking deferred --url "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
+  want resume && step python3 -m benchmarks.bench_resume --device cuda --size-gib "${CKPT_GIB:-4}" --dir "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
+  if want memory; then
+    step python3 -m benchmarks.bench_memory_tier restore --world 1 --node-size 1 --device cuda --size-gib "${CKPT_GIB:-4}"
+    step python3 -m benchmarks.bench_memory_tier overhead --device cuda --case 16x4096 --gpt "$gpt" --offload on --every 1 2 4 8 --steps 30
+  fi
 fi
 exit $rc
