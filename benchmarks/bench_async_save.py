@@ -208,7 +208,7 @@ def measure_ours(
         mgr.save(r + 1, force=True)
         blocked = time.perf_counter() - t0
         flight = []
-        job = mgr._pending
+        job = mgr._saves.pending
         while _any_rank(job is not None and not job.done()):  # every rank steps alike
             flight.append(step(model, opt, grads, dev))
         mgr.wait()
@@ -226,7 +226,7 @@ def measure_ours(
     sync(dev)
     t0 = time.perf_counter()
     mgr.save(rounds + 2, force=True)
-    job = mgr._pending
+    job = mgr._saves.pending
     mgr.wait()
     out["idle_e2e"] = (job.spec.committed_at if job is not None else time.perf_counter()) - t0
     out["phases"] = dict(mgr.last_save_timings)

@@ -7,6 +7,8 @@ still has requests to make would fail ("cannot schedule new futures after interp
 shutdown"). Managers with a pending save are closed by a hook registered after
 ``concurrent.futures``' (the hooks run last-registered first): the save finishes while the
 interpreter is whole, on every rank, and its failure is logged at ERROR naming the step.
+Until then this module holds the manager: a script whose last reference to it is gone (its
+``main()`` returned) still has its save committed.
 The exit code cannot be changed from there without skipping the other exit handlers
 (``os._exit``), so it stays what the script made it.
 """
@@ -16,10 +18,9 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-import weakref
 from typing import Any, Protocol
 
-__all__ = ["finish_at_exit"]
+__all__ = ["finish_at_exit", "finished"]
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -28,16 +29,17 @@ class _Closing(Protocol):
     def _close_at_exit(self) -> None: ...
 
 
-_managers: weakref.WeakSet[Any] = weakref.WeakSet()
+_managers: dict[int, Any] = {}  # id -> a manager with a save pending
 _lock = threading.Lock()
 _registered = False
 
 
 def finish_at_exit(manager: _Closing) -> None:
-    """Close ``manager`` (``_close_at_exit``) when the interpreter exits, unless it is gone."""
+    """Close ``manager`` (``_close_at_exit``) when the interpreter exits, unless ``finished``
+    was called for it first."""
     global _registered
     with _lock:
-        _managers.add(manager)
+        _managers[id(manager)] = manager
         if _registered:
             return
         import concurrent.futures.thread  # noqa: F401  (its hook first, so ours runs before)
@@ -50,8 +52,16 @@ def finish_at_exit(manager: _Closing) -> None:
         _registered = True
 
 
+def finished(manager: Any) -> None:
+    """``manager`` has nothing pending (or is closed): the exit need not close it."""
+    with _lock:
+        _managers.pop(id(manager), None)
+
+
 def _close_all() -> None:
-    for manager in list(_managers):
+    with _lock:
+        managers = list(_managers.values())
+    for manager in managers:
         try:
             manager._close_at_exit()
         except BaseException as e:  # one manager's failure must not keep the others open

@@ -3,7 +3,8 @@
 A save is ``begin -> snapshot -> write -> commit -> tidy``: rank 0 readies the step and decides
 what it retires (``save.RunLine``, ``store.Catalog.begin``); every rank takes the snapshot
 (``save.take``, the only part an asynchronous save blocks for); the job writes, confirms and
-commits (``save.SaveJob``, here or in a background thread). A load is ``decide -> attempt ->
+commits (``save.SaveJob``, here or in a background thread; ``save.UrlSaves`` keeps the pending
+one). A step due for the memory tier shares the snapshot (``memory.MemorySaves``). A load is ``decide -> attempt ->
 apply``, all or nothing, falling back past damaged steps (``load.resume``). The options are
 described once, in ``_config.OPTIONS``.
 """
@@ -12,10 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import signal
-import threading
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,13 +22,13 @@ import torch
 import muon_ckpt._collective as coll
 from muon_ckpt._config import OPTIONS, ManagerConfig
 from muon_ckpt._errors import CheckpointError
-from muon_ckpt._exit import finish_at_exit
+from muon_ckpt._exit import finish_at_exit, finished
 from muon_ckpt._preempt import PreemptionWatch
 from muon_ckpt.load import LoadTargets, resume
-from muon_ckpt.memory import MemorySaves, new_id, restore_from_memory
-from muon_ckpt.save import RunLine, SaveJob, SaveSources, WriteSpec, hook_step, spec_for, take
-from muon_ckpt.state import PARTS, HostStaging, LoadReport, check_objects, optimizer_name
-from muon_ckpt.store import MAX_STEP, StepInfo, open_run
+from muon_ckpt.memory import MemorySaves, restore_from_memory
+from muon_ckpt.save import RunLine, SaveSources, UrlSaves, hook_step
+from muon_ckpt.state import HostStaging, LoadReport, check_objects, check_parts, optimizer_name
+from muon_ckpt.store import StepInfo, check_step, open_run
 
 __all__ = ["CheckpointManager"]
 
@@ -90,7 +88,6 @@ class CheckpointManager:
             c.url, c.collective_timeout, background_groups=c.memory_interval is not None
         )
         self._line = RunLine(c.new_run)
-        self._pending: SaveJob | None = None
         self._preempt: PreemptionWatch | None = None
         self._staging = HostStaging()  # host buffers allocated by the first save, then reused
         warned: set[str] = set()  # warnings given once per manager
@@ -98,15 +95,13 @@ class CheckpointManager:
         state = (model, optimizer, self._extra, self._rank_extra, self._staging)
         deferred = c.snapshot == "deferred"
         self._sources = SaveSources(*state, None, limit, warned, deferred)
-        self._hook = hook_step(optimizer, self._deferred) if deferred else None
+        self._saves = UrlSaves(self._catalog, c, self._line, self._sources, self._calls)
+        self._hook = hook_step(optimizer, lambda: self._saves.deferred) if deferred else None
         self._memory = MemorySaves.of(c, self._catalog.storage.url_of(), self._sources)
-        self._latest_deferred: Any = None  # the newest snapshot's deferred copies
         self._targets = LoadTargets(*state, config=c, group=None, hosts=1, warned=warned)
         self._closed = False
-        self._write_gate: threading.Event | None = None  # tests: background writes wait for it
-        # This rank's seconds per phase of the last finished save / load (docs/internals.md),
-        # what the last load left out (strict=False), and the bytes it read from storage.
-        self.last_save_timings: dict[str, float] = {}
+        # This rank's seconds per phase of the last load (docs/internals.md), what it left
+        # out (strict=False), and the bytes it read from storage.
         self.last_load_timings: dict[str, float] = {}
         self.last_load_report = LoadReport()
         self.last_load_bytes_read = 0
@@ -153,7 +148,7 @@ class CheckpointManager:
         ``watch_preemption()``, a call after the signal saves ``step`` and exits (code 0).
         """
         self._check_open()
-        step = self._check_step(step)
+        step = check_step(step)
         if self._preempt is not None and self._preempt.agreed(self.config.collective_timeout, step):
             self._save_and_exit(step)
         interval = self.config.interval
@@ -162,92 +157,33 @@ class CheckpointManager:
         if not persist and not memory:
             return False
         self._calls.join(f"save(step={step})")
-        if not persist and self._memory is not None:
-            return self._save_memory(step)
+        if not persist and self._memory is not None:  # never waits for the url's write
+            name = optimizer_name(self._optimizer)
+            started, snap = self._memory.save_only(step, self._saves, self._catalog, name)
+            if snap is not None:
+                finish_at_exit(self)  # the interpreter's exit waits for it (_exit)
+            return started
         self.wait()
         return self._save(step, overwrite, self.config.async_save, memory=memory)
 
-    def _save_memory(self, step: int) -> bool:
-        """A step due for the memory tier only: never waits for the url's write in flight."""
-        assert self._memory is not None
-        job = self._pending
-        busy, ended = self._memory.agree(self._calls.group, job is not None and job.done())
-        if job is not None and ended:
-            self._wait_write()  # (in this thread: its release; its failure is raised here)
-        writing = self._pending is not None
-        name = optimizer_name(self._optimizer)
-        started, snap = self._memory.save_alone(
-            step, self._calls, self._line, self._catalog, writing, busy, name, self._write_gate
-        )
-        if snap is not None:
-            self._latest_deferred = snap.deferred
-            finish_at_exit(self)  # the interpreter's exit waits for it (_exit)
-        return started
-
     def _save(self, step: int, overwrite: bool, background: bool, memory: bool = False) -> bool:
-        t0 = time.perf_counter()
-        group = self._calls.group
-        plan, line, save_id = coll.on_rank0(
-            lambda: (*self._line.begin(self._catalog, step, overwrite), new_id()), group
-        )
-        self._line.saving(plan, line)
-        t1 = time.perf_counter()
-        self._sources.group = group
-        # A memory save writes in the background: it needs host copies, as an async save.
-        snap = take(self._sources, step, background or memory)
-        self._latest_deferred = snap.deferred
-        t2 = time.perf_counter()
-        name, gate = optimizer_name(self._optimizer), self._write_gate
-        spec = spec_for(
-            self._catalog,
-            self.config,
-            step,
-            snap,
-            plan,
-            line,
-            optimizer=name,
-            group=self._calls.write_group,
-            gate=gate,
-        )
-        spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
-        release = snap.release
-        if memory and self._memory is not None:
-            mem = self._memory.start(
-                step, snap, line, save_id, self._calls, name, owns=False, finish=None
-            )
-            # (not gated: tests hold the url's write and watch the memory part land)
+        mem, name = self._memory, optimizer_name(self._optimizer)
+        start = None
+        if memory and mem is not None:
 
-            def release_both() -> None:
-                mem.wait_written()  # the snapshot is read by both
-                if snap.release is not None:
-                    snap.release()
+            def start(step: int, snap: Any, line: str | None, save_id: str) -> Any:
+                return mem.start(
+                    step, snap, line, save_id, self._calls, name, owns=False, finish=None
+                )
 
-            release = release_both
-        job = SaveJob(spec, finish=lambda: self._finished(spec, release))
-        if memory:
-            finish_at_exit(self)
-        if snap.background and background:
+        if self._saves.save(step, overwrite, background, start) or memory:
             finish_at_exit(self)  # the interpreter's exit waits for it (_exit)
-            job.start()
-            self._pending = job
-        else:
-            job.run()
         return True
 
-    def _finished(self, spec: WriteSpec, release: Any) -> None:
-        """In the caller's thread, once a save's job has ended (committed or not)."""
-        if release is not None:
-            release()
-        if spec.committed_at is not None:
-            self._line.committed()
-        t = spec.timings
-        t["total"] = sum(t.get(k, 0.0) for k in ("blocked", "dcp_save", "commit", "retention"))
-        self.last_save_timings = dict(t)
-        _log.debug("saved step %d: %s", spec.step, ", ".join(f"{k} {v:.3f}s" for k, v in t.items()))
-
-    def _deferred(self) -> Any:
-        """The newest snapshot's copies that the next optimizer step must wait for, if any."""
-        return self._latest_deferred
+    @property
+    def last_save_timings(self) -> dict[str, float]:
+        """This rank's seconds per phase of the last finished save (docs/internals.md)."""
+        return self._saves.timings
 
     def wait(self) -> int | None:
         """Block until the pending asynchronous save is complete in every tier it goes to
@@ -256,19 +192,10 @@ class CheckpointManager:
         naming the step); the memory tier's are WARNINGs."""
         self._check_open()
         kept = self._memory.wait() if self._memory is not None else None
-        step = self._wait_write()
+        step = self._saves.wait()
+        if self._saves.pending is None and self._memory is None:
+            finished(self)  # nothing left for the exit to do (a memory tier: close()'s flush)
         return kept if step is None else step if kept is None else max(step, kept)
-
-    def _wait_write(self) -> int | None:
-        """Until the pending write to ``url`` is committed (its failure raised here)."""
-        job = self._pending
-        if job is None:
-            return None
-        try:
-            return job.wait()
-        finally:
-            if job.joined:  # interrupted while joining (Ctrl-C): still pending
-                self._pending = None
 
     # ------------------------------------------------------------------ preemption
     def watch_preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> None:
@@ -314,8 +241,8 @@ class CheckpointManager:
         """
         self._check_open()
         if step is not None:
-            step = self._check_step(step)
-        chosen = self._check_parts(parts)
+            step = check_step(step)
+        chosen = check_parts(parts)
         self._calls.join(f"load(step={step})")
         self.wait()
         t = self._targets
@@ -343,14 +270,6 @@ class CheckpointManager:
         self.last_load_bytes_read, self.last_load_tier = got.bytes_read, "storage"
         return got.decision.step
 
-    @staticmethod
-    def _check_parts(parts: Any) -> tuple[str, ...]:
-        if parts is None:
-            return PARTS
-        if isinstance(parts, str) or not parts or not all(p in PARTS for p in parts):
-            raise ValueError(f"parts must be a non-empty subset of {PARTS}, got {parts!r}")
-        return tuple(parts)
-
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Finish a pending save (its failure is raised here), give the write lease back and
@@ -360,12 +279,14 @@ class CheckpointManager:
             return
         try:
             self.wait()
-            self._flush_memory()
+            if self._memory is not None:
+                self._memory.flush(self._saves, self.url)
         finally:
             if self._memory is not None:
                 self._memory.close()
             self._staging.release()
             self._closed = True
+            finished(self)
             if self._preempt is not None:
                 self._preempt.restore()
             if self._hook is not None:
@@ -375,24 +296,11 @@ class CheckpointManager:
                 with contextlib.suppress(CheckpointError):
                     self._catalog.lease.release()
 
-    def _flush_memory(self) -> None:
-        """``memory_flush``: the newest memory-tier step saved to ``url`` when it is newer than
-        its newest step and still the state's (``MemorySaves.to_flush``)."""
-        step = self._memory.to_flush(self.url) if self._memory is not None else None
-        if step is None:
-            return
-        self._calls.join(f"close(flush step={step})")
-        newest = coll.on_rank0(self.latest_step, self._calls.group)
-        if newest is None or newest < step:
-            self._save(step, overwrite=False, background=False)
-            if coll.rank() == 0:
-                _log.info("close(): saved memory-tier step %d to %s (memory_flush)", step, self.url)
-
     def _close_at_exit(self) -> None:
         """The interpreter is exiting (``_exit``): commit the pending save, or say why not."""
         if self._closed:
             return
-        job = self._pending
+        job = self._saves.pending
         if job is not None and not job.done():
             _log.info("waiting for the asynchronous save of step %d before exiting", job.step)
         try:
@@ -410,18 +318,6 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.url!r}) is closed; create a new one")
-
-    @staticmethod
-    def _check_step(step: Any) -> int:
-        try:
-            value = operator.index(step) if not isinstance(step, bool) else None
-        except TypeError:
-            value = None
-        if value is None or value < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        if value > MAX_STEP:  # step directories have exactly 8 digits
-            raise ValueError(f"step must be <= {MAX_STEP} (8 digits), got {step!r}")
-        return value
 
     def __repr__(self) -> str:
         c = self.config

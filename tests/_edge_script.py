@@ -81,7 +81,7 @@ def main(cfg: dict[str, Any]) -> None:
     start = mgr.load() or 0
     gate = last_gate = None
     if cfg.get("gate_seconds"):
-        gate = mgr._write_gate = threading.Event()  # a background write waits for its gate
+        gate = mgr._saves.gate = threading.Event()  # a background write waits for its gate
     for step in range(start + 1, cfg["steps"] + 1):
         tiny_train(model, opt, 1, seed=step)
         if rank == 0:
@@ -105,7 +105,7 @@ def main(cfg: dict[str, Any]) -> None:
             opener = threading.Timer(cfg["gate_seconds"], last_gate.set)
             opener.daemon = True  # never holds the exit up
             opener.start()
-            gate = mgr._write_gate = threading.Event()
+            gate = mgr._saves.gate = threading.Event()
         elif saved:
             progress.write(f"saved {step}\n")
         if cfg.get("slow"):

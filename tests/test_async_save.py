@@ -4,7 +4,7 @@ in-place parameter updates, ``extra`` changes, CPU offload toggled); it loads bi
 synchronous save of the same state; a write that fails on one rank is raised by the next call
 on every rank and commits nothing.
 
-Each case holds the background write back (``mgr._write_gate``) until training has changed
+Each case holds the background write back (``mgr._saves.gate``) until training has changed
 everything, so the write certainly runs after the changes. Saves and loads run in separate
 sets of processes (gloo on CPU, NCCL on GPUs when there are enough).
 """
@@ -100,7 +100,7 @@ def save_then_change_everything(url, opts, world, mode, step=2):
         async_save=True,
         keep_last=1,
     )
-    mgr._write_gate = gate = threading.Event()
+    mgr._saves.gate = gate = threading.Event()
     want = state_of(model, opt, data)
     assert opt.cpu_offload == (mode != "off")
     assert mgr.save(step)
@@ -343,7 +343,7 @@ def test_an_interrupted_wait_keeps_the_save_pending(tmp_path):
     mgr = CheckpointManager(
         str(tmp_path / "run"), model=model, optimizer=opt, extra={"data": data}, async_save=True
     )
-    mgr._write_gate = gate = threading.Event()
+    mgr._saves.gate = gate = threading.Event()
     want = state_of(model, opt, data)
     mgr.save(1)
     # Python raises KeyboardInterrupt only where SIGINT was not ignored when it started (a
@@ -355,7 +355,7 @@ def test_an_interrupted_wait_keeps_the_save_pending(tmp_path):
             mgr.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert mgr._pending is not None
+    assert mgr._saves.pending is not None
     train(model, range(2, 3), opt)  # the pool is still frozen for the pending write
     gate.set()
     assert mgr.wait() == 1
@@ -373,7 +373,7 @@ def test_a_second_async_manager_of_a_frozen_optimizer_fails_as_a_checkpoint_erro
     train(model, range(1, 2), opt)
     a = CheckpointManager(str(tmp_path / "a"), model=model, optimizer=opt, async_save=True)
     b = CheckpointManager("memory:///two-managers", model=model, optimizer=opt, async_save=True)
-    a._write_gate = gate = threading.Event()
+    a._saves.gate = gate = threading.Event()
     a.save(1)
     with pytest.raises(CheckpointError, match="another asynchronous save of this optimizer"):
         b.save(1)

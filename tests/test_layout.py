@@ -163,6 +163,14 @@ def test_no_module_is_longer_than_450_lines(pkg):
     assert not long, long
 
 
+def test_the_manager_is_its_options_handshake_and_public_calls():
+    """manager.py stays at most 350 lines: its procedures live where they belong (the saves
+    in ``save``, the memory tier's in ``memory``, loads in ``load``)."""
+    with open(os.path.join(_ROOT, "muon_ckpt", "manager.py")) as f:
+        n = sum(1 for _ in f)
+    assert n <= 350, f"muon_ckpt/manager.py has {n} lines"
+
+
 def test_no_package_is_named_like_a_standard_library_module():
     import sys
 

@@ -104,7 +104,7 @@ def test_a_memory_save_is_skipped_while_the_previous_one_runs(tmp_path, caplog):
     model, opt = _fresh()
     mgr = _mgr(tmp_path, model, opt, interval=100)
     mgr.load()
-    gate = mgr._write_gate = threading.Event()
+    gate = mgr._saves.gate = threading.Event()
     assert mgr.save(1)  # held at the gate
     with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
         assert not mgr.save(2)
@@ -122,15 +122,15 @@ def test_a_memory_save_does_not_wait_for_a_write_in_flight(tmp_path, offload):
     mgr = _mgr(tmp_path, model, opt, async_save=True)
     mgr.load()
     train(model, opt, 1, seed=0)
-    gate = mgr._write_gate = threading.Event()
+    gate = mgr._saves.gate = threading.Event()
     assert mgr.save(5)  # due for both tiers; the url's write waits at the gate
     mgr._memory.job.wait()  # (the memory part of step 5 is not gated)
-    mgr._write_gate = None
+    mgr._saves.gate = None
     train(model, opt, 1, seed=1)
     want = _state(model, opt)
     assert mgr.save(6)  # memory only: its own buffers, offloaded states copied
     mgr._memory.job.wait()
-    assert mgr._pending is not None and not mgr._pending.done()  # step 5 still writing
+    assert mgr._saves.pending is not None and not mgr._saves.pending.done()  # step 5 still writing
     train(model, opt, 1, seed=2)  # step 6's snapshot is not changed by this
     gate.set()
     assert mgr.wait() == 6  # the newest step pending in any tier

@@ -112,7 +112,7 @@ def test_lease_lost_during_a_save_is_not_committed(tmp_path):
     spec_gate = __import__("threading").Event()
     mgr2 = CheckpointManager(url, model=_model(), async_save=True)
     assert mgr2.load() == 1
-    mgr2._write_gate = spec_gate  # the write starts when the test says so
+    mgr2._saves.gate = spec_gate  # the write starts when the test says so
     mgr2.save(2)
     now = time.time()
     thief = {"owner": "y" * 32, "host": "other-host", "pid": 1, "heartbeat": now}

@@ -13,7 +13,7 @@ from muon_ckpt.memory._dirs import (
     unsafe_reason,
 )
 from muon_ckpt.memory._restore import MemoryLoaded, restore_from_memory
-from muon_ckpt.memory._saves import MemorySaves, new_id
+from muon_ckpt.memory._saves import MemorySaves
 from muon_ckpt.memory._tier import MemoryJob, MemoryOptions, MemoryTier, MemoryWrite
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "is_run_dirname",
     "layout_digest",
     "list_parts",
-    "new_id",
     "read_run_file",
     "restore_from_memory",
     "run_dirname",

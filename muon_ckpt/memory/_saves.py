@@ -24,11 +24,12 @@ from muon_ckpt._errors import CheckpointExistsError
 from muon_ckpt.memory._dirs import default_root, layout_digest
 from muon_ckpt.memory._tier import MemoryJob, MemoryOptions, MemoryTier, MemoryWrite
 from muon_ckpt.save._line import RunLine
+from muon_ckpt.save._saves import UrlSaves, new_id
 from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
 from muon_ckpt.state import HostStaging
 from muon_ckpt.store import Catalog
 
-__all__ = ["MemorySaves", "new_id"]
+__all__ = ["MemorySaves"]
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -109,31 +110,23 @@ class MemorySaves:
         job, self.job = self.job, None
         return job.wait() if job is not None else None
 
-    def agree(self, group: Any, write_ended: bool) -> tuple[bool, bool]:
-        """Before a memory-only save, one all-gather: whether the previous memory save still
-        runs on some rank, and whether the url's write ended on every rank (``write_ended``:
-        on this one; it is then waited for everywhere, so that its failure, if any, is
-        raised on every rank)."""
-        self.reap()
-        flags = coll.all_gather((self.job is not None, write_ended), group)
-        return any(b for b, _ in flags), all(e for _, e in flags)
-
-    def save_alone(
-        self,
-        step: int,
-        calls: coll.Calls,
-        line: RunLine,
-        catalog: Catalog,
-        writing: bool,
-        busy: bool,
-        optimizer: str | None,
-        gate: threading.Event | None = None,
+    def save_only(
+        self, step: int, saves: UrlSaves, catalog: Catalog, optimizer: str | None
     ) -> tuple[bool, Snapshot | None]:
-        """A memory-only save of ``step`` (``writing``: the url's write is in flight on this
-        rank; ``busy``: ``agree``'s first answer). Returns whether it started, and its
-        snapshot."""
-        group = calls.group
-        if busy:
+        """A save of ``step`` to the memory tier only: it never waits for the url's write in
+        flight. Returns whether it started, and its snapshot.
+
+        First one all-gather: whether the previous memory save still runs on some rank (then
+        every rank skips this one), and whether the url's write ended on every rank (only
+        then is it waited for here, everywhere, so that its failure is raised on every
+        rank)."""
+        calls, line = saves.calls, saves.line
+        group, job = calls.group, saves.pending
+        self.reap()
+        flags = coll.all_gather((self.job is not None, job is not None and job.done()), group)
+        if job is not None and all(e for _, e in flags):
+            saves.wait()  # (in this thread: its release; its failure is raised here)
+        if any(b for b, _ in flags):
             self.tier.skipped += 1
             if coll.rank() == 0:
                 _log.warning(
@@ -145,9 +138,10 @@ class MemorySaves:
             return False, None
         line_id, save_id = coll.on_rank0(lambda: (_line_for(line, catalog, step), new_id()), group)
         line.line = line_id
-        src = self._own if writing else self._main
+        src = self._own if saves.pending is not None else self._main
         src.group = group
         snap = take(src, step, background=True)
+        saves.deferred = snap.deferred
         self.start(
             step,
             snap,
@@ -157,9 +151,22 @@ class MemorySaves:
             optimizer,
             owns=True,
             finish=snap.release,
-            gate=gate,
+            gate=saves.gate,
         )
         return True, snap
+
+    def flush(self, saves: UrlSaves, url: str) -> None:
+        """``memory_flush`` at ``close()``: the newest memory step saved to ``url`` when it is
+        newer than its newest step and still the state's (``to_flush``)."""
+        step = self.to_flush(url)
+        if step is None:
+            return
+        saves.calls.join(f"close(flush step={step})")
+        steps = coll.on_rank0(saves.catalog.committed_steps, saves.calls.group)
+        if not steps or steps[-1] < step:
+            saves.save(step, overwrite=False, background=False)
+            if coll.rank() == 0:
+                _log.info("close(): saved memory-tier step %d to %s (memory_flush)", step, url)
 
     def start(
         self,
@@ -209,12 +216,6 @@ class MemorySaves:
         if not snap.background:  # it reads the live state: done before training goes on
             job.wait_written()
         return job
-
-
-def new_id() -> str:
-    """A memory save's id (rank 0 makes it): parts of one step written by different saves
-    (a step saved again after a restart or a rewind) are never loaded together."""
-    return uuid.uuid4().hex[:16]
 
 
 def _line_for(line: RunLine, catalog: Catalog, step: int) -> str:

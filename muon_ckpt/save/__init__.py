@@ -1,11 +1,12 @@
 """The save path: the snapshot of the ``save()`` call on every rank (``take``), then every
 rank's files written and checksummed, confirmed on the storage, committed by rank 0, and the
 old steps deleted (``SaveJob``, here or in a thread); what the run's line retires
-(``RunLine``)."""
+(``RunLine``); a manager's saves one after another (``UrlSaves``)."""
 
 from muon_ckpt.save._deferred import hook_step
 from muon_ckpt.save._job import SaveJob, WriteSpec, spec_for
 from muon_ckpt.save._line import RunLine
+from muon_ckpt.save._saves import UrlSaves, new_id
 from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
 
 __all__ = [
@@ -13,8 +14,10 @@ __all__ = [
     "SaveJob",
     "SaveSources",
     "Snapshot",
+    "UrlSaves",
     "WriteSpec",
     "hook_step",
+    "new_id",
     "spec_for",
     "take",
 ]

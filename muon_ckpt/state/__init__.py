@@ -5,7 +5,7 @@ and applied after it; host copies of it for saves and for undoing a failed load.
 from muon_ckpt.state._apply import apply_loaded
 from muon_ckpt.state._extra import check_objects, check_stateful, extra_digests, module_extra_states
 from muon_ckpt.state._fit import LoadReport, fit
-from muon_ckpt.state._flat import PARTS, FlatState, prepare_optimizer_state
+from muon_ckpt.state._flat import PARTS, FlatState, check_parts, prepare_optimizer_state
 from muon_ckpt.state._names import canonical_names, param_fqns, strip_wrappers
 from muon_ckpt.state._offloaded import freeze_offloaded, offloaded_views, optimizer_name
 from muon_ckpt.state._rollback import Rollback
@@ -20,6 +20,7 @@ __all__ = [
     "apply_loaded",
     "canonical_names",
     "check_objects",
+    "check_parts",
     "check_stateful",
     "extra_digests",
     "fit",

@@ -32,9 +32,20 @@ from muon_ckpt.store.keys import (
     rank_extra_key,
 )
 
-__all__ = ["GROUPS", "GROUP_SKIP", "PARTS", "FlatState", "prepare_optimizer_state"]
+__all__ = ["GROUPS", "GROUP_SKIP", "PARTS", "FlatState", "check_parts", "prepare_optimizer_state"]
 
 PARTS = ("model", "optim", "extra", "rank_extra")
+
+
+def check_parts(parts: Any) -> tuple[str, ...]:
+    """A load's ``parts`` (None: all of ``PARTS``); ValueError for anything else."""
+    if parts is None:
+        return PARTS
+    if isinstance(parts, str) or not parts or not all(p in PARTS for p in parts):
+        raise ValueError(f"parts must be a non-empty subset of {PARTS}, got {parts!r}")
+    return tuple(parts)
+
+
 GROUP_SKIP = ("params", "names")  # group entries that are not hyperparameters
 GROUPS = "optim.param_groups."
 

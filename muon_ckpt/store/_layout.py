@@ -21,6 +21,7 @@ Keys (DCP state-dict keys, by parameter FQN, never by position)::
 from __future__ import annotations
 
 import json
+import operator
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -36,6 +37,21 @@ FORMAT_VERSION = 2  # 2: CRC32C (or crc32) per 1 MiB chunk; 1: one zlib crc32 pe
 KEY_FORMAT_VERSION = 1
 
 MAX_STEP = 10**8 - 1  # 8 digits
+
+
+def check_step(step: Any) -> int:
+    """``step`` as a step number (an integer in [0, MAX_STEP]); ValueError otherwise."""
+    try:
+        value = operator.index(step) if not isinstance(step, bool) else None
+    except TypeError:
+        value = None
+    if value is None or value < 0:
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    if value > MAX_STEP:  # step directories have exactly 8 digits
+        raise ValueError(f"step must be <= {MAX_STEP} (8 digits), got {step!r}")
+    return value
+
+
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is read up to this size, no further
 MAX_INT = (1 << 63) - 1  # every integer of a manifest is below 2**63 (a file size, a count)
 

@@ -130,7 +130,7 @@ def body_async_exact(rank, world_size, root):
         for s in (1, 2):
             _step(model, opt, s)
         mgr = CheckpointManager(f"{root}/{mode}", model=model, optimizer=opt, async_save=True)
-        mgr._write_gate = gate = threading.Event()
+        mgr._saves.gate = gate = threading.Event()
         want = _host_state(model, opt)
         mgr.save(2)
         for s in (3, 4, 5):

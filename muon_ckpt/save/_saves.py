@@ -1,0 +1,130 @@
+"""A manager's saves to its url, one after another: rank 0 readies the step and decides what
+it retires (``RunLine``), every rank takes the snapshot, and the job writes, confirms and
+commits it, here or in a background thread (then one save is pending at a time, until
+``wait()``). A step also due for the memory tier shares the snapshot with the memory save
+(``memory``: a callable the manager passes; this package does not know the tier).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import muon_ckpt._collective as coll
+from muon_ckpt._config import ManagerConfig
+from muon_ckpt.save._job import SaveJob, WriteSpec, spec_for
+from muon_ckpt.save._line import RunLine
+from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
+from muon_ckpt.state import optimizer_name
+from muon_ckpt.store import Catalog
+
+__all__ = ["UrlSaves", "new_id"]
+
+_log = logging.getLogger("muon_ckpt")
+
+
+class _Written(Protocol):
+    def wait_written(self) -> None: ...
+
+
+# The memory tier's side of a save due for both: (step, snapshot, line, save id) -> its job.
+StartMemory = Callable[[int, Snapshot, "str | None", str], _Written]
+
+
+def new_id() -> str:
+    """A save's id (rank 0 draws it): the memory tier's parts record it, so that parts of
+    one step written by different saves (a step saved again) are never loaded together."""
+    return uuid.uuid4().hex[:16]
+
+
+class UrlSaves:
+    """The saves of one manager to its url."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        config: ManagerConfig,
+        line: RunLine,
+        sources: SaveSources,
+        calls: coll.Calls,
+    ) -> None:
+        self.catalog, self.config, self.line = catalog, config, line
+        self.sources, self.calls = sources, calls
+        self.pending: SaveJob | None = None
+        self.deferred: Any = None  # the newest snapshot's deferred copies
+        self.timings: dict[str, float] = {}  # of the last finished save
+        self.gate: threading.Event | None = None  # tests: background writes wait for it
+
+    def save(
+        self, step: int, overwrite: bool, background: bool, memory: StartMemory | None = None
+    ) -> bool:
+        """Save ``step`` (``background``: its job in a thread, pending); whether it is
+        pending. ``memory``: the step is due for the memory tier too."""
+        t0 = time.perf_counter()
+        group = self.calls.group
+        plan, line, save_id = coll.on_rank0(
+            lambda: (*self.line.begin(self.catalog, step, overwrite), new_id()), group
+        )
+        self.line.saving(plan, line)
+        t1 = time.perf_counter()
+        self.sources.group = group
+        # A memory save writes in the background: it needs host copies, as an async save.
+        snap = take(self.sources, step, background or memory is not None)
+        self.deferred = snap.deferred
+        t2 = time.perf_counter()
+        spec = spec_for(
+            self.catalog,
+            self.config,
+            step,
+            snap,
+            plan,
+            line,
+            optimizer=optimizer_name(self.sources.optimizer),
+            group=self.calls.write_group,
+            gate=self.gate,
+        )
+        spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
+        release = snap.release
+        if memory is not None:
+            # (not gated: tests hold the url's write and watch the memory part land)
+            mem = memory(step, snap, line, save_id)
+
+            def release_both() -> None:
+                mem.wait_written()  # the snapshot is read by both
+                if snap.release is not None:
+                    snap.release()
+
+            release = release_both
+        job = SaveJob(spec, finish=lambda: self._finished(spec, release))
+        if snap.background and background:
+            job.start()
+            self.pending = job
+            return True
+        job.run()
+        return False
+
+    def _finished(self, spec: WriteSpec, release: Any) -> None:
+        """In the caller's thread, once a save's job has ended (committed or not)."""
+        if release is not None:
+            release()
+        if spec.committed_at is not None:
+            self.line.committed()
+        t = spec.timings
+        t["total"] = sum(t.get(k, 0.0) for k in ("blocked", "dcp_save", "commit", "retention"))
+        self.timings = dict(t)
+        _log.debug("saved step %d: %s", spec.step, ", ".join(f"{k} {v:.3f}s" for k, v in t.items()))
+
+    def wait(self) -> int | None:
+        """Until the pending save is committed (its failure raised here); its step."""
+        job = self.pending
+        if job is None:
+            return None
+        try:
+            return job.wait()
+        finally:
+            if job.joined:  # interrupted while joining (Ctrl-C): still pending
+                self.pending = None
