@@ -140,6 +140,11 @@ def physical_local(
         except BaseException as e:
             errors.append(e)
 
+    _run_threads(worker, threads, errors)
+
+
+def _run_threads(worker: Any, threads: int, errors: list[BaseException]) -> None:
+    """``worker`` on ``threads`` threads, joined; the first error any of them kept, raised."""
     ts = [threading.Thread(target=worker) for _ in range(threads)]
     for t in ts:
         t.start()
@@ -180,13 +185,7 @@ def physical_remote(
         except BaseException as e:
             errors.append(e)
 
-    ts = [threading.Thread(target=worker) for _ in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errors:
-        raise errors[0]
+    _run_threads(worker, threads, errors)
 
 
 # ---------------------------------------------------------------------- one measurement

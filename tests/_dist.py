@@ -112,9 +112,11 @@ def _child(fn, rank, world_size, port, args, results, stack_file, timeout):
             faulthandler.cancel_dump_traceback_later()
 
 
-def run_on_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0
-) -> list[Any]:
+def _spawn(
+    target: Callable[..., Any], fn: Callable[..., Any], world_size: int, args: Any, timeout: float
+) -> tuple[list[Any], Any, list[str]]:
+    """``world_size`` processes running ``target(fn, rank, ...)``, started: (them, the queue
+    their results come back on, the files each leaves its stacks in before a timeout)."""
     ctx = _context()
     port = _free_port()
     results = ctx.Queue()
@@ -122,7 +124,7 @@ def run_on_ranks(
     stack_files = [os.path.join(tmp, f"stack{r}.txt") for r in range(world_size)]
     procs = [
         ctx.Process(
-            target=_child,
+            target=target,
             args=(fn, r, world_size, port, args, results, stack_files[r], timeout),
             daemon=True,
         )
@@ -130,6 +132,13 @@ def run_on_ranks(
     ]
     for p in procs:
         p.start()
+    return procs, results, stack_files
+
+
+def run_on_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0
+) -> list[Any]:
+    procs, results, stack_files = _spawn(_child, fn, world_size, args, timeout)
     outs: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -163,7 +172,7 @@ def run_on_ranks(
     try:
         _raise_failures(fn, world_size, outs, failures, stack_files, timeout)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(stack_files[0]), ignore_errors=True)
     return [outs[r] for r in range(world_size)]
 
 
@@ -179,21 +188,7 @@ def run_then_kill(
     process-group teardown (a crashed job). Returns what each ``fn`` returned; a rank that
     failed is raised as by ``run_on_ranks``. With ``kill_after``, they are killed that many
     seconds after they started, wherever they are (then None is returned)."""
-    ctx = _context()
-    port = _free_port()
-    results = ctx.Queue()
-    tmp = tempfile.mkdtemp(prefix="muon_ckpt_kill_")
-    stack_files = [os.path.join(tmp, f"stack{r}.txt") for r in range(world_size)]
-    procs = [
-        ctx.Process(
-            target=_child_then_wait,
-            args=(fn, r, world_size, port, args, results, stack_files[r], timeout),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    procs, results, stack_files = _spawn(_child_then_wait, fn, world_size, args, timeout)
     outs: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + (timeout if kill_after is None else kill_after)
@@ -217,7 +212,7 @@ def run_then_kill(
         if kill_after is None or failures:
             _raise_failures(fn, world_size, outs, failures, stack_files, timeout)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(os.path.dirname(stack_files[0]), ignore_errors=True)
     return None if kill_after is not None else [outs[r] for r in range(world_size)]
 
 

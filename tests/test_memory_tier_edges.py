@@ -55,6 +55,18 @@ def _run_dir(tmp_path, node=None):
     return run
 
 
+def _saved(tmp_path, steps, **kw):
+    """A run that saves ``steps`` (each waited for) and closes, flushing nothing."""
+    model, opt = _fresh()
+    mgr = _mgr(tmp_path, model, opt, **kw)
+    mgr.load()
+    for s in steps:
+        mgr.save(s)
+        mgr.wait()
+    mgr._memory.mark = None
+    mgr.close()
+
+
 def _load_fresh(tmp_path, seed=1, offload=False, **kw):
     model, opt = _fresh(seed, offload)
     with torch.no_grad():
@@ -150,13 +162,7 @@ def test_a_tier_others_may_read_is_neither_written_nor_read(tmp_path, caplog):
     with pytest.raises(CheckpointError, match="mode 0755: others may read"):
         _mgr(tmp_path, model, opt, memory_dir=str(open_dir))
     # A run directory opened up after the save is not read: the load goes to storage.
-    mgr = _mgr(tmp_path, model, opt)
-    mgr.load()
-    for s in range(5, 8):
-        mgr.save(s)
-        mgr.wait()
-    mgr._memory.mark = None
-    mgr.close()
+    _saved(tmp_path, range(5, 8))
     run = _run_dir(tmp_path)
     os.chmod(run, 0o755)
     with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
@@ -170,14 +176,7 @@ def test_a_tier_others_may_read_is_neither_written_nor_read(tmp_path, caplog):
 def test_memory_steps_of_another_run_are_not_loaded(tmp_path):
     import shutil
 
-    model, opt = _fresh()
-    mgr = _mgr(tmp_path, model, opt)
-    mgr.load()
-    for s in range(5, 8):
-        mgr.save(s)
-        mgr.wait()
-    mgr._memory.mark = None
-    mgr.close()
+    _saved(tmp_path, range(5, 8))  # url: 5; memory: 7
     # The url is emptied and a new run starts there: step 7 in memory is not its own.
     shutil.rmtree(tmp_path / "run")
     model2, opt2 = _fresh(seed=3)
