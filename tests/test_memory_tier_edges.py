@@ -375,14 +375,7 @@ def test_sigkills_while_writing_and_replicating_never_load_a_torn_step(tmp_path)
 
 
 def test_cli_lists_and_prunes_the_tier(tmp_path, capsys):
-    model, opt = _fresh()
-    mgr = _mgr(tmp_path, model, opt)
-    mgr.load()
-    mgr.save(5)
-    mgr.save(6)
-    mgr.wait()
-    mgr._memory.mark = None
-    mgr.close()
+    _saved(tmp_path, (5, 6))  # (each waited for: a memory save never waits for the last)
     mem = str(tmp_path / "mem")
     assert cli(["ls", "--memory", mem, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
