@@ -299,6 +299,7 @@ def _overhead_line(args, model, opt, grads, step, state, mode, k, tmp, mem) -> N
         memory_interval=k,
         memory_dir=mem,
         memory_flush=False,
+        replicas=0,  # (one process: one node)
         async_save=True,
         snapshot=mode,
     ) as mgr:
