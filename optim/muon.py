@@ -184,8 +184,8 @@ class Muon(torch.optim.Optimizer):
         pool = self._cpu_offload_pool
         pool.clear()
         labels = self._labels()
-        for t, bucket, p, key in want.values():
-            what, read = self._label(labels[id(p)], key)
+        for t, bucket, p, name in want.values():
+            what, read = self._label(labels[id(p)], name)
             pool.track(t, bucket, what=what, read=read)
         self._pool_key = key
 

@@ -54,3 +54,29 @@ def test_the_protocol_gives_muon_states_views_and_snapshots():
     assert isinstance(frozen, FrozenViews)
     assert torch.equal(frozen.views[id(opt.state[w]["momentum_buffer"])], expected)
     frozen.release()
+
+
+def test_the_pool_is_rebuilt_only_when_states_change():
+    """Steps, views and snapshots with offload on leave the pool as it is (it was cleared,
+    every state reloaded and parked again, at every step and every snapshot while the key it
+    is matched by was overwritten by a state's name)."""
+    opt = _muon()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    opt.turn_on_cpu_offload()
+    pool = opt._cpu_offload_pool
+    cleared = []
+    clear = pool.clear
+    pool.clear = lambda: (cleared.append(1), clear())[1]
+
+    def step():
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+
+    step()  # the states are created: the pool tracks them (one rebuild)
+    assert len(cleared) == 1
+    for _ in range(3):
+        step()
+        opt.cpu_state_views()
+        opt.freeze_cpu_state().release()
+    assert len(cleared) == 1
