@@ -7,10 +7,11 @@ still has requests to make would fail ("cannot schedule new futures after interp
 shutdown"). Managers with a pending save are closed by a hook registered after
 ``concurrent.futures``' (the hooks run last-registered first): the save finishes while the
 interpreter is whole, on every rank, and its failure is logged at ERROR naming the step.
-Until then this module holds the manager: a script whose last reference to it is gone (its
-``main()`` returned) still has its save committed.
 The exit code cannot be changed from there without skipping the other exit handlers
-(``os._exit``), so it stays what the script made it.
+(``os._exit``), so it stays what the script made it. The managers are held weakly: while it
+has a save pending (not yet waited for), it is also held strongly: a script whose last
+reference to it is gone (its ``main()`` returned) still has that save committed, or its
+failure logged; a manager dropped with nothing pending can be freed.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import weakref
 from typing import Any, Protocol
 
-__all__ = ["finish_at_exit", "finished"]
+__all__ = ["finish_at_exit", "let_go"]
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -29,17 +31,20 @@ class _Closing(Protocol):
     def _close_at_exit(self) -> None: ...
 
 
-_managers: dict[int, Any] = {}  # id -> a manager with a save pending
+_managers: weakref.WeakSet[Any] = weakref.WeakSet()
+_held: dict[int, Any] = {}  # id -> a manager with a save pending
 _lock = threading.Lock()
 _registered = False
 
 
-def finish_at_exit(manager: _Closing) -> None:
-    """Close ``manager`` (``_close_at_exit``) when the interpreter exits, unless ``finished``
-    was called for it first."""
+def finish_at_exit(manager: _Closing, pending: bool = False) -> None:
+    """Close ``manager`` (``_close_at_exit``) when the interpreter exits, unless it is gone;
+    ``pending``: it has a save pending, and is held until ``let_go``."""
     global _registered
     with _lock:
-        _managers[id(manager)] = manager
+        _managers.add(manager)
+        if pending:
+            _held[id(manager)] = manager
         if _registered:
             return
         import concurrent.futures.thread  # noqa: F401  (its hook first, so ours runs before)
@@ -52,16 +57,14 @@ def finish_at_exit(manager: _Closing) -> None:
         _registered = True
 
 
-def finished(manager: Any) -> None:
-    """``manager`` has nothing pending (or is closed): the exit need not close it."""
+def let_go(manager: Any) -> None:
+    """``manager`` has no save pending any more: held weakly again."""
     with _lock:
-        _managers.pop(id(manager), None)
+        _held.pop(id(manager), None)
 
 
 def _close_all() -> None:
-    with _lock:
-        managers = list(_managers.values())
-    for manager in managers:
+    for manager in list(_managers):
         try:
             manager._close_at_exit()
         except BaseException as e:  # one manager's failure must not keep the others open

@@ -22,7 +22,7 @@ import torch
 import muon_ckpt._collective as coll
 from muon_ckpt._config import OPTIONS, ManagerConfig
 from muon_ckpt._errors import CheckpointError
-from muon_ckpt._exit import finish_at_exit, finished
+from muon_ckpt._exit import finish_at_exit, let_go
 from muon_ckpt._preempt import PreemptionWatch
 from muon_ckpt.load import LoadTargets, resume
 from muon_ckpt.memory import MemorySaves, restore_from_memory
@@ -158,11 +158,9 @@ class CheckpointManager:
             return False
         self._calls.join(f"save(step={step})")
         if not persist and self._memory is not None:  # never waits for the url's write
+            finish_at_exit(self, pending=True)  # the interpreter's exit waits for it (_exit)
             name = optimizer_name(self._optimizer)
-            started, snap = self._memory.save_only(step, self._saves, self._catalog, name)
-            if snap is not None:
-                finish_at_exit(self)  # the interpreter's exit waits for it (_exit)
-            return started
+            return self._memory.save_only(step, self._saves, self._catalog, name)[0]
         self.wait()
         return self._save(step, overwrite, self.config.async_save, memory=memory)
 
@@ -176,8 +174,9 @@ class CheckpointManager:
                     step, snap, line, save_id, self._calls, name, owns=False, finish=None
                 )
 
-        if self._saves.save(step, overwrite, background, start) or memory:
-            finish_at_exit(self)  # the interpreter's exit waits for it (_exit)
+        if background or memory:
+            finish_at_exit(self, pending=True)  # the interpreter's exit waits for it (_exit)
+        self._saves.save(step, overwrite, background, start)
         return True
 
     @property
@@ -191,10 +190,12 @@ class CheckpointManager:
         (None when nothing was pending); a failure to commit is raised here (CheckpointError
         naming the step); the memory tier's are WARNINGs."""
         self._check_open()
-        kept = self._memory.wait() if self._memory is not None else None
-        step = self._saves.wait()
-        if self._saves.pending is None and self._memory is None:
-            finished(self)  # nothing left for the exit to do (a memory tier: close()'s flush)
+        try:
+            kept = self._memory.wait() if self._memory is not None else None
+            step = self._saves.wait()
+        finally:
+            if self._saves.pending is None:
+                let_go(self)  # nothing pending: the exit closes it only if it is still alive
         return kept if step is None else step if kept is None else max(step, kept)
 
     # ------------------------------------------------------------------ preemption
@@ -286,7 +287,7 @@ class CheckpointManager:
                 self._memory.close()
             self._staging.release()
             self._closed = True
-            finished(self)
+            let_go(self)
             if self._preempt is not None:
                 self._preempt.restore()
             if self._hook is not None:
