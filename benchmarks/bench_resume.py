@@ -27,6 +27,9 @@ to ``physical`` of the same layout, cache and process state, and ``load`` agains
 The per-phase split of one hot and one cold ``load`` follows (``last_load_timings``: the
 ``threads_*`` phases are seconds summed over the reading threads).
 
+The steps must fit the disk: one copy of the state per layout, plus a tenth and 1 GiB, must fit
+the free space of ``--dir``; else ``--size-gib`` is shrunk to what fits, and the run says so.
+
 Usage::
 
     python -m benchmarks.bench_resume --device cuda --size-gib 4 --dir /nvme/bench
@@ -54,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from benchmarks._timing import fit_size_gib
 from benchmarks.bench_checkpoint import build_state, start_moto
 from muon_ckpt import CheckpointManager
 from muon_ckpt._config import read_threads
@@ -307,6 +311,9 @@ def main() -> None:
         tmp = args.dir or tempfile.mkdtemp(prefix="muon_ckpt_resume_")
         url = os.path.join(tmp, f"resume-{uuid.uuid4().hex[:6]}")
         caches = ["hot", "cold"]
+        args.size_gib = fit_size_gib(
+            args.size_gib, len(args.layouts), [tmp], "bench_resume (one step per layout)"
+        )
     try:
         runs = save_steps(url, opts, args.size_gib, args.layouts)
         st = Storage(url, opts)

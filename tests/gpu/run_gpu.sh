@@ -19,8 +19,14 @@ fi
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__)'
+df -h "${CKPT_DIR:-/tmp}" /dev/shm 2>/dev/null || df -h /tmp /dev/shm  # the benchmarks size to these
 rc=0
-step() { echo; echo "=== $* ==="; "$@" 2>&1 | tee -a "$out/gpu.log"; local r=${PIPESTATUS[0]}; echo "=== exit $r: $1 ==="; [ "$r" = 0 ] || rc=1; }
+# STEP_TIMEOUT (seconds, default none): each step is stopped after it (exit 124), the next runs.
+step() {
+  echo; echo "=== $* ==="
+  timeout -k 10 "${STEP_TIMEOUT:-0}" "$@" 2>&1 | tee -a "$out/gpu.log"; local r=${PIPESTATUS[0]}
+  echo "=== exit $r: $1 ==="; [ "$r" = 0 ] || rc=1
+}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step torchrun --nproc-per-node="$ngpu" tests/gpu/test_cpu_offload.py
   suite="tests/gpu/test_optim_gpu.py tests/gpu/test_checkpoint_gpu.py tests/gpu/test_itemread_gpu.py tests/gpu/test_async_gpu.py tests/gpu/test_deferred_gpu.py tests/gpu/test_resume_gpu.py tests/gpu/test_memory_tier_gpu.py tests/test_optim_dist.py tests/test_optim_reference.py tests/test_optim_config.py tests/test_offload_dist.py"
