@@ -86,6 +86,8 @@ def write_own_part(
     *,
     world_size: int,
     line: str | None,
+    gen: int,
+    retires: list[tuple[int, int]],
     memory: dict[str, Any],
     extra: dict[str, Any],
     io_threads: int,
@@ -112,6 +114,8 @@ def write_own_part(
         muon_ckpt_version=__version__,
         extra={**extra, "memory": memory},
         line=line,
+        gen=gen,
+        retires=list(retires),
     )
     _commit(path, m)
     return m
