@@ -62,7 +62,7 @@ def decide(
     tier's commits (``store.mark_tier``), which retire url steps and count as newer."""
     scan = catalog.scan()
     tier = list(tier or ())
-    mark_tier(scan, tier)
+    retired = mark_tier(scan, tier)
     _refuse_newer_format(catalog, scan, step)
     committed = [s.step for s in scan if s.committed]
     if step is not None:
@@ -73,7 +73,9 @@ def decide(
         if more is None:
             return None
         candidates += more
-    return _first_that_checks_out(catalog, scan, tier, candidates, step, list(skipped))
+    d = _first_that_checks_out(catalog, scan, tier, candidates, step, list(skipped))
+    more = [r for r in retired if r not in d.newer]
+    return dataclasses.replace(d, newer=[*d.newer, *more]) if more else d
 
 
 def _refuse_newer_format(catalog: Catalog, scan: list[StepInfo], step: int | None) -> None:

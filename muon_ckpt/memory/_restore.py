@@ -109,7 +109,7 @@ def restore_from_memory(
     _refuse_newer(tier, sorted({s for g in gathered for s in g[3]}), step)
     by_save = _complete(gathered, world, tier.node_size(world), tier.url)
     commits = {key: _commit(key, gathered) for key in by_save}
-    mark_tier(scan, list(commits.values()))
+    retired = mark_tier(scan, list(commits.values()))
     url_newer = [i.step for i in scan if i.status == Status.NEWER]
     # A newer format in the url: its load refuses it (``load.decide``), the same words.
     choice = None if url_newer and step in (None, *url_newer) else _choose(scan, commits, step)
@@ -141,7 +141,7 @@ def restore_from_memory(
             world_size=m.world_size,
             files=m.files,
             metadata=md,
-            newer=live_newer(scan, view.commits, chosen),
+            newer=[*live_newer(scan, view.commits, chosen), *retired],
             skipped=[],
             dirname=rel,
             line=m.line,

@@ -107,7 +107,9 @@ def plan_save(
             f"{url}: step {step} is already {what}; pass overwrite=True to replace it, or "
             "save another step"
         )
-    gen = 1 + max((i.gen or 0 for i in infos if i.status in (COMMITTED, SUPERSEDED)), default=0)
+    # Above every commit it could retire, the memory tier's too: a commit never retires itself.
+    known = [i.gen or 0 for i in infos if i.status in (COMMITTED, SUPERSEDED)]
+    gen = 1 + max([*known, *(g for _, g in abandon if g is not None)], default=0)
     beside = overwrite or (have is not None and have.status != UNCOMMITTED)
     base = (live[-1].step, live[-1].gen or 0, live[-1].line) if live else None
     retired = sorted(set(retires + carried))
@@ -129,14 +131,16 @@ def _foreign(url: str, step: int, live: list[StepInfo]) -> str:
     )
 
 
-def mark_tier(infos: list[StepInfo], tier: list[StepInfo]) -> None:
+def mark_tier(infos: list[StepInfo], tier: list[StepInfo]) -> list[tuple[int, int]]:
     """One history over the url's steps ``infos`` and the memory tier's complete steps
     ``tier`` (COMMITTED, with their parts' ``gen``, ``line``, ``retires`` and ``base``): a
     memory step is a commit of the run, so commits of either retire commits of either. A
     memory step is also SUPERSEDED where the url does not vouch for it -- no commit of its
     line, nor the commit it was saved after (``base``): another run's tier, or a url emptied
     since -- or where a live url commit of another line is not older than it (a later line
-    abandoned it)."""
+    abandoned it). Returns the url's commits that only the tier retires (``(step, gen)``):
+    the next save retires them in the url too."""
+    was = {(i.step, i.gen or 0) for i in infos if i.status == COMMITTED}
     mark_superseded([*infos, *tier])
     commits = [i for i in infos if i.status in (COMMITTED, SUPERSEDED)]
     lines = {i.line for i in commits}
@@ -151,6 +155,7 @@ def mark_tier(infos: list[StepInfo], tier: list[StepInfo]) -> None:
         elif later:
             t.status = SUPERSEDED
             t.problem = f"abandoned by the line of step {later[-1]} of the url"
+    return sorted(was - {(i.step, i.gen or 0) for i in infos if i.status == COMMITTED})
 
 
 def live_newer(infos: list[StepInfo], tier: list[StepInfo], step: int) -> list[tuple[int, int]]:
