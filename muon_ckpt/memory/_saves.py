@@ -20,8 +20,7 @@ import muon_ckpt._collective as coll
 from muon_ckpt._config import ManagerConfig
 from muon_ckpt.memory._dirs import default_root, layout_digest
 from muon_ckpt.memory._tier import MemoryJob, MemoryOptions, MemoryTier, MemoryWrite
-from muon_ckpt.save._saves import UrlSaves, new_id
-from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
+from muon_ckpt.save import SaveSources, Snapshot, UrlSaves, new_id, take
 from muon_ckpt.state import HostStaging
 from muon_ckpt.store import Catalog, SavePlan
 
