@@ -64,7 +64,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import fnmatch
 
     from muon_ckpt.cli._values import read_values, value_text
-    from muon_ckpt.interop._export import section_of
+    from muon_ckpt.interop import section_of
     from muon_ckpt.load import CheckpointReader
     from muon_ckpt.store import resolve
 

@@ -1,7 +1,7 @@
 """The load path's one DCP reader: every byte it hands on is checked against the manifest.
 
 Used by the manager's ``load`` and, in one process, by import, export and inspect (through
-``open_checkpoint``). How files are read depends on where they are:
+``CheckpointReader``). How files are read depends on where they are:
 
 * local files (``_local_files``): the files this rank needs, cut into parts (``_split``), are
   tasks on ``io_threads`` threads; items are parsed (torch's zip reader, a restricted

@@ -53,6 +53,16 @@ class RunLine:
             )
         return plan, self.line or uuid.uuid4().hex[:16]
 
+    def admit(self, catalog: Catalog, step: int) -> tuple[SavePlan, str]:
+        """Rank 0, before a save of ``step`` to the memory tier only: the url's rules
+        (``Catalog.admit``: the lease, another run's steps, a newer format, what it retires)
+        and the line id it carries, kept for the saves after it."""
+        plan = catalog.admit(
+            step, resumed=self.resumed, new_run=self.new_run, abandon=self.abandoned
+        )
+        self.line = self.line or uuid.uuid4().hex[:16]
+        return plan, self.line
+
     def saving(self, plan: SavePlan, line: str) -> None:
         """Every rank, once the save began: until it commits, the next save retires them."""
         self.resumed, self.line = True, line

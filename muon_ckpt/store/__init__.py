@@ -21,7 +21,7 @@ from muon_ckpt.store._layout import (
     step_dirname,
 )
 from muon_ckpt.store._lease import LEASE
-from muon_ckpt.store._lines import SavePlan
+from muon_ckpt.store._lines import SavePlan, live_newer, mark_tier
 from muon_ckpt.store._local import open_regular
 from muon_ckpt.store._probe import open_run, open_storage
 from muon_ckpt.store._resolve import Resolved, prune, resolve, verify
@@ -45,6 +45,8 @@ __all__ = [
     "confirm_files",
     "is_file_name",
     "is_storage_failure",
+    "live_newer",
+    "mark_tier",
     "open_regular",
     "open_run",
     "open_storage",

@@ -223,6 +223,29 @@ class Catalog:
                 st.rm(s.dirname)
         return plan
 
+    def admit(
+        self,
+        step: int,
+        *,
+        resumed: bool,
+        new_run: bool,
+        abandon: list[tuple[int, int | None]],
+    ) -> SavePlan:
+        """Ready a save of ``step`` that writes nothing here (a memory-tier step): the same
+        lease and the same refusals as ``begin`` (another job holds the lease, another run's
+        steps, a newer format), nothing removed (a save to this url may be in flight). The
+        plan's generation and retired commits go into the memory step's parts."""
+        self.lease.acquire()
+        return plan_save(
+            self.scan(),
+            self.storage.url,
+            step,
+            overwrite=True,  # (a memory step replaces nothing here)
+            resumed=resumed,
+            new_run=new_run,
+            abandon=list(abandon),
+        )
+
     def _finish_or_drop(self, name: str, step: int) -> None:
         """An ``overwrite-`` directory left by a crash: finish the move when it holds the
         step's later commit (an object store's swap was cut short); else remove it (an
