@@ -25,7 +25,7 @@ from typing import Any
 
 import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointError
-from muon_ckpt.load._attempt import LoadTargets, attempt, undo
+from muon_ckpt.load._attempt import LoadTargets, attempt, release_backup, undo
 from muon_ckpt.load._decide import Decision
 from muon_ckpt.memory._dirs import PartInfo, copy_dirname, layout_digest, own_dirname, part_manifest
 from muon_ckpt.memory._parts import drop_part, receive_part, send_part
@@ -140,7 +140,7 @@ def restore_from_memory(
         if out.rollback is not None:
             out.rollback.done()
     finally:
-        t.staging.release("cpu")
+        release_backup(t)
     holder, _ = sources[rank][cur[rank]]
     where_from = "memory" if holder == rank else "peer"
     tier.complete_steps.add(chosen)  # kept by retention as a step complete on every rank
