@@ -15,7 +15,7 @@ import time
 
 import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointError, CheckpointMismatchError
-from muon_ckpt.load._attempt import LoadOutcome, LoadTargets, attempt, undo
+from muon_ckpt.load._attempt import LoadOutcome, LoadTargets, attempt, release_backup, undo
 from muon_ckpt.load._decide import Decision, Skip, decide
 from muon_ckpt.state import LoadReport, optimizer_name
 from muon_ckpt.store import Catalog, StepInfo
@@ -55,8 +55,13 @@ def resume(
     while True:
         t0 = time.perf_counter()
         how = functools.partial(decide, catalog, resume_from, step, skipped, tier)
-        d = coll.on_rank0(how, t.group)
+        try:
+            d = coll.on_rank0(how, t.group)
+        except BaseException:
+            release_backup(t)  # (the buffers an attempt before this one kept for the next)
+            raise
         if d is None:
+            release_backup(t)
             return None
         decided = time.perf_counter() - t0
         chosen = _elastic(t, d, parts) if elastic else parts
@@ -65,8 +70,9 @@ def resume(
         out = attempt(t, source.storage, d, where, strict, chosen)
         if not out.failures:
             break
-        undo(t, out.rollback)
-        if step is not None or not out.corrupt:
+        again = step is None and out.corrupt  # the next older step is tried
+        undo(t, out.rollback, again=again)
+        if not again:
             raise _raised(t, out, d, where, chosen)
         why = out.failures[min(out.failures)].message
         if coll.rank() == 0:
@@ -92,10 +98,8 @@ def loaded(
         if out.rollback is not None:
             out.rollback.done()
     finally:
-        # The backup of host tensors is not kept (saves copy fewer of them, or none); the
-        # buffers of device tensors (page-locked) are what every later save stages into.
         # Also on an interrupt: release waits for the backup's copies into them.
-        t.staging.release("cpu")
+        release_backup(t)
     if out.report is None:  # (set whenever no rank failed)
         raise AssertionError("a load that succeeded without a report")
     timings = {"decide": decided, **out.timings}

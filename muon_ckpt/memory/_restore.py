@@ -150,7 +150,7 @@ def restore_from_memory(
         out = attempt(t, storage, d, where, strict, parts, alone=True)
         if not out.failures:
             break
-        undo(t, out.rollback)
+        undo(t, out.rollback, again=out.corrupt)  # (a copy elsewhere copies into the same buffers)
         failed = {r: f.message for r, f in out.failures.items()}
         if not out.corrupt:
             why = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
