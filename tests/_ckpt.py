@@ -40,7 +40,7 @@ def file_layout(path: str, offset: int = 0, length: int | None = None) -> Any:
     fd = os.open(path, os.O_RDONLY)
     try:
         n = os.fstat(fd).st_size - offset if length is None else length
-        return _local_files.item_layout(_local_files._Edges(fd, offset, n, pread))
+        return _local_files.item_layout(_local_files.Edges(fd, offset, n, pread))
     finally:
         os.close(fd)
 

@@ -102,7 +102,7 @@ def test_item_inside_a_file_reads_only_its_edges(tmp_path, name):
 
     fd = os.open(path, os.O_RDONLY)
     try:
-        lay = _local_files.item_layout(_local_files._Edges(fd, 1000, len(data), pread))
+        lay = _local_files.item_layout(_local_files.Edges(fd, 1000, len(data), pread))
     finally:
         os.close(fd)
     _check_against_torch(data, lay)
