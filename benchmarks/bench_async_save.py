@@ -214,10 +214,9 @@ def measure_ours(
         model=model,
         optimizer=opt,
         storage_options=opts,
-        async_save=True,
+        async_save="deferred" if snapshot == "deferred" else True,
         keep_last=1,
         io_threads=io_threads,
-        snapshot=snapshot,
     )
     base_steps = [step(model, opt, grads, dev) for _ in range(5)]
     out: dict[str, Any] = {

@@ -101,7 +101,7 @@ def _last_rank_tier(tier: str) -> str:
 
 
 def _restore_rank(rank: int, world: int, args: argparse.Namespace, base: str, opts: dict) -> None:
-    from muon_ckpt import CheckpointManager
+    from muon_ckpt import CheckpointManager, MemoryOptions
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -110,16 +110,10 @@ def _restore_rank(rank: int, world: int, args: argparse.Namespace, base: str, op
     model, opt = _sharded_state(args.size_gib, device, world)
     url = base if args.url == "moto" else os.path.join(base, "run")
     mem_root = os.path.join(args.memory_root, f"node{rank // args.node_size}")
-    kw = dict(storage_options=opts, node_size=args.node_size)
+    memory_options = MemoryOptions(interval=1, dir=mem_root, node_size=args.node_size, flush=False)
+    kw = dict(storage_options=opts)
     with CheckpointManager(
-        url,
-        model=model,
-        optimizer=opt,
-        interval=2,
-        memory_interval=1,
-        memory_dir=mem_root,
-        memory_flush=False,
-        **kw,
+        url, model=model, optimizer=opt, interval=2, memory=memory_options, **kw
     ) as mgr:
         mgr.load()
         assert mgr.save(2) and mgr.wait() == 2
@@ -136,8 +130,8 @@ def _restore_rank(rank: int, world: int, args: argparse.Namespace, base: str, op
         if dist.is_initialized():
             w = dist.barrier(async_op=True)
             w.wait()
-        extra = dict(memory_interval=1, memory_dir=mem_root, memory_flush=False) if memory else {}
-        mgr = CheckpointManager(url, model=model, optimizer=opt, **kw, **extra)
+        tier = memory_options if memory else None
+        mgr = CheckpointManager(url, model=model, optimizer=opt, memory=tier, **kw)
         sync(device)
         t0 = time.perf_counter()
         assert mgr.load() == 2
@@ -298,7 +292,7 @@ def overhead(args: argparse.Namespace) -> None:
 
 def _overhead_line(args, model, opt, grads, step, state, mode, k, tmp, mem) -> None:
     """One line of ``overhead``: steps without memory saves, then with one every ``k``."""
-    from muon_ckpt import CheckpointManager
+    from muon_ckpt import CheckpointManager, MemoryOptions
 
     device = torch.device(args.device)
     sync(device)
@@ -313,12 +307,8 @@ def _overhead_line(args, model, opt, grads, step, state, mode, k, tmp, mem) -> N
         model=model,
         optimizer=opt,
         interval=10**7,
-        memory_interval=k,
-        memory_dir=mem,
-        memory_flush=False,
-        replicas=0,  # (one process: one node)
-        async_save=True,
-        snapshot=mode,
+        memory=MemoryOptions(interval=k, dir=mem, flush=False, replicas=0),  # (one node)
+        async_save="deferred" if mode == "deferred" else True,
     ) as mgr:
         mgr.load()
         mgr.save(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from muon_ckpt._config import MemoryOptions
 from muon_ckpt._errors import (
     CheckpointCollectiveError,
     CheckpointCorruptError,
@@ -61,6 +62,7 @@ __all__ = [
     "HFExportSummary",
     "HFLoadReport",
     "ImportReport",
+    "MemoryOptions",
     "__version__",
     "export_hf",
     "export_safetensors",

@@ -1,18 +1,19 @@
-"""CheckpointManager configuration: checked once, at construction, naming the field and value."""
+"""CheckpointManager configuration, checked once, at construction, by a table of rules: each
+names the field, what it must be, the value found and what to do."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["ManagerConfig", "read_threads"]
+__all__ = ["ManagerConfig", "MemoryOptions", "read_threads"]
 
 # "checksum": sizes and the manifest's checksums (CRC32C, or zlib crc32 in older manifests) of
 # every file read; "crc32" is its name before CRC32C, still accepted; "size": sizes only.
 VERIFY_MODES = ("checksum", "crc32", "size")
 CONFIRM_MODES = ("checksum", "crc32", "size", "off")  # as muon_ckpt.store.CONFIRM_MODES
-SNAPSHOT_MODES = ("blocking", "deferred")  # when a save's copies of parameters finish
 
 
 def checks_content(verify: str) -> bool:
@@ -55,7 +56,7 @@ def read_threads(io_threads: int | None, local: bool = True) -> int:
 # Every argument of CheckpointManager and what it means: the one place these words are
 # written. README's options table is these rows (tests/test_readme.py checks it, and the
 # defaults against CheckpointManager's signature); CheckpointManager's docstring is built
-# from them.
+# from them. MEMORY_OPTIONS is the same for MemoryOptions and README's memory-tier table.
 OPTIONS: dict[str, str] = {
     "url": "run root: local path, `file://`, `memory://`, `s3://`, `gs://`, any fsspec URL; "
     "each step is `<url>/step-<8 digits>/`",
@@ -78,7 +79,9 @@ OPTIONS: dict[str, str] = {
     "io_threads": "files written in parallel per rank, and reading threads (1-64); None: 4 "
     "files; 4 threads from remote storage, half this rank's cores (4 to 8) from local storage",
     "verify": 'a load checks size and CRC32C of every byte it reads; `"size"`: sizes only',
-    "async_save": "`save()` returns after the snapshot; write and commit run in the background",
+    "async_save": "`True`: `save()` returns after the snapshot; write and commit run in the "
+    'background. `"deferred"`: the same, and `save()` only queues the copies of parameters and '
+    "optimizer states; the next `optimizer.step()` waits for them",
     "max_staging_bytes": "bound on the host memory of a snapshot (None: no bound); a save that "
     "needs more runs synchronously",
     "collective_timeout": "seconds a rank waits for the others in `save()`/`load()` before it "
@@ -91,26 +94,209 @@ OPTIONS: dict[str, str] = {
     "(None: when storage is remote or ranks span hosts)",
     "new_run": "a first `save()` without `load()` may start a new run where another run's "
     "steps are: they are deleted once its first step is committed",
-    "snapshot": '`"deferred"` (with `async_save`): `save()` only queues the copies of parameters '
-    "and optimizer states; the next `optimizer.step()` waits for them",
-    "memory_interval": "`save(step)` also keeps every K-th step in host memory that outlives "
-    "the process (the memory tier, written in the background; never counted as persisted); "
-    "`load()` restores it first when it is the newest step (None: off)",
-    "memory_dir": "the memory tier's directory on this rank (created 0700; None: "
-    "`/dev/shm/muon-ckpt-<uid>`); each run has its own directory in it",
-    "replicas": "copies of each rank's memory-tier part kept by ranks on other nodes",
-    "node_size": "consecutive ranks per node, for replicas (None: `LOCAL_WORLD_SIZE`)",
-    "memory_keep": "memory-tier steps kept (older ones are deleted once a newer one is "
-    "complete on every rank)",
-    "memory_flush": "`close()` saves the newest memory-tier step to `url` when it is newer than "
-    "the newest committed one (the state must still be that step's)",
+    "memory": "`MemoryOptions(interval=K, ...)`: also keep every K-th step in host memory that "
+    "outlives the process, restored first by `load()` (see the memory tier, below); None: off",
 }
+
+MEMORY_OPTIONS: dict[str, str] = {
+    "interval": "`save(step)` also keeps the step in the tier when `step % interval == 0` "
+    "(written in the background; never counted as persisted); `load()` restores it first "
+    "when it is the newest step",
+    "dir": "the tier's directory on this rank (created 0700; None: "
+    "`/dev/shm/muon-ckpt-<uid>`); each run has its own directory in it",
+    "replicas": "copies of each rank's part kept by ranks on other nodes",
+    "node_size": "consecutive ranks per node, for replicas (None: `LOCAL_WORLD_SIZE`)",
+    "keep": "steps kept (older ones are deleted once a newer one is complete on every rank)",
+    "flush": "`close()` saves the newest memory step to `url` when it is newer than the "
+    "newest committed one (the state must still be that step's)",
+}
+
+
+# ---------------------------------------------------------------------- the rules
+@dataclass(frozen=True)
+class Rule:
+    """``field`` must be ``expected``, which ``ok(value)`` tells; ``fix``: what to do when not."""
+
+    field: str
+    ok: Callable[[Any], bool]
+    expected: str
+    fix: str = ""
+
+
+def check(owner: str, obj: object, rules: tuple[Rule, ...]) -> None:
+    """The first rule ``obj`` breaks, as a ValueError naming ``owner`` + the field, what it
+    must be, the value found and what to do."""
+    for r in rules:
+        v = getattr(obj, r.field)
+        if not r.ok(v):
+            fix = f"; {r.fix}" if r.fix else ""
+            raise ValueError(f"{owner}{r.field} must be {r.expected}, got {v!r}{fix}")
+
+
+def _ints(lo: int, hi: int | None = None, none: bool = False) -> Callable[[Any], bool]:
+    return lambda v: (none and v is None) or (_is_int(v) and lo <= v and (hi is None or v <= hi))
+
+
+def _seconds(none: bool = False, finite: bool = False) -> Callable[[Any], bool]:
+    def ok(v: Any) -> bool:
+        if none and v is None:
+            return True
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        return number and v > 0 and not (finite and v == float("inf"))
+
+    return ok
+
+
+def _flag(none: bool = False) -> Callable[[Any], bool]:
+    return lambda v: v is True or v is False or (none and v is None)
+
+
+def _one_of(modes: tuple[str, ...]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, str) and v in modes
+
+
+def _options(v: Any) -> bool:
+    return v is None or isinstance(v, dict)
+
+
+def _resume_from(v: Any) -> bool:
+    if v is None or (isinstance(v, str) and v):
+        return True
+    pair = isinstance(v, tuple) and len(v) == 2
+    return pair and isinstance(v[0], str) and _is_int(v[1]) and v[1] >= 0
+
+
+def _local_dir(v: Any) -> bool:
+    return v is None or (isinstance(v, str) and bool(v) and "://" not in v)
+
+
+_MEMORY_RULES = (
+    Rule("interval", _ints(1), "an int >= 1", "memory=None turns the memory tier off"),
+    Rule(
+        "dir",
+        _local_dir,
+        "a local directory path or None",
+        "a directory in host memory (tmpfs); None: /dev/shm/muon-ckpt-<uid>",
+    ),
+    Rule(
+        "dir",
+        lambda v: v is not None or os.path.isdir("/dev/shm"),
+        "a directory path: this machine has no /dev/shm (the default for None)",
+        "pass dir=, a directory in host memory (tmpfs) of your own",
+    ),
+    Rule("replicas", _ints(0), "an int >= 0", "0: no copies on other nodes"),
+    Rule("node_size", _ints(1, none=True), "an int >= 1 or None", "None: LOCAL_WORLD_SIZE"),
+    Rule("keep", _ints(1), "an int >= 1", "the newest complete step is always kept"),
+    Rule("flush", _flag(), "True or False"),
+)
+
+_RULES = (
+    Rule(
+        "url",
+        lambda v: isinstance(v, str) and bool(v),
+        "a non-empty string (local path or fsspec URL)",
+    ),
+    Rule(
+        "keep_last",
+        _ints(1, none=True),
+        "an int >= 1 (or None to keep every step)",
+        "the newest committed step is never deleted",
+    ),
+    Rule("interval", _ints(1, none=True), "an int >= 1 (or None to save on every call)"),
+    Rule(
+        "storage_options",
+        _options,
+        "a dict of fsspec options or None",
+        "pass them as {name: value}, e.g. {'endpoint_url': ...}",
+    ),
+    Rule(
+        "resume_storage_options",
+        _options,
+        "a dict of fsspec options or None",
+        "None: storage_options",
+    ),
+    Rule(
+        "resume_from",
+        _resume_from,
+        "a URL string or a (url, step) pair with step >= 0",
+        "or .../step-XXXXXXXX, or None",
+    ),
+    Rule(
+        "io_threads",
+        _ints(1, 64, none=True),
+        "an int in [1, 64] or None",
+        "None chooses from the storage and the cores",
+    ),
+    Rule("verify", _one_of(VERIFY_MODES), f"one of {VERIFY_MODES}"),
+    Rule(
+        "async_save",
+        lambda v: v is True or v is False or (isinstance(v, str) and v == "deferred"),
+        'False, True or "deferred"',
+        'True saves in the background; "deferred" also defers the copies of the snapshot',
+    ),
+    Rule("collective_timeout", _seconds(finite=True), "a number of seconds > 0"),
+    Rule(
+        "max_staging_bytes",
+        _ints(0, none=True),
+        "an int >= 0 (bytes) or None for no bound",
+    ),
+    Rule(
+        "storage_timeout", _seconds(none=True), "a number of seconds > 0", "None: the client's own"
+    ),
+    Rule("lease_seconds", _seconds(), "a number of seconds > 0"),
+    Rule("confirm", _one_of(CONFIRM_MODES), f"one of {CONFIRM_MODES}"),
+    Rule(
+        "read_once", _flag(none=True), "None, True or False", "None: chosen per storage and hosts"
+    ),
+    Rule("new_run", _flag(), "True or False"),
+    Rule(
+        "memory",
+        lambda v: v is None or isinstance(v, MemoryOptions),
+        "a muon_ckpt.MemoryOptions or None",
+        "e.g. memory=MemoryOptions(interval=10)",
+    ),
+)
+
+
+def _fspath(obj: object, name: str) -> None:
+    """``obj.name`` as a str when it is an ``os.PathLike``."""
+    v = getattr(obj, name)
+    if isinstance(v, os.PathLike):
+        object.__setattr__(obj, name, os.fspath(v))
+
+
+# ---------------------------------------------------------------------- the options
+@dataclass(frozen=True, kw_only=True)
+class MemoryOptions:
+    """The memory tier of a CheckpointManager (``memory=``): recent steps kept in host memory
+    that outlives the process, replicated to ranks on other nodes, restored first. Checked at
+    construction: a bad value is a ValueError naming the field and the value."""
+
+    interval: int
+    dir: str | None = None
+    replicas: int = 1
+    node_size: int | None = None
+    keep: int = 1
+    flush: bool = True
+
+    def __post_init__(self) -> None:
+        _fspath(self, "dir")
+        check("MemoryOptions.", self, _MEMORY_RULES)
+        if self.dir is not None:
+            object.__setattr__(self, "dir", os.path.abspath(self.dir))
+
+
+MemoryOptions.__doc__ = (
+    (MemoryOptions.__doc__ or "")
+    + "\n\n    Args:\n"
+    + "".join(f"        {k}: {text.replace('`', '``')}\n" for k, text in MEMORY_OPTIONS.items())
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ManagerConfig:
     """The options of CheckpointManager (``OPTIONS`` says what each means), checked once, at
-    construction: a bad value is a ValueError naming the field and the value."""
+    construction by ``_RULES``: a bad value is a ValueError naming the field and the value."""
 
     url: str
     keep_last: int | None = None
@@ -119,7 +305,7 @@ class ManagerConfig:
     resume_from: str | tuple[str, int] | None = None
     io_threads: int | None = None
     verify: str = "checksum"
-    async_save: bool = False
+    async_save: bool | Literal["deferred"] = False
     max_staging_bytes: int | None = None
     storage_timeout: float | None = 60.0
     lease_seconds: float = 600.0
@@ -128,13 +314,12 @@ class ManagerConfig:
     resume_storage_options: dict[str, Any] | None = None
     read_once: bool | None = None
     new_run: bool = False
-    snapshot: str = "blocking"
-    memory_interval: int | None = None
-    memory_dir: str | None = None
-    replicas: int = 1
-    node_size: int | None = None
-    memory_keep: int = 1
-    memory_flush: bool = True
+    memory: MemoryOptions | None = None
+
+    @property
+    def deferred(self) -> bool:
+        """Whether a save's copies of parameters and states finish after ``save()`` returns."""
+        return self.async_save == "deferred"
 
     @property
     def write_threads(self) -> int:
@@ -146,110 +331,13 @@ class ManagerConfig:
         return read_threads(self.io_threads, local)
 
     def __post_init__(self) -> None:
-        if isinstance(self.url, os.PathLike):
-            object.__setattr__(self, "url", os.fspath(self.url))
-        if not isinstance(self.url, str) or not self.url:
-            raise ValueError(
-                f"url must be a non-empty string (local path or fsspec URL), got {self.url!r}"
-            )
-        if self.keep_last is not None and (not _is_int(self.keep_last) or self.keep_last < 1):
-            raise ValueError(
-                f"keep_last must be an int >= 1 (or None to keep every step), got "
-                f"{self.keep_last!r}; the newest committed step is never deleted"
-            )
-        if self.interval is not None and (not _is_int(self.interval) or self.interval < 1):
-            raise ValueError(
-                f"interval must be an int >= 1 (or None to save on every call), got "
-                f"{self.interval!r}"
-            )
-        for name in ("storage_options", "resume_storage_options"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, dict):
-                raise ValueError(
-                    f"{name} must be a dict of fsspec options or None, got {type(v).__name__} {v!r}"
-                )
+        _fspath(self, "url")
+        _fspath(self, "resume_from")
         rf = self.resume_from
-        if isinstance(rf, os.PathLike):
-            object.__setattr__(self, "resume_from", os.fspath(rf))
-            rf = self.resume_from
-        if rf is not None and not (isinstance(rf, str) and rf):
-            ok = (
-                isinstance(rf, (tuple, list))
-                and len(rf) == 2
-                and isinstance(rf[0], (str, os.PathLike))
-                and _is_int(rf[1])
-                and rf[1] >= 0
-            )
-            if not ok:
-                raise ValueError(
-                    f"resume_from must be a URL string or a (url, step) pair with step >= 0, "
-                    f"got {rf!r}"
-                )
-            object.__setattr__(self, "resume_from", (os.fspath(rf[0]), int(rf[1])))
-        n = self.io_threads
-        if n is not None and (not _is_int(n) or not 1 <= n <= 64):
-            raise ValueError(f"io_threads must be an int in [1, 64] or None, got {n!r}")
-        if self.verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
-        if not isinstance(self.async_save, bool):
-            raise ValueError(f"async_save must be True or False, got {self.async_save!r}")
-        t = self.collective_timeout
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-            raise ValueError(f"collective_timeout must be a number of seconds > 0, got {t!r}")
-        m = self.max_staging_bytes
-        if m is not None and (not _is_int(m) or m < 0):
-            raise ValueError(
-                f"max_staging_bytes must be an int >= 0 (bytes) or None for no bound, got {m!r}"
-            )
-        for name in ("storage_timeout", "lease_seconds"):
-            v = getattr(self, name)
-            if not (v is None and name == "storage_timeout") and (
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
-            ):
-                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
-        if self.read_once not in (None, True, False):
-            raise ValueError(f"read_once must be None, True or False, got {self.read_once!r}")
-        if self.snapshot not in SNAPSHOT_MODES:
-            raise ValueError(f"snapshot must be one of {SNAPSHOT_MODES}, got {self.snapshot!r}")
-        if self.snapshot == "deferred" and not self.async_save:
-            raise ValueError(
-                "snapshot='deferred' needs async_save=True: a synchronous save writes the "
-                "state before it returns, so there is nothing to defer"
-            )
-        if not isinstance(self.new_run, bool):
-            raise ValueError(f"new_run must be True or False, got {self.new_run!r}")
-        if self.confirm not in CONFIRM_MODES:
-            raise ValueError(f"confirm must be one of {CONFIRM_MODES}, got {self.confirm!r}")
-        self._check_memory()
-
-    def _check_memory(self) -> None:
-        mi = self.memory_interval
-        if mi is not None and (not _is_int(mi) or mi < 1):
-            raise ValueError(
-                f"memory_interval must be an int >= 1 (or None: no memory tier), got {mi!r}"
-            )
-        d = self.memory_dir
-        if isinstance(d, os.PathLike):
-            object.__setattr__(self, "memory_dir", os.fspath(d))
-            d = self.memory_dir
-        if d is not None and (not isinstance(d, str) or not d or "://" in d):
-            raise ValueError(f"memory_dir must be a local directory path or None, got {d!r}")
-        if d is not None:
-            object.__setattr__(self, "memory_dir", os.path.abspath(d))
-        elif mi is not None and not os.path.isdir("/dev/shm"):
-            raise ValueError(
-                "memory_interval is set but this machine has no /dev/shm: pass memory_dir, a "
-                "directory in host memory (tmpfs) of your own"
-            )
-        if not _is_int(self.replicas) or self.replicas < 0:
-            raise ValueError(f"replicas must be an int >= 0, got {self.replicas!r}")
-        n = self.node_size
-        if n is not None and (not _is_int(n) or n < 1):
-            raise ValueError(f"node_size must be an int >= 1 or None, got {n!r}")
-        if not _is_int(self.memory_keep) or self.memory_keep < 1:
-            raise ValueError(f"memory_keep must be an int >= 1, got {self.memory_keep!r}")
-        if not isinstance(self.memory_flush, bool):
-            raise ValueError(f"memory_flush must be True or False, got {self.memory_flush!r}")
+        if isinstance(rf, (tuple, list)) and len(rf) == 2:  # a (url, step) pair, kept as one
+            url = os.fspath(rf[0]) if isinstance(rf[0], os.PathLike) else rf[0]
+            object.__setattr__(self, "resume_from", (url, rf[1]))
+        check("", self, _RULES)
 
     @property
     def resume_kwargs(self) -> dict[str, Any]:

@@ -15,12 +15,12 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 import muon_ckpt._collective as coll
-from muon_ckpt._config import OPTIONS, ManagerConfig
+from muon_ckpt._config import OPTIONS, ManagerConfig, MemoryOptions
 from muon_ckpt._errors import CheckpointError
 from muon_ckpt._exit import finish_at_exit, let_go
 from muon_ckpt._preempt import PreemptionWatch
@@ -54,7 +54,7 @@ class CheckpointManager:
         resume_storage_options: dict[str, Any] | None = None,
         io_threads: int | None = None,
         verify: str = "checksum",
-        async_save: bool = False,
+        async_save: bool | Literal["deferred"] = False,
         max_staging_bytes: int | None = None,
         collective_timeout: float = 600.0,
         storage_timeout: float | None = 60.0,
@@ -62,13 +62,7 @@ class CheckpointManager:
         confirm: str = "checksum",
         read_once: bool | None = None,
         new_run: bool = False,
-        snapshot: str = "blocking",
-        memory_interval: int | None = None,
-        memory_dir: str | None = None,
-        replicas: int = 1,
-        node_size: int | None = None,
-        memory_keep: int = 1,
-        memory_flush: bool = True,
+        memory: MemoryOptions | None = None,
     ) -> None:
         given = locals()
         names = ManagerConfig.__dataclass_fields__
@@ -85,7 +79,7 @@ class CheckpointManager:
             resume_options=None if c.resume_storage_options is None else c.resume_kwargs,
         )
         self._calls = coll.Calls(
-            c.url, c.collective_timeout, background_groups=c.memory_interval is not None
+            c.url, c.collective_timeout, background_groups=c.memory is not None
         )
         self._line = RunLine(c.new_run)
         self._preempt: PreemptionWatch | None = None
@@ -93,7 +87,7 @@ class CheckpointManager:
         warned: set[str] = set()  # warnings given once per manager
         limit = c.max_staging_bytes
         state = (model, optimizer, self._extra, self._rank_extra, self._staging)
-        deferred = c.snapshot == "deferred"
+        deferred = c.deferred
         self._sources = SaveSources(*state, None, limit, warned, deferred)
         self._saves = UrlSaves(self._catalog, c, self._line, self._sources, self._calls)
         self._hook = hook_step(optimizer, lambda: self._saves.deferred) if deferred else None
@@ -162,7 +156,7 @@ class CheckpointManager:
             name = optimizer_name(self._optimizer)
             return self._memory.save_only(step, self._saves, self._catalog, name)[0]
         self.wait()
-        return self._save(step, overwrite, self.config.async_save, memory=memory)
+        return self._save(step, overwrite, bool(self.config.async_save), memory=memory)
 
     def _save(self, step: int, overwrite: bool, background: bool, memory: bool = False) -> bool:
         mem, name = self._memory, optimizer_name(self._optimizer)
@@ -332,7 +326,7 @@ class CheckpointManager:
         c = self.config
         return (
             f"CheckpointManager({c.url!r}, keep_last={c.keep_last}, interval={c.interval}, "
-            f"async_save={c.async_save}, resume_from={c.resume_from!r})"
+            f"async_save={c.async_save!r}, resume_from={c.resume_from!r})"
         )
 
 

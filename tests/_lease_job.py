@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from muon_ckpt import CheckpointError, CheckpointManager
+from muon_ckpt import CheckpointError, CheckpointManager, MemoryOptions
 
 
 def _hold(url: str, ready: str, done: str) -> None:
@@ -36,9 +36,8 @@ def _hold_memory(url: str, memdir: str, ready: str, done: str, state: str) -> No
     from tests._memtier import _fresh, _state
 
     model, opt = _fresh()
-    mgr = CheckpointManager(
-        url, model=model, optimizer=opt, interval=2, memory_interval=1, memory_dir=memdir
-    )
+    memory = MemoryOptions(interval=1, dir=memdir)
+    mgr = CheckpointManager(url, model=model, optimizer=opt, interval=2, memory=memory)
     mgr.load()
     for s in (1, 2, 3):
         train(model, opt, 1, seed=s)

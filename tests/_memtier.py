@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from muon_ckpt import CheckpointManager
+from muon_ckpt import CheckpointManager, MemoryOptions
 from tests._ckpt import TinyNet, make_muon, muon_state_sd, offload_off
 
-__all__ = ["_assert_same", "_fresh", "_load_fresh", "_mgr", "_run_dir", "_saved", "_state"]
+__all__ = [
+    "_assert_same",
+    "_fresh",
+    "_load_fresh",
+    "_memory",
+    "_mgr",
+    "_run_dir",
+    "_saved",
+    "_state",
+]
 
 
 def _fresh(seed=0, offload=False):
@@ -20,10 +29,14 @@ def _fresh(seed=0, offload=False):
     return model, opt
 
 
+def _memory(tmp_path, **fields):
+    """The tier of these tests: every step, in ``tmp_path / "mem"``, unless ``fields`` say."""
+    return MemoryOptions(**{"interval": 1, "dir": str(tmp_path / "mem"), **fields})
+
+
 def _mgr(tmp_path, model, opt, **kw):
     kw.setdefault("interval", 5)
-    kw.setdefault("memory_interval", 1)
-    kw.setdefault("memory_dir", str(tmp_path / "mem"))
+    kw.setdefault("memory", _memory(tmp_path))
     return CheckpointManager(str(tmp_path / "run"), model=model, optimizer=opt, **kw)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from muon_ckpt import CheckpointManager, CheckpointNotFoundError
+from muon_ckpt import CheckpointManager, CheckpointNotFoundError, MemoryOptions
 from muon_ckpt._progress import progress_bar
 from muon_ckpt.cli import main
 from muon_ckpt.store import Storage
@@ -399,8 +399,12 @@ def test_verify_memory_checks_every_part_as_a_restore_would(tmp_path, capsys):
         torch.manual_seed(0)
         model = TinyNet()
         opt = make_muon(model)
-        kw = {"interval": 5, "memory_interval": 1, "memory_dir": mem, "memory_flush": False}
-        return model, opt, CheckpointManager(url, model=model, optimizer=opt, **kw)
+        memory = MemoryOptions(interval=1, dir=mem, flush=False)
+        return (
+            model,
+            opt,
+            CheckpointManager(url, model=model, optimizer=opt, interval=5, memory=memory),
+        )
 
     model, opt, mgr = manager()
     mgr.load()
@@ -411,7 +415,7 @@ def test_verify_memory_checks_every_part_as_a_restore_would(tmp_path, capsys):
     mgr.close()
     rc, out, _ = cli(capsys, "verify", "--memory", mem, url)
     assert rc == 0, out
-    assert "  step 6 rank 0: OK: " in out and "  step 5 rank 0: OK: " not in out  # memory_keep=1
+    assert "  step 6 rank 0: OK: " in out and "  step 5 rank 0: OK: " not in out  # keep=1
     run_dir = tmp_path / "mem" / run_dirname(Storage(url).url_of())
     key = "optim.state.fc1.weight.momentum_buffer"
 

@@ -1,4 +1,4 @@
-"""The deferred snapshot (``snapshot="deferred"``): ``save()`` only queues the copies of
+"""The deferred snapshot (``async_save="deferred"``): ``save()`` only queues the copies of
 parameters and optimizer states and returns; the next ``optimizer.step()`` waits for them. The
 checkpoint still holds the state of the ``save()`` call: saved at step k, then the next
 forward, backward and step run at once, step k loads bitwise in fresh processes (1 and 2
@@ -38,8 +38,7 @@ def save_then_train_at_once(url, opts, world, offload, step=2):
         optimizer=opt,
         extra={"data": data},
         storage_options=opts,
-        async_save=True,
-        snapshot="deferred",
+        async_save="deferred",
     )
     want = state_of(model, opt, data)
     assert mgr.save(step)
@@ -100,7 +99,7 @@ def test_an_in_place_write_before_the_next_step_fails_that_save(tmp_path):
     url = str(tmp_path / "run")
     model, opt = build(None)
     forward_backward_step(model, opt, 1)
-    mgr = CheckpointManager(url, model=model, optimizer=opt, async_save=True, snapshot="deferred")
+    mgr = CheckpointManager(url, model=model, optimizer=opt, async_save="deferred")
     assert mgr.save(1) and mgr.wait() == 1
     want = state_of(model, opt, DataPosition(0))
     forward_backward_step(model, opt, 2)
@@ -126,7 +125,7 @@ def test_buffers_that_the_next_forward_writes_are_copied_at_the_call(tmp_path):
     model(torch.randn(16, 4)).sum().backward()
     opt.step()
     mgr = CheckpointManager(
-        str(tmp_path / "run"), model=model, optimizer=opt, async_save=True, snapshot="deferred"
+        str(tmp_path / "run"), model=model, optimizer=opt, async_save="deferred"
     )
     want = {k: v.clone() for k, v in model.state_dict().items()}
     assert mgr.save(1)
@@ -142,9 +141,7 @@ def test_buffers_that_the_next_forward_writes_are_copied_at_the_call(tmp_path):
 
 def test_the_deferred_mode_is_refused_where_it_cannot_hold(tmp_path):
     model = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="needs async_save=True"):
-        CheckpointManager(str(tmp_path / "a"), model=model, snapshot="deferred")
     with pytest.raises(ValueError, match="needs the optimizer"):
-        CheckpointManager(str(tmp_path / "b"), model=model, async_save=True, snapshot="deferred")
-    with pytest.raises(ValueError, match="snapshot must be one of"):
-        CheckpointManager(str(tmp_path / "c"), model=model, snapshot="lazy")
+        CheckpointManager(str(tmp_path / "b"), model=model, async_save="deferred")
+    with pytest.raises(ValueError, match='async_save must be False, True or "deferred"'):
+        CheckpointManager(str(tmp_path / "c"), model=model, async_save="lazy")

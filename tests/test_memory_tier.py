@@ -1,7 +1,7 @@
 """The memory tier: a run recovers from its last step, not its last interval.
 
-4 ranks as 2 nodes on one machine (``node_size=2``, each node's ranks with a ``memory_dir``
-of their own), ``memory_interval=1``, ``interval=5``, asynchronous saves, FSDP2, Muon with
+4 ranks as 2 nodes on one machine (``node_size=2``, each node's ranks with a tier ``dir``
+of their own), the tier's ``interval=1``, the url's ``interval=5``, asynchronous saves, FSDP2, Muon with
 offload on and off: after step 7's ``save()`` and ``wait()``, every process is SIGKILLed and
 node 1's memory directory deleted; a restart on 4 ranks loads step 7 (ranks 0-1 from their own
 memory, ranks 2-3 from the replicas on node 0), bitwise the state of the run at step 7,
@@ -19,7 +19,7 @@ import shutil
 import pytest
 import torch
 
-from muon_ckpt import CheckpointManager
+from muon_ckpt import CheckpointManager, MemoryOptions
 from tests._ckpt import flip_byte, offload_off
 from tests._dist import run_on_ranks, run_then_kill
 from tests.test_manager_fsdp import build, snapshot, train
@@ -31,17 +31,15 @@ def _mem(root: str, rank: int, node_size: int = NODE) -> str:
     return os.path.join(root, f"node{rank // node_size}")
 
 
-def _manager(url, model, opt, root, rank, node_size=NODE, **kw):
+def _manager(url, model, opt, root, rank, node_size=NODE, flush=True):
+    mem = _mem(root, rank, node_size)
     return CheckpointManager(
         url,
         model=model,
         optimizer=opt,
         interval=5,
-        memory_interval=1,
-        memory_dir=_mem(root, rank, node_size),
-        node_size=node_size,
+        memory=MemoryOptions(interval=1, dir=mem, node_size=node_size, flush=flush),
         async_save=True,
-        **kw,
     )
 
 
@@ -165,7 +163,7 @@ def body_save_again(rank, world_size, url, root):
 
     set_ns_compile(False)
     model, opt = build(world_size)
-    mgr = _manager(url, model, opt, root, rank, 1, memory_flush=False)
+    mgr = _manager(url, model, opt, root, rank, 1, flush=False)
     assert mgr.load() == 7
     train(model, range(100, 101), opt)
     assert mgr.save(7) and mgr.wait() == 7

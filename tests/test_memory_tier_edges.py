@@ -1,4 +1,4 @@
-"""The memory tier's edges, in one process unless said: its bound (``memory_keep``), a memory
+"""The memory tier's edges, in one process unless said: its bound (``MemoryOptions.keep``), a memory
 save that finds the previous one still running (skipped) or a write in flight (not waited
 for), directories it must not read, steps of another line, the budget, ``close()``'s flush,
 SIGKILLs while parts are written and replicated, and ``muon-ckpt ls/prune --memory``."""
@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from muon_ckpt import CheckpointError, CheckpointExistsError, CheckpointManager
+from muon_ckpt import CheckpointError, CheckpointExistsError, CheckpointManager, MemoryOptions
 from muon_ckpt.cli import main as cli
 from tests._ckpt import train
 from tests._dist import run_on_ranks, run_then_kill
@@ -22,6 +22,7 @@ from tests._memtier import (
     _assert_same,
     _fresh,
     _load_fresh,
+    _memory,
     _mgr,
     _run_dir,
     _saved,
@@ -29,10 +30,10 @@ from tests._memtier import (
 )
 
 
-def test_the_tier_keeps_memory_keep_steps(tmp_path, caplog):
+def test_the_tier_keeps_its_newest_keep_steps(tmp_path, caplog):
     model, opt = _fresh()
     with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
-        mgr = _mgr(tmp_path, model, opt, memory_keep=2, replicas=1)
+        mgr = _mgr(tmp_path, model, opt, memory=_memory(tmp_path, keep=2, replicas=1))
         assert mgr.load() is None
         for s in range(0, 9):
             train(model, opt, 1, seed=s)
@@ -109,7 +110,7 @@ def test_a_tier_others_may_read_is_neither_written_nor_read(tmp_path, caplog):
     os.chmod(open_dir, 0o755)
     model, opt = _fresh()
     with pytest.raises(CheckpointError, match="mode 0755: others may read"):
-        _mgr(tmp_path, model, opt, memory_dir=str(open_dir))
+        _mgr(tmp_path, model, opt, memory=_memory(tmp_path, dir=str(open_dir)))
     # A run directory opened up after the save is not read: the load goes to storage.
     _saved(tmp_path, range(5, 8))
     run = _run_dir(tmp_path)
@@ -264,9 +265,7 @@ def _memory_only(url, root, rank, model, opt, **kw):
         model=model,
         optimizer=opt,
         interval=10**6,
-        memory_interval=1,
-        memory_dir=os.path.join(root, f"node{rank}"),
-        node_size=1,
+        memory=MemoryOptions(interval=1, dir=os.path.join(root, f"node{rank}"), node_size=1),
         **kw,
     )
 

@@ -1,17 +1,18 @@
-"""README.md is true: its options table is the manager's options (names, defaults, and the
-one description each has, ``_config.OPTIONS``), its single-process quick start runs as
-written, and its set-up commands are the ones CI runs."""
+"""README.md is true: its options tables are the manager's and MemoryOptions' (names,
+defaults, and the one description each has, ``_config.OPTIONS`` and ``MEMORY_OPTIONS``), its
+single-process quick start runs as written, and its set-up commands are the ones CI runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import re
 import subprocess
 import sys
 
-from muon_ckpt import CheckpointManager
-from muon_ckpt._config import OPTIONS, ManagerConfig
+from muon_ckpt import CheckpointManager, MemoryOptions
+from muon_ckpt._config import MEMORY_OPTIONS, OPTIONS, ManagerConfig
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,23 +30,42 @@ def _section(title: str) -> str:
 
 
 def _default_text(value: object) -> str:
-    if value is inspect.Parameter.empty:
+    if value is inspect.Parameter.empty or value is dataclasses.MISSING:
         return "—"
     return f'`"{value}"`' if isinstance(value, str) else f"`{value!r}`"
 
 
-def test_the_options_table_is_the_managers_options():
-    table = _section("CheckpointManager").split("| option | default | meaning |")[1]
-    table = table.split("\n\n")[0]  # up to the first blank line
-    rows = [
+def _table(section: str, header: str) -> list[list[str]]:
+    table = _section(section).split(header)[1].split("\n\n")[0]  # up to the first blank line
+    return [
         [c.strip() for c in line.strip().strip("|").split(" | ")]
         for line in table.splitlines()
         if line.startswith("| `")
     ]
+
+
+def _params() -> list[inspect.Parameter]:
+    """CheckpointManager's options: its keywords, but the deprecated ones (``**``)."""
     params = list(inspect.signature(CheckpointManager.__init__).parameters.values())[1:]
+    return [p for p in params if p.kind is not p.VAR_KEYWORD]
+
+
+def test_the_options_table_is_the_managers_options():
+    rows = _table("CheckpointManager", "| option | default | meaning |")
+    params = _params()
     want = [[f"`{p.name}`", _default_text(p.default), OPTIONS[p.name]] for p in params]
     assert rows == want
     assert [p.name for p in params] == list(OPTIONS)
+
+
+def test_the_memory_table_is_memory_options_fields():
+    rows = _table("The memory tier", "| `MemoryOptions` field | default | meaning |")
+    fields = dataclasses.fields(MemoryOptions)
+    want = [[f"`{f.name}`", _default_text(f.default), MEMORY_OPTIONS[f.name]] for f in fields]
+    assert rows == want
+    assert [f.name for f in fields] == list(MEMORY_OPTIONS)
+    for name, text in MEMORY_OPTIONS.items():  # the docstring is built from the one description
+        assert f"{name}: {text.replace('`', '``')}" in (MemoryOptions.__doc__ or "")
 
 
 def test_the_signature_and_the_config_agree_on_defaults():

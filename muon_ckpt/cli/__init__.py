@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const="",
         metavar="DIR",
-        help="the memory tier on this node instead: memory_dir DIR (default "
+        help="the memory tier on this node instead: its directory DIR (MemoryOptions.dir; default "
         "/dev/shm/muon-ckpt-<uid>)",
     )
 

@@ -158,7 +158,7 @@ def release_backup(t: LoadTargets) -> None:
     copies no host tensor). The buffer of device tensors' copies is always kept: every save
     stages into it."""
     c = t.config
-    if not ((c.async_save or c.memory_interval is not None) and c.max_staging_bytes is None):
+    if not ((c.async_save or c.memory is not None) and c.max_staging_bytes is None):
         t.staging.release("cpu")
 
 

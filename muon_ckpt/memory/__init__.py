@@ -14,11 +14,10 @@ from muon_ckpt.memory._dirs import (
 )
 from muon_ckpt.memory._restore import TierView, restore_from_memory
 from muon_ckpt.memory._saves import MemorySaves
-from muon_ckpt.memory._tier import MemoryJob, MemoryOptions, MemoryTier, MemoryWrite
+from muon_ckpt.memory._tier import MemoryJob, MemoryTier, MemoryWrite
 
 __all__ = [
     "MemoryJob",
-    "MemoryOptions",
     "MemorySaves",
     "MemoryTier",
     "MemoryWrite",

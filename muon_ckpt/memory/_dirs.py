@@ -1,7 +1,7 @@
 """Where the memory tier lives, who may read it, and what each part there says it is.
 
-A tier root (``memory_dir``; default ``/dev/shm/muon-ckpt-<uid>``) holds one directory per
-run, named from the run's url, and in it one directory per step::
+A tier root (``MemoryOptions.dir``; default ``/dev/shm/muon-ckpt-<uid>``) holds one directory
+per run, named from the run's url, and in it one directory per step::
 
     <memory_dir>/run-<16 hex>/run.json                  {"url": ...}: for muon-ckpt ls --memory
     <memory_dir>/run-<16 hex>/step-00000700/rank-00002/  rank 2's own part of step 700
@@ -103,8 +103,8 @@ def secure_dir(path: str) -> None:
     why = unsafe_reason(path)
     if why is not None:
         raise CheckpointError(
-            f"memory tier: {why}; it is neither written nor read. Pass a memory_dir of your "
-            "own (created 0700), or remove that directory"
+            f"memory tier: {why}; it is neither written nor read. Pass a directory of your "
+            "own (MemoryOptions(dir=...), created 0700), or remove that directory"
         )
 
 

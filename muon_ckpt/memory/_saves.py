@@ -18,8 +18,8 @@ from typing import Any
 
 import muon_ckpt._collective as coll
 from muon_ckpt._config import ManagerConfig
-from muon_ckpt.memory._dirs import default_root, layout_digest
-from muon_ckpt.memory._tier import MemoryJob, MemoryOptions, MemoryTier, MemoryWrite
+from muon_ckpt.memory._dirs import layout_digest
+from muon_ckpt.memory._tier import MemoryJob, MemoryTier, MemoryWrite
 from muon_ckpt.save import SaveSources, Snapshot, UrlSaves, new_id, take
 from muon_ckpt.state import HostStaging
 from muon_ckpt.store import Catalog, SavePlan
@@ -35,17 +35,9 @@ class MemorySaves:
     @classmethod
     def of(cls, c: ManagerConfig, url: str, sources: SaveSources) -> MemorySaves | None:
         """The memory tier ``c`` asks for (its directories made), or None."""
-        if c.memory_interval is None:
+        if c.memory is None:
             return None
-        opts = MemoryOptions(
-            interval=c.memory_interval,
-            root=c.memory_dir or default_root(),
-            replicas=c.replicas,
-            node_size=c.node_size,
-            keep=c.memory_keep,
-            flush=c.memory_flush,
-        )
-        tier = MemoryTier(opts, url, c.max_staging_bytes)
+        tier = MemoryTier(c.memory, url, c.max_staging_bytes)
         tier.check_root()
         return cls(tier, sources, c.write_threads)
 
@@ -73,7 +65,7 @@ class MemorySaves:
         self._own.staging.release()
 
     def to_flush(self, url: str) -> int | None:
-        """The step ``close()`` saves to ``url`` (``memory_flush``): the newest memory save,
+        """The step ``close()`` saves to ``url`` (``MemoryOptions.flush``): the newest memory save,
         complete on every rank, while no optimizer step came after it; else None (a WARNING
         when the state moved on)."""
         if not self.tier.opts.flush or self.mark is None:
@@ -126,7 +118,7 @@ class MemorySaves:
             if coll.rank() == 0:
                 _log.warning(
                     "step %d is not kept in host memory: the previous memory save is still "
-                    "running (%d skipped so far); a larger memory_interval avoids this",
+                    "running (%d skipped so far); a larger MemoryOptions.interval avoids this",
                     step,
                     self.tier.skipped,
                 )
@@ -153,7 +145,7 @@ class MemorySaves:
         return True, snap
 
     def flush(self, saves: UrlSaves, url: str) -> None:
-        """``memory_flush`` at ``close()``: the newest memory step saved to ``url`` when it is
+        """``MemoryOptions.flush`` at ``close()``: the newest memory step saved to ``url`` when it is
         newer than its newest step and still the state's (``to_flush``)."""
         step = self.to_flush(url)
         if step is None:
@@ -163,7 +155,9 @@ class MemorySaves:
         if not steps or steps[-1] < step:
             saves.save(step, overwrite=False, background=False)
             if coll.rank() == 0:
-                _log.info("close(): saved memory-tier step %d to %s (memory_flush)", step, url)
+                _log.info(
+                    "close(): saved memory-tier step %d to %s (MemoryOptions.flush)", step, url
+                )
 
     def start(
         self,

@@ -31,9 +31,11 @@ from typing import Any
 import torch
 
 import muon_ckpt._collective as coll
+from muon_ckpt._config import MemoryOptions
 from muon_ckpt.memory._dirs import (
     PartInfo,
     copy_dirname,
+    default_root,
     list_parts,
     own_dirname,
     run_dirname,
@@ -46,21 +48,11 @@ from muon_ckpt.memory._parts import drop_part, receive_part, send_part, write_ow
 from muon_ckpt.state import HostStaging
 from muon_ckpt.store import Manifest
 
-__all__ = ["MemoryJob", "MemoryOptions", "MemoryTier"]
+__all__ = ["MemoryJob", "MemoryTier"]
 
 _log = logging.getLogger("muon_ckpt")
 
 _ITEM_OVERHEAD = 4096  # bytes a stored item takes beyond its tensor's (zip records)
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryOptions:
-    interval: int
-    root: str
-    replicas: int
-    node_size: int | None
-    keep: int
-    flush: bool
 
 
 def nbytes_of(sd: dict[str, Any]) -> int:
@@ -82,7 +74,8 @@ class MemoryTier:
     def __init__(self, opts: MemoryOptions, url: str, budget: int | None) -> None:
         self.opts = opts
         self.url = url
-        self.run_dir = os.path.join(opts.root, run_dirname(url))
+        self.root = opts.dir or default_root()
+        self.run_dir = os.path.join(self.root, run_dirname(url))
         self._budget = budget
         self._made = False
         self.skipped = 0  # memory saves skipped (one still running, no room, over budget)
@@ -98,12 +91,12 @@ class MemoryTier:
     def check_root(self) -> None:
         """The tier's root, made 0700 or checked to be this user's own and private
         (CheckpointError otherwise: a configuration to fix before training)."""
-        secure_dir(self.opts.root)
+        secure_dir(self.root)
 
     def ensure_dirs(self) -> None:
         """The run's directory too (CheckpointError when it is not this user's own), checked
         at every save: a directory removed and made again by someone else is never used."""
-        secure_dir(self.opts.root)
+        secure_dir(self.root)
         secure_dir(self.run_dir)
         if not self._made:
             write_run_file(self.run_dir, self.url)
@@ -111,7 +104,7 @@ class MemoryTier:
 
     def readable(self) -> str | None:
         """Why this rank must not read its tier (another user's, open to others), or None."""
-        for path in (self.opts.root, self.run_dir):
+        for path in (self.root, self.run_dir):
             why = unsafe_reason(path)
             if why is not None:
                 return why

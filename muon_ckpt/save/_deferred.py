@@ -1,4 +1,4 @@
-"""The deferred snapshot (``snapshot="deferred"``): a save the training loop does not feel.
+"""The deferred snapshot (``async_save="deferred"``): a save the training loop does not feel.
 
 Parameters and optimizer states do not change between ``save()`` and the next
 ``optimizer.step()``: the forward and backward of the next step only read them. So ``save()``
@@ -60,10 +60,10 @@ class DeferredCopies:
             )
             raise CheckpointError(
                 f"saving step {self.step}: {shown} changed in place between save() and the next "
-                "optimizer.step() while snapshot='deferred' was still copying it, so the "
+                "optimizer.step() while async_save='deferred' was still copying it, so the "
                 "checkpoint cannot be the state of the save() call; it is not committed. In "
                 "this mode, leave parameters and optimizer states alone until the next step "
-                "(apply an EMA or manual edit after it), or use snapshot='blocking'"
+                "(apply an EMA or manual edit after it), or use async_save=True"
             )
 
     def _decide(self) -> list[str]:
@@ -81,9 +81,9 @@ def hook_step(
     (a step pre-hook, which every ``torch.optim.Optimizer`` runs); its removable handle."""
     if optimizer is None:
         raise ValueError(
-            "snapshot='deferred' needs the optimizer: its next step() waits for the copies "
+            "async_save='deferred' needs the optimizer: its next step() waits for the copies "
             "of a save, and nothing else tells when the parameters change; pass optimizer=, "
-            "or use snapshot='blocking'"
+            "or use async_save=True"
         )
 
     def before_step(opt: Any, args: Any, kwargs: Any) -> None:

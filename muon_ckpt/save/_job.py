@@ -71,7 +71,7 @@ class WriteSpec:
     plan: SavePlan  # rank 0's decisions: generation, retired steps, written beside or not
     line: str | None = None  # the line of steps the commit continues (the manifest's)
     optimizer: str | None = None  # the optimizer's type (the manifest's extra, for messages)
-    deferred: DeferredCopies | None = None  # snapshot="deferred": checked before the commit
+    deferred: DeferredCopies | None = None  # async_save="deferred": checked before the commit
     group: Any = None  # process group of the collectives (None: the default group)
     confirm: str = "checksum"  # how the storage's copy is confirmed before the commit (_confirm)
     gate: threading.Event | None = None  # tests: the write starts once this is set

@@ -44,7 +44,7 @@ class SaveSources:
     group: Any
     max_staging_bytes: int | None
     warned: set[str]  # warnings given once per manager
-    deferred: bool = False  # snapshot="deferred": parameters and states copied after the call
+    deferred: bool = False  # async_save="deferred": parameters and states copied after the call
     # Offloaded states are frozen (no copy) unless another save holds the pool's one freeze:
     # then they are copied like any host tensor (a memory save while a write is in flight).
     freeze: bool = True

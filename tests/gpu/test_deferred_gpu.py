@@ -1,4 +1,4 @@
-"""GPU: the deferred snapshot (``snapshot="deferred"``) on CUDA tensors.
+"""GPU: the deferred snapshot (``async_save="deferred"``) on CUDA tensors.
 
     python3 -m pytest tests/gpu/test_deferred_gpu.py      (needs a CUDA device)
 
@@ -26,7 +26,7 @@ def test_deferred_save_on_cuda_holds_the_state_of_the_save_call(tmp_path, offloa
     if offload:
         opt.turn_on_cpu_offload()
     _step(model, opt, 1)
-    mgr = CheckpointManager(url, model=model, optimizer=opt, async_save=True, snapshot="deferred")
+    mgr = CheckpointManager(url, model=model, optimizer=opt, async_save="deferred")
     mgr.save(1)
     mgr.wait()  # the first save allocates (and page-locks) the host buffers
 
@@ -64,7 +64,7 @@ def test_deferred_save_on_cuda_refuses_an_in_place_write_before_the_step(tmp_pat
     url = str(tmp_path / "run")
     model, opt = _build(0)
     _step(model, opt, 1)
-    mgr = CheckpointManager(url, model=model, optimizer=opt, async_save=True, snapshot="deferred")
+    mgr = CheckpointManager(url, model=model, optimizer=opt, async_save="deferred")
     assert mgr.save(1) and mgr.wait() == 1
     _step(model, opt, 2)
     assert mgr.save(2)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from muon_ckpt import CheckpointManager
+from muon_ckpt import CheckpointManager, MemoryOptions
 from tests.gpu.test_async_gpu import MiB, _build, _host_state, _step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -22,7 +22,7 @@ def test_a_memory_step_loads_back_bitwise_on_cuda(tmp_path, offload):
     model, opt = _build(0)
     if offload:
         opt.turn_on_cpu_offload()
-    kw = dict(interval=5, memory_interval=1, memory_dir=mem, async_save=True)
+    kw = dict(interval=5, memory=MemoryOptions(interval=1, dir=mem), async_save=True)
     mgr = CheckpointManager(url, model=model, optimizer=opt, **kw)
     assert mgr.load() is None
     for s in range(1, 6):

@@ -17,6 +17,7 @@ from muon_ckpt import (
     HFExportSummary,
     HFLoadReport,
     ImportReport,
+    MemoryOptions,
     export_hf,
     export_safetensors,
     import_optimizer_state,
@@ -36,6 +37,16 @@ def train(model: torch.nn.Module, url: str) -> int:
                 print(f"saved {step}")
         committed: list[int] = mgr.steps()
     return committed[-1]
+
+
+def with_memory_tier(model: torch.nn.Module, opt: Muon, url: str) -> bool | str:
+    memory = MemoryOptions(interval=10, dir="/dev/shm/tier", node_size=8, keep=2, flush=False)
+    mgr = CheckpointManager(url, model=model, optimizer=opt, async_save="deferred", memory=memory)
+    interval: int = mgr.config.memory.interval if mgr.config.memory is not None else 0
+    print(interval, mgr.last_load_tier)
+    # A misspelt option is an error here too (strict mode flags an unused ignore).
+    CheckpointManager(url, keep_lats=3)  # type: ignore[call-arg]
+    return mgr.config.async_save
 
 
 def interop(opt: Muon, url: str) -> None:
