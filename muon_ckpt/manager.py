@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ import torch
 
 import muon_ckpt._collective as coll
 from muon_ckpt._config import OPTIONS, ManagerConfig, MemoryOptions
+from muon_ckpt._deprecated import DeprecatedOptions, upgrade
 from muon_ckpt._errors import CheckpointError
 from muon_ckpt._exit import finish_at_exit, let_go
 from muon_ckpt._preempt import PreemptionWatch
@@ -29,6 +31,11 @@ from muon_ckpt.memory import MemorySaves, restore_from_memory
 from muon_ckpt.save import RunLine, SaveSources, UrlSaves, hook_step
 from muon_ckpt.state import HostStaging, LoadReport, check_objects, check_parts, optimizer_name
 from muon_ckpt.store import StepInfo, check_step, open_run
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # (torch depends on typing_extensions)
+    from typing_extensions import Unpack
 
 __all__ = ["CheckpointManager"]
 
@@ -63,10 +70,13 @@ class CheckpointManager:
         read_once: bool | None = None,
         new_run: bool = False,
         memory: MemoryOptions | None = None,
+        **deprecated: Unpack[DeprecatedOptions],
     ) -> None:
+        # ``deprecated``: the keywords of before 0.3, moved to their new spelling with a
+        # DeprecationWarning; any other keyword is a TypeError, as without ``**``.
         given = locals()
-        names = ManagerConfig.__dataclass_fields__
-        self.config = ManagerConfig(**{k: v for k, v in given.items() if k in names})
+        given = {k: v for k, v in given.items() if k in ManagerConfig.__dataclass_fields__}
+        self.config = ManagerConfig(**upgrade(given, dict(deprecated)))
         self._extra, self._rank_extra = check_objects(model, optimizer, extra, rank_extra)
         self._model, self._optimizer = model, optimizer
         c = self.config

@@ -1,7 +1,7 @@
 """The manager's options are checked at construction by one table of rules: every bad value
 of every option is a ValueError that names the option, says what it must be and shows the
 value found; ``MemoryOptions`` checks its own fields when it is made; ``async_save`` takes
-``"deferred"``."""
+``"deferred"``; a keyword neither spelling knows is a TypeError, as without ``**``."""
 
 from __future__ import annotations
 
@@ -95,6 +95,14 @@ def test_good_options_pass_and_paths_are_normalised(tmp_path, monkeypatch):
     assert c.url == str(tmp_path / "run") and c.resume_from == (str(tmp_path / "old"), 7)
     assert c.deferred and c.memory is mem
     assert not ManagerConfig(url="x", async_save=True).deferred
+
+
+def test_a_keyword_neither_spelling_knows_is_a_type_error(tmp_path):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'keep_lats'.*'keep_last'"):
+        CheckpointManager(str(tmp_path / "run"), keep_lats=3)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'zzz'$"):
+        CheckpointManager(str(tmp_path / "run"), zzz=3)
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_memory_tier_is_configured_in_one_place(tmp_path):

@@ -46,6 +46,10 @@ def with_memory_tier(model: torch.nn.Module, opt: Muon, url: str) -> bool | str:
     print(interval, mgr.last_load_tier)
     # A misspelt option is an error here too (strict mode flags an unused ignore).
     CheckpointManager(url, keep_lats=3)  # type: ignore[call-arg]
+    # The keywords of before 0.3 still type-check until 0.4, as they were typed; a wrong type
+    # of one is an error.
+    CheckpointManager(url, memory_interval=10, memory_keep=2, snapshot="blocking")
+    CheckpointManager(url, memory_keep="2")  # type: ignore[arg-type]
     return mgr.config.async_save
 
 
