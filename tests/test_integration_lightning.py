@@ -73,10 +73,14 @@ def test_ckpt_path_at_a_muon_url_fails_naming_what_to_use(tmp_path):
     trainer = _trainer(again, 2 * EVERY)
     trainer.fit(Net(offload=True), ResumableLoader(data()))
     assert again.resumed_step == EVERY and trainer.global_step == 2 * EVERY
+    # Once more: nothing left to train (Lightning's fit loop returns before its first batch).
+    again = MuonCheckpoint(url, every_n_train_steps=EVERY)
+    _trainer(again, 2 * EVERY).fit(Net(offload=True), ResumableLoader(data()))
+    assert again.resumed_step == 2 * EVERY and again.manager is None
 
     # A Lightning checkpoint of its own (offload off) while the url has steps: refused.
     lightning_ckpt = str(tmp_path / "plain.ckpt")
-    trainer.optimizers[0].turn_off_cpu_offload()  # off already (the teardown needs it)
+    assert not trainer.optimizers[0].cpu_offload  # turned off for Lightning's teardown
     trainer.save_checkpoint(lightning_ckpt)
     again = MuonCheckpoint(url, every_n_train_steps=EVERY)
     with pytest.raises(ValueError, match="would both restore this fit"):

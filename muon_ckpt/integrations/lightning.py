@@ -206,6 +206,8 @@ class MuonCheckpoint(_pl.callbacks.Checkpoint):
         if self.resumed_step is not None:
             _apply(trainer, shared.loaded, own.loaded)
         self._last_step = trainer.global_step
+        if _nothing_to_train(trainer):  # the fit loop returns at once: no on_train_end
+            self._finish(trainer)
 
     def on_train_batch_end(
         self,
@@ -268,6 +270,17 @@ class MuonCheckpoint(_pl.callbacks.Checkpoint):
         path, url = norm(path), norm(str(self._options["url"]))
         name = posixpath.basename(path).removeprefix("overwrite-")
         return path == url or path.startswith(url + "/") or parse_step_dirname(name) is not None
+
+
+def _nothing_to_train(trainer: _pl.Trainer) -> bool:
+    """Whether the fit loop will return before its first batch: its step or epoch limit is
+    reached (what ``_FitLoop.done`` checks first), or it has no batches."""
+    loop = trainer.fit_loop
+    steps = loop.max_steps not in (-1, None) and trainer.global_step >= loop.max_steps
+    epochs = loop.max_epochs not in (-1, None) and (
+        loop.epoch_progress.current.processed >= loop.max_epochs
+    )
+    return steps or epochs or trainer.limit_train_batches == 0
 
 
 def _apply(trainer: _pl.Trainer, shared: Any, own: Any) -> None:
