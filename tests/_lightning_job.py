@@ -7,7 +7,8 @@ epoch) from a resumable dataloader, saving every ``EVERY`` steps asynchronously,
 what the comparison needs to ``OUT`` (torch.save). With ``--kill-at``, once that step is trained
 and the pending save committed, the process SIGKILLs itself. ``--lightning-ckpt`` saves with
 Lightning's own ModelCheckpoint (offload off: its save calls ``optimizer.state_dict()``) into
-that directory instead, resuming from its ``last.ckpt``.
+that directory instead, resuming from its ``last.ckpt``. ``--devices 2``: DDP over two CPU
+processes (Lightning launches the second; not run by the tests, ~8 s a run).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Net(pl.LightningModule):
         self.offload = offload
         self.seen: list[tuple[int, int, int]] = []  # (global step, epoch, first sample id)
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Any, _: int) -> torch.Tensor:
         x, y, ids = batch
         self.seen.append((self.trainer.global_step, self.current_epoch, int(ids[0])))
         return nn.functional.mse_loss(self.net(x), y)
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--lightning-ckpt")
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--devices", type=int, default=1, help="> 1: DDP over CPU processes")
     a = ap.parse_args()
     torch.set_num_threads(1)  # bitwise across processes, as in tests/conftest.py
     torch.manual_seed(0)
@@ -129,6 +131,9 @@ def main() -> None:
     trainer = pl.Trainer(
         max_steps=a.steps,
         accelerator="cpu",
+        devices=a.devices,
+        strategy="ddp" if a.devices > 1 else "auto",
+        use_distributed_sampler=False,  # every rank draws the same batches (the loader's own)
         callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,

@@ -7,16 +7,19 @@ trains after the restart (a resumable dataloader's position). The job: tests/_li
 from __future__ import annotations
 
 import signal
-import sys
 
 import pytest
 import torch
 
-pl = pytest.importorskip("pytorch_lightning")
+from tests._dist import run_script
 
-from muon_ckpt.integrations.lightning import MuonCheckpoint  # noqa: E402
-from tests._dist import run_script  # noqa: E402
-from tests._lightning_job import EVERY, STEPS, Net, ResumableLoader, data  # noqa: E402
+EVERY, STEPS = 3, 12  # as in tests/_lightning_job.py (imported by the tests that need it)
+
+
+@pytest.fixture(scope="module")
+def pl():
+    """Lightning, imported by the tests that use it (not at collection: ~2 s per worker)."""
+    return pytest.importorskip("pytorch_lightning")
 
 
 def _job(url, out, *args):
@@ -24,7 +27,10 @@ def _job(url, out, *args):
     return r, (torch.load(out, weights_only=False) if r.returncode == 0 else None)
 
 
-def test_fit_killed_after_a_save_resumes_bitwise(tmp_path):
+def test_fit_killed_after_a_save_resumes_bitwise(tmp_path, pl):
+    from tests import _lightning_job
+
+    assert (_lightning_job.EVERY, _lightning_job.STEPS) == (EVERY, STEPS)
     r, ref = _job(tmp_path / "ref", tmp_path / "ref.pt")
     assert r.returncode == 0, r.stderr
     url = tmp_path / "run"
@@ -46,7 +52,7 @@ def test_fit_killed_after_a_save_resumes_bitwise(tmp_path):
             assert torch.equal(got["states"][name][k], v), (name, k)
 
 
-def _trainer(ckpt, steps):
+def _trainer(pl, ckpt, steps):
     return pl.Trainer(
         max_steps=steps,
         accelerator="cpu",
@@ -57,25 +63,28 @@ def _trainer(ckpt, steps):
     )
 
 
-def test_ckpt_path_at_a_muon_url_fails_naming_what_to_use(tmp_path):
+def test_ckpt_path_at_a_muon_url_fails_naming_what_to_use(tmp_path, pl):
+    from muon_ckpt.integrations.lightning import MuonCheckpoint
+    from tests._lightning_job import Net, ResumableLoader, data
+
     torch.manual_seed(0)
     url = str(tmp_path / "run")
     ckpt = MuonCheckpoint(url, every_n_train_steps=EVERY)
-    trainer = _trainer(ckpt, EVERY)
+    trainer = _trainer(pl, ckpt, EVERY)
     trainer.fit(Net(offload=True), ResumableLoader(data()))
     assert ckpt.manager is None and ckpt.resumed_step is None  # closed at the end of the fit
     for path in (url, f"{url}/step-00000003"):
         again = MuonCheckpoint(url, every_n_train_steps=EVERY)
         with pytest.raises(ValueError, match=r"Leave ckpt_path out.*resumes its url's newest"):
-            _trainer(again, 2 * EVERY).fit(Net(True), ResumableLoader(data()), ckpt_path=path)
+            _trainer(pl, again, 2 * EVERY).fit(Net(True), ResumableLoader(data()), ckpt_path=path)
     # Resuming through the callback alone works, with offload on; the fit goes on to its end.
     again = MuonCheckpoint(url, every_n_train_steps=EVERY)
-    trainer = _trainer(again, 2 * EVERY)
+    trainer = _trainer(pl, again, 2 * EVERY)
     trainer.fit(Net(offload=True), ResumableLoader(data()))
     assert again.resumed_step == EVERY and trainer.global_step == 2 * EVERY
     # Once more: nothing left to train (Lightning's fit loop returns before its first batch).
     again = MuonCheckpoint(url, every_n_train_steps=EVERY)
-    _trainer(again, 2 * EVERY).fit(Net(offload=True), ResumableLoader(data()))
+    _trainer(pl, again, 2 * EVERY).fit(Net(offload=True), ResumableLoader(data()))
     assert again.resumed_step == 2 * EVERY and again.manager is None
 
     # A Lightning checkpoint of its own (offload off) while the url has steps: refused.
@@ -84,12 +93,14 @@ def test_ckpt_path_at_a_muon_url_fails_naming_what_to_use(tmp_path):
     trainer.save_checkpoint(lightning_ckpt)
     again = MuonCheckpoint(url, every_n_train_steps=EVERY)
     with pytest.raises(ValueError, match="would both restore this fit"):
-        _trainer(again, 3 * EVERY).fit(
+        _trainer(pl, again, 3 * EVERY).fit(
             Net(offload=False), ResumableLoader(data()), ckpt_path=lightning_ckpt
         )
 
 
-def test_bad_options_fail_at_construction(tmp_path):
+def test_bad_options_fail_at_construction(tmp_path, pl):
+    from muon_ckpt.integrations.lightning import MuonCheckpoint
+
     with pytest.raises(ValueError, match=r"\['interval'\].*every_n_train_steps"):
         MuonCheckpoint(str(tmp_path), interval=3)
     with pytest.raises(ValueError, match=r"\['keep_lats'\]"):
@@ -109,4 +120,3 @@ def test_the_core_never_imports_lightning():
     r = run_script(["-c", code], timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]"
-    assert "muon_ckpt.integrations.lightning" in sys.modules  # imported by this test module

@@ -44,7 +44,7 @@ def _lightning() -> Any:
         if name in sys.modules:
             return sys.modules[name]
     try:
-        import lightning.pytorch as pl
+        import lightning.pytorch as pl  # type: ignore[import-not-found]
     except ImportError:
         try:
             import pytorch_lightning as pl
@@ -79,8 +79,8 @@ class _Shared:
     progress, the lr schedulers, the precision plugin (its grad scaler). A load only keeps
     what it read (``loaded``); ``MuonCheckpoint`` applies it once the whole load succeeded."""
 
-    def __init__(self, trainer: _pl.Trainer) -> None:
-        self._trainer = trainer
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer  # a Trainer (several of its attributes are untyped)
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -105,7 +105,7 @@ class _Own:
     load's template is taken before the dataloaders exist); read back with
     ``weights_only=True``."""
 
-    def __init__(self, trainer: _pl.Trainer, skip: Any) -> None:
+    def __init__(self, trainer: Any, skip: Any) -> None:
         self._trainer, self._skip = trainer, skip
         self.loaded: dict[str, Any] | None = None
 
@@ -272,7 +272,7 @@ class MuonCheckpoint(_pl.callbacks.Checkpoint):
         return path == url or path.startswith(url + "/") or parse_step_dirname(name) is not None
 
 
-def _nothing_to_train(trainer: _pl.Trainer) -> bool:
+def _nothing_to_train(trainer: Any) -> bool:
     """Whether the fit loop will return before its first batch: its step or epoch limit is
     reached (what ``_FitLoop.done`` checks first), or it has no batches."""
     loop = trainer.fit_loop
@@ -280,10 +280,10 @@ def _nothing_to_train(trainer: _pl.Trainer) -> bool:
     epochs = loop.max_epochs not in (-1, None) and (
         loop.epoch_progress.current.processed >= loop.max_epochs
     )
-    return steps or epochs or trainer.limit_train_batches == 0
+    return bool(steps or epochs or trainer.limit_train_batches == 0)
 
 
-def _apply(trainer: _pl.Trainer, shared: Any, own: Any) -> None:
+def _apply(trainer: Any, shared: Any, own: Any) -> None:
     """Give Lightning back its state, through its own ``load_state_dict`` methods, as
     ``Trainer.fit(ckpt_path=...)`` restores them."""
     loop = shared["fit_loop"]
