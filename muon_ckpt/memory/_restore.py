@@ -103,6 +103,16 @@ def restore_from_memory(
     except OSError as e:
         found, why_not = [], f"{tier.run_dir}: {e}"
     mine = [p for p in found if p.copy or p.rank == rank]
+    for p in mine:  # damage, as a url's step that fails its checks: said, never loaded
+        if p.problem is not None and not p.newer:
+            _log.warning(
+                "memory tier: rank %d's %s of step %d is not used: %s (the next complete "
+                "memory save drops it)",
+                p.rank,
+                "replica" if p.copy else "part",
+                p.step,
+                p.problem,
+            )
     held = [_held(p) for p in mine if p.manifest]
     newer = sorted({p.step for p in mine if p.newer})
     flat = FlatState.build(t.model, None, {}, rank=rank)
