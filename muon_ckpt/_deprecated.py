@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 import warnings
 from typing import Any, TypedDict
 
 from muon_ckpt._config import MemoryOptions
 
-__all__ = ["DeprecatedOptions", "upgrade"]
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # (torch depends on typing_extensions)
+    from typing_extensions import Unpack
+
+__all__ = ["DeprecatedOptions", "Unpack", "upgrade"]
 
 SNAPSHOT_MODES = ("blocking", "deferred")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import sys
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -22,8 +21,8 @@ import torch
 
 import muon_ckpt._collective as coll
 from muon_ckpt._config import OPTIONS, ManagerConfig, MemoryOptions
-from muon_ckpt._deprecated import DeprecatedOptions, upgrade
-from muon_ckpt._errors import CheckpointError
+from muon_ckpt._deprecated import DeprecatedOptions, Unpack, upgrade
+from muon_ckpt._errors import CheckpointError, passes_interrupts
 from muon_ckpt._exit import finish_at_exit, let_go
 from muon_ckpt._preempt import PreemptionWatch
 from muon_ckpt.load import LoadTargets, resume
@@ -31,11 +30,6 @@ from muon_ckpt.memory import MemorySaves, restore_from_memory
 from muon_ckpt.save import RunLine, SaveSources, UrlSaves, hook_step
 from muon_ckpt.state import HostStaging, LoadReport, check_objects, check_parts, optimizer_name
 from muon_ckpt.store import StepInfo, check_step, open_run
-
-if sys.version_info >= (3, 11):
-    from typing import Unpack
-else:  # (torch depends on typing_extensions)
-    from typing_extensions import Unpack
 
 __all__ = ["CheckpointManager"]
 
@@ -141,6 +135,7 @@ class CheckpointManager:
         return self._catalog.step_info(step)
 
     # ------------------------------------------------------------------ save
+    @passes_interrupts
     def save(self, step: int, *, force: bool = False, overwrite: bool = False) -> bool:
         """Save ``step`` if it is due (``interval``) or ``force``; return whether it saved.
 
@@ -187,6 +182,7 @@ class CheckpointManager:
         """This rank's seconds per phase of the last finished save (docs/internals.md)."""
         return self._saves.timings
 
+    @passes_interrupts
     def wait(self) -> int | None:
         """Block until the pending asynchronous save is complete in every tier it goes to
         (committed to ``url``; in the memory tier, replicas included) and return its step
@@ -226,6 +222,7 @@ class CheckpointManager:
             self._preempt.exit(step)
 
     # ------------------------------------------------------------------ load
+    @passes_interrupts
     def load(
         self,
         step: int | None = None,
@@ -284,6 +281,7 @@ class CheckpointManager:
         return got.decision.step
 
     # ------------------------------------------------------------------ lifecycle
+    @passes_interrupts
     def close(self) -> None:
         """Finish a pending save (its failure is raised here), give the write lease back and
         restore the signal handlers; ``steps()`` still works after. Idempotent. Call it before
