@@ -1,0 +1,1 @@
+"""Adapters for training frameworks, each imported on its own (never by the core)."""
