@@ -134,9 +134,11 @@ def interop(root: str) -> None:
     from muon_ckpt.interop import export_torchtitan, import_torchtitan
     from optim import Muon
 
-    def titan(folder: str, objs: tuple[Any, ...]) -> Any:
+    def titan(folder: str, objs: tuple[Any, ...], **options: Any) -> Any:
         model, opts, sched, loader, ts = objs
-        cfg = TitanManager.Config(enable=True, folder=folder, interval=2, keep_latest_k=0)
+        cfg = TitanManager.Config(
+            enable=True, folder=folder, interval=2, keep_latest_k=0, **options
+        )
         return cfg.build(
             dataloader=loader,
             model_parts=[model],
@@ -174,7 +176,31 @@ def interop(root: str) -> None:
     same.load_state_dict(src[3].state_dict())
     assert all(torch.equal(a, b) for a, b in zip(iter(dst[3]), iter(same), strict=True))
 
-    # 2. torchtitan's own step -> import_torchtitan into our Muon (AdamW groups).
+    # 2. A Muon step of ours -> export -> torchtitan's model-only initial load (its
+    # container keys optimizer states by param_names, which optim.Muon does not keep).
+    src = _objects(0, "Muon")
+    _train(*src, steps=4)
+    cfg = MuonCheckpointManager.Config(enable=True, url=os.path.join(root, "muon"), interval=2)
+    ours = cfg.build(
+        dataloader=src[3],
+        model_parts=[src[0]],
+        optimizers=src[1],
+        lr_schedulers=src[2],
+        states={"train_state": src[4]},
+        sd_adapter=None,
+    )
+    assert ours.save(4)
+    ours.close()
+    s = export_torchtitan(os.path.join(root, "muon"), os.path.join(root, "muon-titan"))
+    dst = _objects(1, "Muon")
+    start = titan(
+        os.path.join(root, "empty"), dst, initial_load_path=s.step_dir, initial_load_model_only=True
+    )
+    assert start.load()
+    for (n, p), q in zip(src[0].named_parameters(), dst[0].parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+    # 3. torchtitan's own step -> import_torchtitan into our Muon (AdamW groups).
     src = _objects(0, "AdamW")
     _train(*src, steps=4)
     t = titan(os.path.join(root, "titan"), src)
