@@ -21,7 +21,7 @@ import torch
 
 import muon_ckpt._collective as coll
 from muon_ckpt._config import OPTIONS, ManagerConfig
-from muon_ckpt._errors import CheckpointError
+from muon_ckpt._errors import CheckpointError, passes_interrupts
 from muon_ckpt._exit import finish_at_exit, let_go
 from muon_ckpt._preempt import PreemptionWatch
 from muon_ckpt.load import LoadTargets, resume
@@ -137,6 +137,7 @@ class CheckpointManager:
         return self._catalog.step_info(step)
 
     # ------------------------------------------------------------------ save
+    @passes_interrupts
     def save(self, step: int, *, force: bool = False, overwrite: bool = False) -> bool:
         """Save ``step`` if it is due (``interval``) or ``force``; return whether it saved.
 
@@ -183,6 +184,7 @@ class CheckpointManager:
         """This rank's seconds per phase of the last finished save (docs/internals.md)."""
         return self._saves.timings
 
+    @passes_interrupts
     def wait(self) -> int | None:
         """Block until the pending asynchronous save is complete in every tier it goes to
         (committed to ``url``; in the memory tier, replicas included) and return its step
@@ -222,6 +224,7 @@ class CheckpointManager:
             self._preempt.exit(step)
 
     # ------------------------------------------------------------------ load
+    @passes_interrupts
     def load(
         self,
         step: int | None = None,
@@ -280,6 +283,7 @@ class CheckpointManager:
         return got.decision.step
 
     # ------------------------------------------------------------------ lifecycle
+    @passes_interrupts
     def close(self) -> None:
         """Finish a pending save (its failure is raised here), give the write lease back and
         restore the signal handlers; ``steps()`` still works after. Idempotent. Call it before

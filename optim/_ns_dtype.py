@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 import torch
 
-__all__ = ["NS_DTYPES", "NS_DTYPE_CHOICES", "auto_ns_dtype", "fast_bf16_reason"]
+__all__ = ["NS_DTYPES", "NS_DTYPE_CHOICES", "auto_ns_dtype", "fast_bf16_reason", "resolve_ns_dtype"]
 
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 NS_DTYPE_CHOICES = ("auto", *NS_DTYPES)
@@ -85,3 +86,9 @@ def auto_ns_dtype(device: torch.device) -> str:
         why = f"it has {reason}" if reason else "it has no fast bf16 matrix unit"
         _log.info("Muon: ns_dtype='auto' runs Newton-Schulz in %s on %s (%s)", choice, device, why)
     return choice
+
+
+def resolve_ns_dtype(group: dict[str, Any]) -> None:
+    """Replace a param group's ``ns_dtype="auto"`` by what it means on its params' device."""
+    if group["ns_dtype"] == "auto" and group["params"]:
+        group["ns_dtype"] = auto_ns_dtype(group["params"][0].device)

@@ -20,7 +20,7 @@ import optim._config as _config
 from offload import CPUOffloadPool, FrozenViews
 from optim._adamw import adamw_step
 from optim._muon_step import muon_step
-from optim._ns_dtype import auto_ns_dtype
+from optim._ns_dtype import resolve_ns_dtype
 from optim._plan import Plan, build_plan
 
 __all__ = ["Muon"]
@@ -95,13 +95,13 @@ class Muon(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
-        _resolve_ns_dtype(group)
+        resolve_ns_dtype(group)
         self._plan = None
 
     def _get_plan(self) -> Plan:
         for gi, g in enumerate(self.param_groups):  # (set since: a scheduler, a load)
             _config.check_ns_dtype(g["ns_dtype"], gi)
-            _resolve_ns_dtype(g)
+            resolve_ns_dtype(g)
         # Items hold their group dict: a new dict (load_state_dict replaces them all) or a new
         # ns_steps or ns_dtype (they shape the batches) means a new plan.
         key = tuple(
@@ -437,12 +437,6 @@ class Muon(torch.optim.Optimizer):
                 for p in g["params"]:
                     p.grad = None
         return loss
-
-
-def _resolve_ns_dtype(group: dict[str, Any]) -> None:
-    """Replace a group's ``ns_dtype="auto"`` by what it means on its params' device."""
-    if group["ns_dtype"] == "auto" and group["params"]:
-        group["ns_dtype"] = auto_ns_dtype(group["params"][0].device)
 
 
 def _same_layout(old: Any, new: Any) -> bool:

@@ -33,6 +33,7 @@ _LEVEL = {
     "interop": 4,
     "manager": 5,
     "demo": 6,
+    "integrations": 6,  # adapters for the frameworks: users of the manager
     "cli": 7,
     "__init__": 8,
 }
@@ -143,6 +144,10 @@ def test_packages_import_one_way():
         for d in deps:
             other = d.split(".")[0]
             if other not in allowed[top] and not m.startswith("muon_ckpt.demo"):
+                # An adapter may build optim's Muon where its framework builds optimizers
+                # (torchtitan's optimizer container); the core never imports optim.
+                if m.startswith("muon_ckpt.integrations.") and other == "optim":
+                    continue
                 wrong.append(f"{m} imports {d}")
     assert not wrong, "\n".join(sorted(wrong))
 

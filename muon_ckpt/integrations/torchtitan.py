@@ -22,12 +22,17 @@ from typing import Any, Literal
 import torch
 
 from muon_ckpt._config import ManagerConfig
-from muon_ckpt.interop._torchtitan import DATALOADER, LR_SCHEDULER, TRAIN_STATE, import_torchtitan
+from muon_ckpt.interop import import_torchtitan
 from muon_ckpt.manager import CheckpointManager
 from optim import Muon
 
 try:
-    from torchtitan.components.checkpointer import BaseCheckpointManager
+    from torchtitan.components.checkpointer import (
+        DATALOADER,
+        LR_SCHEDULER,
+        TRAIN_STATE,
+        BaseCheckpointManager,
+    )
     from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.tools import filesystem
 except ImportError as e:  # the framework is not a dependency of muon-ckpt

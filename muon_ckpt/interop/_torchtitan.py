@@ -37,7 +37,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 import muon_ckpt._collective as coll
-from muon_ckpt import _dcp
+import muon_ckpt._dcp as _dcp
 from muon_ckpt._errors import CheckpointMismatchError, CheckpointNotFoundError
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.interop._import import ImportReport, import_optimizer_state
