@@ -204,6 +204,7 @@ class MuonCkptMixin:
         self._muon_manager: CheckpointManager | None = None
         self._muon_resume: _Resume | None = None
         self._muon_saved: int | None = None
+        self._muon_parks = cpu_offload  # offload to turn on once prepared (this train())
         # The step the last train() resumed (None: it started fresh or from the Trainer's own).
         self.resumed_step: int | None = None
 
@@ -332,17 +333,25 @@ class MuonCkptMixin:
         )
         if parked:  # accelerate's prepare round-trips optimizer.state_dict()
             _inner(t.optimizer).turn_off_cpu_offload()
+        self._muon_parks = parked or self._muon_offload
         out = super()._prepare_for_training(*args, **kwargs)  # type: ignore[misc]
-        if parked or self._muon_offload:
-            opt = _inner(t.optimizer)
-            if not isinstance(opt, OffloadingOptimizer):
-                raise TypeError(
-                    f"cpu_offload=True needs an optimizer with CPU offload (optim.Muon), got "
-                    f"{type(opt).__module__}.{type(opt).__name__}"
-                )
-            if not opt.cpu_offload:
-                opt.turn_on_cpu_offload()
+        self._park()
         return out
+
+    def _park(self) -> None:
+        """Offload on, where asked, once accelerate has prepared the optimizer: before a
+        resume loads into it (the states go straight to the CPU, never to the device)."""
+        if not self._muon_parks:
+            return
+        t: Any = self
+        opt = _inner(t.optimizer)
+        if not isinstance(opt, OffloadingOptimizer):
+            raise TypeError(
+                f"cpu_offload=True needs an optimizer with CPU offload (optim.Muon), got "
+                f"{type(opt).__module__}.{type(opt).__name__}"
+            )
+        if not opt.cpu_offload:
+            opt.turn_on_cpu_offload()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if not self._resuming(resume_from_checkpoint):
@@ -354,6 +363,7 @@ class MuonCkptMixin:
         if not self._resuming(checkpoint) or resume is None:
             super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
             return
+        self._park()
         mgr = self._manager()
         got = mgr.load(resume.step if resume.asked else None)
         if got != resume.step:
