@@ -1,10 +1,12 @@
 """Framework integrations: each framework's own save and resume against muon-ckpt's, on the
 same run, side by side (not a test).
 
-    python -m benchmarks.bench_integrations [--frameworks lightning] [--dir DIR] [--vocab N]
+    python -m benchmarks.bench_integrations [--frameworks lightning transformers torchtitan]
+        [--dir DIR] [--vocab N]
 
-``FRAMEWORKS`` holds one function per framework; each runs its cases (one child process per
-run: a fit that saves, then a restart that resumes) and returns ``Row``s. Measured per case:
+``FRAMEWORKS`` holds one function per framework (Lightning here, the others in
+``_integ_hf.py`` and ``_integ_titan.py``); each runs its cases (one child process per run: a
+fit that saves, then a restart that resumes) and returns ``Row``s. Measured per case:
 
 - blocked: how much longer the loop stands between the end of a batch and the start of the
   next when it saves (median over the saves) than when it does not (median over the rest);
@@ -20,56 +22,25 @@ import argparse
 import glob
 import json
 import os
-import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass
-class Row:
-    framework: str
-    path: str
-    offload: bool
-    blocked_ms: float
-    resume_ms: float
-    fit_s: float
-    step_mib: float
-
-
-def _dir_mib(path: str) -> float:
-    if os.path.isfile(path):
-        return os.path.getsize(path) / 2**20
-    files = [f for f in glob.glob(os.path.join(path, "**"), recursive=True) if os.path.isfile(f)]
-    return sum(os.path.getsize(f) for f in files) / 2**20
-
-
-def _child(args: list[str]) -> dict[str, Any]:
-    r = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_integrations", *args],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode != 0:
-        raise RuntimeError(f"child {args} failed:\n{r.stderr[-4000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
+from benchmarks import _integ_hf, _integ_titan
+from benchmarks._integ import Case, Row, run_cases
 
 # ---------------------------------------------------------------------- PyTorch Lightning
-LIGHTNING_CASES = {
-    # name: (path, offload, MuonCheckpoint options)
-    "ModelCheckpoint (torch.save)": ("lightning", False, {}),
-    "MuonCheckpoint, sync": ("muon", True, {}),
-    "MuonCheckpoint, async": ("muon", True, {"async_save": True}),
-    "MuonCheckpoint, async, offload off": ("muon", False, {"async_save": True}),
-}
+LIGHTNING_CASES = [
+    # [path, offload, MuonCheckpoint options]
+    Case("`ModelCheckpoint` (`torch.save`)", False, ["lightning", False, {}], ["*.ckpt"]),
+    Case("`MuonCheckpoint`", True, ["muon", True, {}]),
+    Case("`MuonCheckpoint`, `async_save`", True, ["muon", True, {"async_save": True}]),
+    Case("`MuonCheckpoint`, `async_save`", False, ["muon", False, {"async_save": True}]),
+]
 
 
 def _lightning_fit(a: argparse.Namespace) -> dict[str, Any]:
@@ -161,38 +132,19 @@ def _lightning_fit(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def lightning_rows(a: argparse.Namespace) -> list[Row]:
-    rows = []
-    for name, (path, offload, options) in LIGHTNING_CASES.items():
-        where = tempfile.mkdtemp(dir=a.dir)
-        os.rmdir(where)  # a fresh run: the url does not exist yet
-        child = ["--child", json.dumps([path, offload, options]), "--dir", where]
-        child += ["--steps", str(a.steps), "--every", str(a.every)]
-        child += ["--vocab", str(a.vocab), "--width", str(a.width)]
-        fit = _child(child)
-        saved = sorted(glob.glob(os.path.join(where, "step-*")) + glob.glob(f"{where}/*.ckpt"))
-        size = _dir_mib(saved[-1]) if saved else 0.0
-        again = _child(child)
-        rows.append(
-            Row(
-                "Lightning",
-                name,
-                offload,
-                1e3 * fit["blocked"],
-                1e3 * (again["to_first_batch"] - fit["to_first_batch"]),
-                fit["fit_s"],
-                size,
-            )
-        )
-        shutil.rmtree(where, ignore_errors=True)
-    return rows
+    return run_cases("Lightning", "lightning", LIGHTNING_CASES, a)
 
 
-# One entry per framework: the other integrations add theirs.
+# One entry per framework.
 FRAMEWORKS: dict[str, Callable[[argparse.Namespace], list[Row]]] = {
     "lightning": lightning_rows,
+    "transformers": _integ_hf.rows,
+    "torchtitan": _integ_titan.rows,
 }
 _CHILDREN: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "lightning": _lightning_fit,
+    "transformers": _integ_hf.child,
+    "torchtitan": _integ_titan.child,
 }
 
 

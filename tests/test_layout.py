@@ -144,6 +144,10 @@ def test_packages_import_one_way():
         for d in deps:
             other = d.split(".")[0]
             if other not in allowed[top] and not m.startswith("muon_ckpt.demo"):
+                # An adapter may build optim's Muon where its framework builds optimizers
+                # (torchtitan's optimizer container); the core never imports optim.
+                if m.startswith("muon_ckpt.integrations.") and other == "optim":
+                    continue
                 wrong.append(f"{m} imports {d}")
     assert not wrong, "\n".join(sorted(wrong))
 

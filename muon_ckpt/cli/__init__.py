@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_verify)
 
     s = sub.add_parser(
-        "export", parents=[remote], help="export to safetensors, or to the Hugging Face layout"
+        "export",
+        parents=[remote],
+        help="export to safetensors, the Hugging Face layout or a torchtitan step",
     )
     s.add_argument("out", nargs="?", help="output .safetensors file, keys as stored (or --hf)")
     s.add_argument(
@@ -122,13 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write DIR in the Hugging Face layout: model*.safetensors (+ index), plain FQNs",
     )
+    s.add_argument(
+        "--torchtitan",
+        metavar="DIR",
+        help="write DIR/step-<N>, a torchtitan step (DIR: its checkpoint.folder); "
+        "--include model: the weights only",
+    )
     s.add_argument("--step", type=int, help="step to export (default: newest committed)")
     s.add_argument(
         "--include",
         nargs="+",
-        default=["model"],
         choices=["model", "optim", "extra"],
-        help="sections to export (default: model; with --hf: model and/or optim)",
+        help="sections to export (default: model; --hf: model and/or optim; --torchtitan: "
+        "all, or model)",
     )
     s.add_argument("--dtype", help="cast floating tensors, e.g. bf16, float16, float32")
     s.add_argument("--max-shard-size", help="--hf: bytes per shard: 5GB (default), 500MB, 100KB")

@@ -40,14 +40,64 @@ def _rename_map(path: str | None) -> dict[str, str] | None:
     return m
 
 
+def _torchtitan(args: argparse.Namespace) -> int:
+    from muon_ckpt.interop import export_torchtitan
+
+    include = args.include or ["model", "optim", "extra"]
+    if sorted(include) not in (["model"], ["extra", "model", "optim"]):
+        raise ValueError(
+            f"--torchtitan exports every section, or with --include model the weights only; "
+            f"got --include {' '.join(include)}"
+        )
+    used = [
+        f
+        for f, v in (
+            ("--dtype", args.dtype),
+            ("--max-shard-size", args.max_shard_size),
+            ("--rename-map", args.rename_map),
+            ("--tied", args.tied),
+        )
+        if v is not None
+    ]
+    if used:
+        raise ValueError(f"{', '.join(used)} do not apply to --torchtitan exports")
+    s = export_torchtitan(
+        args.url,
+        args.torchtitan,
+        step=args.step,
+        model_only=include == ["model"],
+        storage_options=storage_options(args.storage_option),
+        verify=args.verify,
+    )
+    doc = {"out": s.step_dir, "step": s.step, "tensors": s.tensors, "objects": s.objects}
+    doc.update(sections=s.sections, defaults=s.defaults)
+    if args.json:
+        print(json_doc(doc))
+        return 0
+    print(
+        printable(
+            f"exported step {s.step}: {s.tensors} tensors, {s.objects} values -> {s.step_dir}"
+        )
+    )
+    print(printable(f"  torchtitan sections: {', '.join(s.sections)}"))
+    for key, value in s.defaults.items():
+        print(printable(f"  not in the step, written as {value!r}: {key}"))
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from muon_ckpt.interop import export_hf, export_safetensors
 
-    if (args.out is None) == (args.hf is None):
+    outs = [o for o in (args.out, args.hf, args.torchtitan) if o is not None]
+    if len(outs) != 1:
         raise ValueError(
-            "export needs one output: OUT (one safetensors file, keys as stored) or --hf DIR "
-            f"(the Hugging Face layout); got {'both' if args.out else 'neither'}"
+            "export needs one output: OUT (one safetensors file, keys as stored), --hf DIR "
+            "(the Hugging Face layout) or --torchtitan DIR (a torchtitan step); got "
+            f"{ {0: 'neither', 2: 'both', 3: 'all three'}[len(outs)] }"
         )
+    if args.torchtitan is not None:
+        return _torchtitan(args)
+    args.include = args.include or ["model"]
     hf_only = {"--max-shard-size": args.max_shard_size, "--rename-map": args.rename_map}
     hf_only["--tied"] = args.tied
     used = [flag for flag, v in hf_only.items() if v is not None]

@@ -2,6 +2,9 @@
 itself (never here), and reaches muon-ckpt through ``CheckpointManager`` only.
 
 ``muon_ckpt.integrations.lightning.MuonCheckpoint``: a PyTorch Lightning callback.
+``muon_ckpt.integrations.transformers.MuonCkptTrainer`` (``MuonCkptMixin``): a Hugging Face
+``Trainer``. ``muon_ckpt.integrations.torchtitan.MuonCheckpointManager``
+(``MuonOptimizersContainer``): torchtitan's checkpointer.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ from typing import Any
 
 _LAZY = {
     "MuonCheckpoint": "muon_ckpt.integrations.lightning",
+    "MuonCkptMixin": "muon_ckpt.integrations.transformers",
+    "MuonCkptTrainer": "muon_ckpt.integrations.transformers",
+    "MuonCheckpointManager": "muon_ckpt.integrations.torchtitan",
+    "MuonOptimizersContainer": "muon_ckpt.integrations.torchtitan",
 }
 
 __all__ = sorted(_LAZY)
