@@ -63,11 +63,12 @@ class MuonCheckpointManager(BaseCheckpointManager):
         url: str | None = None
         """Run root, any fsspec URL (None: ``<dump_folder>/<folder>``)."""
 
-        async_save: bool = False
-        """``save()`` returns after the snapshot; write and commit run in the background."""
+        async_save: bool | Literal["deferred"] = False
+        """``save()`` returns after the snapshot; write and commit run in the background
+        (``"deferred"``: the snapshot too, as ``CheckpointManager``'s ``async_save``)."""
 
         options: dict[str, Any] = field(default_factory=dict)
-        """Further ``CheckpointManager`` options (``storage_options``, ``memory_interval``,
+        """Further ``CheckpointManager`` options (``storage_options``, ``memory``,
         ...)."""
 
         last_save_model_only: bool = False
