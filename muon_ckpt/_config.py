@@ -87,6 +87,9 @@ OPTIONS: dict[str, str] = {
     "lease_seconds": "the run's write lease expires this long after this job's last save",
     "confirm": "before a commit, each rank reads its files back and checks their CRC32C; "
     '`"size"`: sizes only; `"off"`',
+    "dedup": "a save writes only the tensors whose bytes differ (SHA-256) from the step the "
+    "run continues from and refers to the others; data files live in `<url>/data/`, shared "
+    "by the steps (False: every step writes all of its state into its own directory)",
     "read_once": "state several ranks load whole is read by one rank and sent to the others "
     "(None: when storage is remote or ranks span hosts)",
     "new_run": "a first `save()` without `load()` may start a new run where another run's "
@@ -124,6 +127,7 @@ class ManagerConfig:
     storage_timeout: float | None = 60.0
     lease_seconds: float = 600.0
     confirm: str = "checksum"
+    dedup: bool = True
     collective_timeout: float = 600.0
     resume_storage_options: dict[str, Any] | None = None
     read_once: bool | None = None
@@ -220,6 +224,8 @@ class ManagerConfig:
             raise ValueError(f"new_run must be True or False, got {self.new_run!r}")
         if self.confirm not in CONFIRM_MODES:
             raise ValueError(f"confirm must be one of {CONFIRM_MODES}, got {self.confirm!r}")
+        if not isinstance(self.dedup, bool):
+            raise ValueError(f"dedup must be True or False, got {self.dedup!r}")
         self._check_memory()
 
     def _check_memory(self) -> None:

@@ -60,6 +60,7 @@ class CheckpointManager:
         storage_timeout: float | None = 60.0,
         lease_seconds: float = 600.0,
         confirm: str = "checksum",
+        dedup: bool = True,
         read_once: bool | None = None,
         new_run: bool = False,
         snapshot: str = "blocking",

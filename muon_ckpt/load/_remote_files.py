@@ -14,7 +14,6 @@ Without (``verify="size"``): ranged reads of the items this rank needs, one task
 from __future__ import annotations
 
 import os
-import posixpath
 import queue
 import threading
 from collections.abc import Generator
@@ -27,7 +26,7 @@ from muon_ckpt._threads import run_all
 from muon_ckpt.load._corruption import prefer_corruption
 from muon_ckpt.load._declared import StoredChunks
 from muon_ckpt.load._item_bytes import Capture, fetch_items, load_blob
-from muon_ckpt.store import FileEntry, Storage, is_file_name
+from muon_ckpt.store import FileEntry, Storage, data_ref, is_file_name
 from muon_ckpt.store.checksums import Checksum
 from muon_ckpt.store.dcp import DelegatingFileSystem, dcp_filesystem
 
@@ -58,8 +57,8 @@ _Msg = tuple[str, int, "bytes | None", "BaseException | None"]
 class ServingFileSystem(DelegatingFileSystem):
     """DCP's filesystem for a remote step (``Storage`` underneath): every item is read by this
     package's readers, but should DCP read a file itself, it goes through ``step.open`` and
-    only for files directly inside the step directory (the metadata's paths were checked
-    when it was read; this is the second line)."""
+    only for files directly inside the step directory or of the run's data (the metadata's
+    paths were checked when it was read; this is the second line)."""
 
     def __init__(self, step: Storage) -> None:
         super().__init__(dcp_filesystem(step))
@@ -72,8 +71,9 @@ class ServingFileSystem(DelegatingFileSystem):
                 yield s
             return
         p = os.fspath(path)
-        name = posixpath.basename(p)
-        if posixpath.dirname(p).rstrip("/") != self.step.root.rstrip("/") or not is_file_name(name):
+        root = self.step.root.rstrip("/")
+        name = p[len(root) + 1 :] if p.startswith(root + "/") else ""
+        if not (is_file_name(name) or data_ref(name) is not None):
             raise CheckpointCorruptError(
                 f"{self.step.url}: refusing to read {p!r}, which is not a file of this "
                 "checkpoint's directory"

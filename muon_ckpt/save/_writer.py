@@ -23,16 +23,25 @@ import posixpath
 import threading
 import time
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystemBase,
+    _split_by_size_and_type,
+    _StorageInfo,
+)
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from muon_ckpt._errors import CheckpointError
+from muon_ckpt._threads import run_all
+from muon_ckpt.save._dedup import MIN_REF_BYTES, DedupBase, DedupRecords, Stored, tensor_digest
 from muon_ckpt.save._writeback import start_writeback
-from muon_ckpt.store import FileEntry, Storage
+from muon_ckpt.store import DATA, FileEntry, Storage, data_ref_name
 from muon_ckpt.store.checksums import Checksum
 from muon_ckpt.store.dcp import DelegatingFileSystem, dcp_filesystem
 
@@ -136,6 +145,11 @@ class FileRecords:
             if old in self.files:
                 self.files[new] = self.files.pop(old)
 
+    def digests(self, name: str, sha256: dict[int, str]) -> None:
+        """The digests of the tensors file ``name`` (written and closed) stores, by offset."""
+        with self._lock:
+            self.files[name].sha256 = dict(sorted(sha256.items()))
+
 
 class _CrcStream(io.RawIOBase):
     """Write-only pass-through that keeps the running checksum and byte count."""
@@ -202,15 +216,20 @@ class _CrcStream(io.RawIOBase):
 
 
 class _RecordingFileSystem(DelegatingFileSystem):
-    """Delegates to ``inner``; write streams are checksummed into ``records``."""
+    """Delegates to ``inner``; write streams are checksummed into ``records``, by their name
+    from the step directory ``step_path`` (``../data/<dir>/<file>`` for a data file)."""
 
-    def __init__(self, inner: FileSystemBase, records: FileRecords) -> None:
+    def __init__(self, inner: FileSystemBase, records: FileRecords, step_path: str) -> None:
         super().__init__(inner)
         self.records = records
+        self._step_path = step_path
+
+    def name(self, path: str | os.PathLike) -> str:
+        return posixpath.relpath(os.fspath(path), self._step_path)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
-        name = posixpath.basename(os.fspath(path))
+        name = self.name(path)
         try:
             with self.inner.create_stream(path, mode) as raw:
                 if "w" not in mode:
@@ -230,13 +249,11 @@ class _RecordingFileSystem(DelegatingFileSystem):
             raise
         # Recorded only once the inner stream closed cleanly (an object store's upload done).
         self.records.add_seconds("sync", time.perf_counter() - tail_start)
-        self.records.put(posixpath.basename(os.fspath(path)), s.sum.entry())
+        self.records.put(name, s.sum.entry())
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         self.inner.rename(path, new_path)
-        self.records.rename(
-            posixpath.basename(os.fspath(path)), posixpath.basename(os.fspath(new_path))
-        )
+        self.records.rename(self.name(path), self.name(new_path))
 
 
 def _local_fd(raw: Any) -> int | None:
@@ -250,10 +267,23 @@ def _local_fd(raw: Any) -> int | None:
 
 
 class ChecksumWriter(FileSystemWriter):
-    """DCP writer for one step directory of ``storage``; fills ``records`` while writing."""
+    """DCP writer for one step directory of ``storage``; fills ``records`` while writing.
+
+    ``data_dir``: the directory under ``<root>/data/`` the data files go to (format 3;
+    ``.metadata`` stays in the step directory and names them ``../data/<dir>/<file>``);
+    then a tensor that ``base`` holds unchanged is referred to, not written (``_dedup``),
+    and ``dedup`` records what the next save's base needs. None: DCP's own writer, every
+    file in the step directory (format 2)."""
 
     def __init__(
-        self, storage: Storage, step_dir: str, records: FileRecords, io_threads: int
+        self,
+        storage: Storage,
+        step_dir: str,
+        records: FileRecords,
+        io_threads: int,
+        *,
+        data_dir: str | None = None,
+        base: DedupBase | None = None,
     ) -> None:
         super().__init__(
             storage.path(step_dir),
@@ -263,14 +293,20 @@ class ChecksumWriter(FileSystemWriter):
             thread_count=io_threads,
             overwrite=True,
         )
-        self.fs = _RecordingFileSystem(dcp_filesystem(storage), records)
+        self.fs = _RecordingFileSystem(dcp_filesystem(storage), records, storage.path(step_dir))
         self.path = self.fs.init_path(storage.path(step_dir))
+        self.storage = storage
+        self.data_dir, self.base = data_dir, base
+        self.dedup = DedupRecords()
         self.write_seconds = 0.0  # wall time of write_data (all writer threads)
 
     def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
         t0 = time.perf_counter()
-        fut = super().write_data(plan, planner)
-        results = fut.wait()  # DCP's writer returns a completed future
+        if self.data_dir is None:
+            fut = super().write_data(plan, planner)
+        else:
+            fut = self._write_shared(plan, planner)
+        results = fut.wait()  # (a completed future)
         self.write_seconds = time.perf_counter() - t0
         errors = self.fs.records.errors
         written = {r.index for r in results or ()}
@@ -283,3 +319,89 @@ class ChecksumWriter(FileSystemWriter):
                 "is not committed and nothing committed was touched"
             ) from err
         return fut
+
+    def _write_shared(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
+        """DCP's write of this rank's items (its split into ``thread_count`` files, each
+        item as ``torch.save`` writes it), into ``data_dir``, leaving out the tensors
+        ``base`` holds unchanged; the files run on ``thread_count`` threads."""
+        assert self.data_dir is not None
+        self.storage.makedirs(DATA, self.data_dir)
+        prefix = plan.storage_data.prefix  # __<rank>_
+        buckets = _split_by_size_and_type(self.thread_count, plan.items)
+        jobs = [(f"{prefix}{k}{DEFAULT_SUFFIX}", b) for k, b in enumerate(buckets) if b]
+        results: list[WriteResult] = []
+        lock = threading.Lock()
+
+        def one(job: tuple[str, list[Any]]) -> None:
+            name, items = job
+            try:
+                got = self._write_file(name, items, planner)
+            except Exception as e:  # as DCP's writer threads: its items are missing (below)
+                self.fs.records.fail(data_ref_name(self.data_dir or "", name), e)
+                return
+            with lock:
+                results.extend(got)
+
+        run_all(self.thread_count, one, jobs, name="-write")
+        fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_file(self, fname: str, items: list[Any], planner: Any) -> list[WriteResult]:
+        """One data file: its non-tensor items, then its tensors, each written unless the
+        base holds it unchanged (then referred to). The file is made only when something
+        is written to it."""
+        assert self.data_dir is not None
+        name = data_ref_name(self.data_dir, fname)
+        path = self.storage.path(DATA, self.data_dir, fname)
+        results: list[WriteResult] = []
+        digests: dict[int, str] = {}
+        with ExitStack() as stack:
+            stream: Any = None
+
+            def out() -> Any:
+                nonlocal stream
+                if stream is None:
+                    stream = stack.enter_context(self.fs.create_stream(path, "wb"))
+                return stream
+
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    s = out()
+                    at = s.tell()
+                    s.write(planner.resolve_data(item).getbuffer())
+                    results.append(_result(item, name, at, s.tell() - at))
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    continue
+                t = planner.resolve_data(item).detach().cpu()  # (as DCP's writer takes it)
+                if t.untyped_storage().size() != t.nbytes:
+                    t = t.clone()  # torch.save writes the whole storage: only its bytes
+                digest = tensor_digest(t) if t.nbytes >= MIN_REF_BYTES else None
+                held = (
+                    None
+                    if digest is None or self.base is None
+                    else self.base.match(item.index, digest)
+                )
+                if held is not None:
+                    self.dedup.referred(item.index, held, self.base.files[held.name])
+                    results.append(_result(item, held.name, held.offset, held.length))
+                    continue
+                s = out()
+                at = s.tell()
+                torch.save(t, s)
+                results.append(_result(item, name, at, s.tell() - at))
+                if digest is not None:
+                    digests[at] = digest
+                    self.dedup.stored(item.index, Stored(name, at, s.tell() - at, digest))
+            if stream is not None and self.sync_files:
+                os.fsync(stream.fileno())
+        if digests:
+            self.fs.records.digests(name, digests)
+        return results
+
+
+def _result(item: Any, name: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(
+        index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)
+    )

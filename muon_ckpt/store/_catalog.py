@@ -38,12 +38,17 @@ from muon_ckpt._errors import (
 )
 from muon_ckpt._version import __version__
 from muon_ckpt.store._checksum import Checksum
+from muon_ckpt.store._data import collect_data, listing
 from muon_ckpt.store._layout import (
+    DATA,
     MANIFEST,
     METADATA,
+    PLAIN_FORMAT_VERSION,
+    SHARED_FORMAT_VERSION,
     STEP_PREFIX,
     FileEntry,
     Manifest,
+    data_ref,
     parse_step_dirname,
     step_dirname,
 )
@@ -196,12 +201,15 @@ class Catalog:
         resumed: bool = True,
         new_run: bool = False,
         abandon: list[tuple[int, int | None]] | None = None,
+        base: tuple[int, int] | None = None,
     ) -> SavePlan:
         """Ready a save of ``step``: take the write lease; finish or remove the leftovers of
         crashed saves (an overwrite that was committed but not swapped in is finished first);
         decide what the save retires and refuse what it must not do (``_lines.plan_save``:
         a committed or corrupt step without ``overwrite``, another run's steps, a newer
-        format); remove uncommitted directories."""
+        format); remove uncommitted directories and the data no step refers to. ``base``:
+        the commit ``(step, gen)`` whose files the save may refer to, kept in the plan while
+        it is committed and not retired."""
         self.lease.acquire()
         st = self.storage
         steps, _ = self._step_dirs()
@@ -217,10 +225,12 @@ class Catalog:
             resumed=resumed,
             new_run=new_run,
             abandon=list(abandon or ()),
+            base=base,
         )
         for s in infos:
             if s.status == UNCOMMITTED:
                 st.rm(s.dirname)
+        self.collect()
         return plan
 
     def _finish_or_drop(self, name: str, step: int) -> None:
@@ -245,27 +255,33 @@ class Catalog:
         *,
         plan: SavePlan,
         line: str | None = None,
+        data: str | None = None,
     ) -> Manifest:
-        """Check that every recorded file is there with its size and that this job still
-        holds the lease, then write the manifest (with ``plan``'s generation and retired
-        commits, and ``line``) and read it back; a step written beside the one it replaces
-        is then swapped in."""
+        """Check that every recorded file is there with its size (those of the run's data it
+        refers to included) and that this job still holds the lease, then write the manifest
+        (with ``plan``'s generation and retired commits, ``line``, and ``data``: the data
+        directory the save wrote to) and read it back; a step written beside the one it
+        replaces is then swapped in."""
         st, name = self.storage, write_dirname(step, plan.beside)
-        listed = st.walk_files(name)
+        listed = listing(st, (name,), set(files))
         for fname, entry in sorted(files.items()):
-            if listed.get(fname) != entry.size:
+            got = listed.get(fname, {}).get("size")
+            if got is None or int(got) != entry.size:
                 raise CheckpointCorruptError(
                     f"{st.url_of(name, fname)}: written with {entry.size} bytes but the "
-                    f"storage reports {listed.get(fname)}; step {step} is NOT committed"
+                    f"storage reports {got}; step {step} is NOT committed"
                 )
         if METADATA not in files:
             raise CheckpointCorruptError(
                 f"{st.url_of(name)}: DCP wrote no {METADATA}; step {step} is NOT committed"
             )
+        shared = any(data_ref(n) is not None for n in files)
         manifest = Manifest(
             step=step,
             world_size=world_size,
             files=dict(sorted(files.items())),
+            format_version=SHARED_FORMAT_VERSION if shared else PLAIN_FORMAT_VERSION,
+            data=data,
             time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__,
             muon_ckpt_version=__version__,
@@ -356,13 +372,43 @@ class Catalog:
         for s in gone:
             self.delete(s)
         if keep_last is None:
+            self.collect()
             return gone, []
         steps = [i.step for i in infos if i.committed]
         keep = set(steps[-keep_last:]) | {just_saved}
         victims = [s for s in steps if s not in keep]
         for s in victims:
             self.delete(s)
+        self.collect()
         return gone, victims
+
+    def collect(self) -> list[str]:
+        """Delete the run's data files (``_data``) that no manifest of a step directory names
+        (own or overwrite, committed or superseded). Nothing while a step of a newer format is
+        there; a step whose manifest is invalid keeps its own data directories. Rank 0, under
+        the write lease, when no save is writing. Returns what went."""
+        dirs = self.storage.list_dirs(DATA)
+        if not dirs:
+            return []
+        live: set[str] = set()
+        keep: set[int] = set()
+        steps, _ = self._step_dirs()
+        for s, names in steps.items():
+            for name in names:
+                try:
+                    m = read_manifest(self.storage, name, s)
+                except FileNotFoundError:
+                    continue
+                except CheckpointVersionError:
+                    return []
+                except CheckpointCorruptError:
+                    keep.add(s)
+                    continue
+                live.update(n for n in m.files if data_ref(n) is not None)
+        gone = collect_data(self.storage, dirs, live, keep)
+        if gone:
+            _log.info("%s: deleted data no step refers to: %s", self.storage.url, gone[:20])
+        return gone
 
 
 def _pick(infos: list[StepInfo]) -> StepInfo | None:
@@ -387,7 +433,7 @@ def check_files(
     """Every file of manifest ``m`` present at its size; the DCP metadata checksummed and
     parsed (``tiles``: chunks must tile each tensor). Raises CheckpointCorruptError naming
     the first bad file."""
-    infos = storage.walk_info(*parts)
+    infos = listing(storage, parts, set(m.files))
     for fname, entry in sorted(m.files.items()):
         info = infos.get(fname)
         got = None if info is None else int(info.get("size") or 0)

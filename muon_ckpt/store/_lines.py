@@ -39,6 +39,9 @@ class SavePlan:
     replacing: list[int]  # the steps this save newly retires or drops (not those carried)
     beside: bool  # write beside the step's directory, swapped in at the commit (an overwrite,
     # or a step being replaced)
+    # The commit (step, gen) whose data the save may refer to (tensors unchanged since):
+    # committed and not retired by this save; None: the save writes every tensor
+    base: tuple[int, int] | None = None
 
 
 def mark_superseded(infos: list[StepInfo]) -> None:
@@ -67,6 +70,7 @@ def plan_save(
     resumed: bool,
     new_run: bool,
     abandon: list[tuple[int, int | None]],
+    base: tuple[int, int] | None = None,
 ) -> SavePlan:
     """Decide a save of ``step`` over the scan ``infos`` of ``url``. ``resumed``: the
     manager loaded (or found nothing to load) or saved before; ``abandon``: the steps newer
@@ -110,7 +114,20 @@ def plan_save(
         )
     gen = 1 + max((i.gen or 0 for i in infos if i.status in (COMMITTED, SUPERSEDED)), default=0)
     beside = overwrite or (have is not None and have.status != UNCOMMITTED)
-    return SavePlan(gen, sorted(set(retires + carried)), sorted(set(drop)), replacing, beside)
+    retired = set(retires + carried)
+    live_base = (
+        base is not None
+        and base not in retired
+        and any(i.status == COMMITTED and (i.step, i.gen or 0) == base for i in infos)
+    )
+    return SavePlan(
+        gen,
+        sorted(retired),
+        sorted(set(drop)),
+        replacing,
+        beside,
+        base if live_base else None,
+    )
 
 
 def _foreign(url: str, step: int, live: list[StepInfo]) -> str:
