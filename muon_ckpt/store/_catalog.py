@@ -40,7 +40,6 @@ from muon_ckpt._version import __version__
 from muon_ckpt.store._checksum import Checksum
 from muon_ckpt.store._data import collect_data, listing
 from muon_ckpt.store._layout import (
-    DATA,
     MANIFEST,
     METADATA,
     PLAIN_FORMAT_VERSION,
@@ -383,29 +382,9 @@ class Catalog:
         return gone, victims
 
     def collect(self) -> list[str]:
-        """Delete the run's data files (``_data``) that no manifest of a step directory names
-        (own or overwrite, committed or superseded). Nothing while a step of a newer format is
-        there; a step whose manifest is invalid keeps its own data directories. Rank 0, under
-        the write lease, when no save is writing. Returns what went."""
-        dirs = self.storage.list_dirs(DATA)
-        if not dirs:
-            return []
-        live: set[str] = set()
-        keep: set[int] = set()
-        steps, _ = self._step_dirs()
-        for s, names in steps.items():
-            for name in names:
-                try:
-                    m = read_manifest(self.storage, name, s)
-                except FileNotFoundError:
-                    continue
-                except CheckpointVersionError:
-                    return []
-                except CheckpointCorruptError:
-                    keep.add(s)
-                    continue
-                live.update(n for n in m.files if data_ref(n) is not None)
-        gone = collect_data(self.storage, dirs, live, keep)
+        """Delete the run's data files that no manifest of a step directory names (``_data``;
+        rank 0, under the write lease, when no save is writing). Returns what went."""
+        gone = collect_data(self.storage, self._step_dirs()[0])
         if gone:
             _log.info("%s: deleted data no step refers to: %s", self.storage.url, gone[:20])
         return gone

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointVersionError
 from muon_ckpt.store._layout import DATA, data_ref, data_ref_name, parse_data_dirname
+from muon_ckpt.store._steps import read_manifest
 from muon_ckpt.store._storage import Storage
 
 __all__ = ["collect_data", "listing"]
@@ -39,18 +41,33 @@ def listing(storage: Storage, parts: tuple[str, ...], names: set[str]) -> dict[s
     return out
 
 
-def collect_data(
-    storage: Storage, dirs: dict[str, bool], live: set[str], keep_steps: set[int]
-) -> list[str]:
-    """Of ``dirs`` (the entries of ``<root>/data/``: is a directory), delete the data files
-    that no name in ``live`` (every manifest's
-    ``../data/<dir>/<file>`` names) refers to, and the directories left empty; never a
-    directory of a step in ``keep_steps`` (a step whose manifest could not be read: what it
-    refers to is not known) nor a name this version does not make. Returns what went."""
+def collect_data(storage: Storage, step_dirs: dict[int, list[str]]) -> list[str]:
+    """Delete the data files under ``<root>/data/`` that no manifest in ``step_dirs`` (step ->
+    its directories) names, and the data directories left empty. Nothing while a step of a
+    newer format is there; a step whose manifest is invalid keeps the data directories of its
+    step number (what it refers to is not known); a name this version does not make is never
+    deleted. Returns what went."""
+    dirs = storage.list_dirs(DATA)
+    if not dirs:
+        return []
+    live: set[str] = set()
+    keep: set[int] = set()
+    for step, names in step_dirs.items():
+        for name in names:
+            try:
+                m = read_manifest(storage, name, step)
+            except FileNotFoundError:
+                continue
+            except CheckpointVersionError:
+                return []
+            except CheckpointCorruptError:
+                keep.add(step)
+                continue
+            live.update(n for n in m.files if data_ref(n) is not None)
     gone = []
     for name, is_dir in dirs.items():
         step = parse_data_dirname(name)
-        if not is_dir or step is None or step in keep_steps:
+        if not is_dir or step is None or step in keep:
             continue
         files = storage.walk_files(DATA, name)
         dead = sorted(f for f in files if data_ref_name(name, f) not in live)
