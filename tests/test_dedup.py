@@ -132,7 +132,8 @@ def test_a_frozen_tensor_changed_without_autograd_is_written_and_loads_back_chan
 ):
     """One element of the frozen embedding changed through ``.data``, ``copy_`` under
     ``no_grad`` or ``load_state_dict`` (none of which autograd or ``requires_grad`` sees):
-    the next save writes it; the save after, unchanged again, refers to that copy."""
+    the next save writes it. Having changed, it is written once more (the writer does not
+    wait for its hash), then referred to."""
     url = str(tmp_path / "run")
     m = _Frozen()
     mgr = CheckpointManager(url, model=m, async_save=async_save)
@@ -150,15 +151,15 @@ def test_a_frozen_tensor_changed_without_autograd_is_written_and_loads_back_chan
             m.emb.weight.copy_(changed)
     else:
         m.load_state_dict({**m.state_dict(), "emb.weight": changed})
-    mgr.save(2)
-    mgr.save(3)
+    for step in (2, 3, 4):
+        mgr.save(step)
     mgr.close()
     st = Storage(url)
-    emb = [_stored_in(st, s, "model.emb.weight") for s in (1, 2, 3)]
+    emb = [_stored_in(st, s, "model.emb.weight") for s in (1, 2, 3, 4)]
     assert emb[0].startswith("00000001-") and emb[1].startswith("00000002-"), emb
-    assert emb[2] == emb[1]  # unchanged since step 2: referred to
+    assert emb[3] == emb[2]  # unchanged since: referred to
     _loads(url, 2, m)
-    _loads(url, 3, m)
+    _loads(url, 4, m)
     _loads(url, 1, before)
 
 
@@ -405,3 +406,47 @@ def test_sigkill_during_retention_loses_nothing(tmp_path, request, backend):
         _no_orphans(st)
         _loads(url, 5, m, opts)
         assert not st.exists(step_dirname(4), MANIFEST)
+
+
+# ---------------------------------------------------------------------- readers and trust
+def test_plain_dcp_reads_a_step_that_refers_to_earlier_data(tmp_path):
+    """Outside readers: ``dcp_to_torch_save`` of a local step directory follows its
+    ``../data/`` names (step 3 holds the frozen embedding in step 1's data)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    url = str(tmp_path / "run")
+    m = _three_saves(url)
+    out = str(tmp_path / "step3.pt")
+    dcp_to_torch_save(os.path.join(url, step_dirname(3)), out)
+    sd = torch.load(out, weights_only=True)
+    assert torch.equal(sd["model.emb.weight"], m.emb.weight)
+    assert torch.equal(sd["model.head.weight"], m.head.weight)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../data/../../etc/passwd",
+        "../data/00000001-0123456789abcdef/../x",
+        "../../data/00000001-0123456789abcdef/__0_0.distcp",
+        "../data/1-0123456789abcdef/__0_0.distcp",
+        "../data/00000001-0123456789abcdef/a/b",
+        "../step-00000001/__0_0.distcp",
+    ],
+)
+def test_a_manifest_naming_anything_but_a_data_file_of_the_run_is_corrupt(tmp_path, name):
+    from muon_ckpt import CheckpointCorruptError
+    from muon_ckpt.store import Manifest
+
+    url = str(tmp_path / "run")
+    _three_saves(url)
+    st = Storage(url)
+    m = Catalog(st).manifest(3)
+    good = next(n for n in m.files if data_ref(n))
+    m.files[name] = m.files.pop(good)
+    with pytest.raises(CheckpointCorruptError, match="no other"):
+        Manifest.from_json(m.to_json(), "crafted")
+    m.files[good] = m.files.pop(name)
+    m.format_version = 2  # data of the run in a format that has none
+    with pytest.raises(CheckpointCorruptError, match="lists files of the run's data"):
+        Manifest.from_json(m.to_json(), "crafted")

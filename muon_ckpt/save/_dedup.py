@@ -15,6 +15,13 @@ read-back.
 
 Tensors under ``MIN_REF_BYTES`` and non-tensor values are always written: a reference would
 save less than the manifest's record of it.
+
+Order: a tensor the base holds is hashed before it is written, unless it changed at the save
+that recorded it (then it most likely changed again); that one, and a tensor the base does
+not hold (the first save, a new key, another sharding), is written while its digest, for the
+next save, is taken on another thread. So a save where everything changes does not wait for
+the hash before each write, and a tensor that stops changing is written once more than
+needed, then referred to from the save after.
 """
 
 from __future__ import annotations
@@ -52,12 +59,14 @@ def tensor_digest(t: torch.Tensor) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class Stored:
     """Where a tensor item is stored: ``name`` (``../data/<dir>/<file>``), its bytes there,
-    and the digest of the tensor it holds."""
+    and the digest of the tensor it holds; ``changed``: whether it differed from its base at
+    the save that recorded it (None: not known, e.g. after a load)."""
 
     name: str
     offset: int
     length: int
     sha256: str
+    changed: bool | None = None
 
 
 @dataclasses.dataclass
@@ -84,11 +93,6 @@ class DedupBase:
                 items[index] = Stored(name, info.offset, info.length, digest)
         used = {s.name for s in items.values()}
         return cls((step, gen), items, {n: files[n] for n in used})
-
-    def match(self, index: MetadataIndex, digest: str) -> Stored | None:
-        """Where the run holds the item ``index`` with this digest, else None."""
-        s = self.items.get(index)
-        return s if s is not None and s.sha256 == digest else None
 
 
 class DedupRecords:

@@ -17,6 +17,7 @@ recorded per file, and ``write_data`` raises, so a partial step is never committ
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import posixpath
@@ -347,6 +348,10 @@ class ChecksumWriter(FileSystemWriter):
         fut.set_result(results)
         return fut
 
+    def _base_entry(self, name: str) -> FileEntry:
+        assert self.base is not None
+        return self.base.files[name]
+
     def _write_file(self, fname: str, items: list[Any], planner: Any) -> list[WriteResult]:
         """One data file: its non-tensor items, then its tensors, each written unless the
         base holds it unchanged (then referred to). The file is made only when something
@@ -377,28 +382,48 @@ class ChecksumWriter(FileSystemWriter):
                 t = planner.resolve_data(item).detach().cpu()  # (as DCP's writer takes it)
                 if t.untyped_storage().size() != t.nbytes:
                     t = t.clone()  # torch.save writes the whole storage: only its bytes
-                digest = tensor_digest(t) if t.nbytes >= MIN_REF_BYTES else None
-                held = (
-                    None
-                    if digest is None or self.base is None
-                    else self.base.match(item.index, digest)
-                )
-                if held is not None:
-                    self.dedup.referred(item.index, held, self.base.files[held.name])
-                    results.append(_result(item, held.name, held.offset, held.length))
-                    continue
+                prev = None if self.base is None else self.base.items.get(item.index)
+                big = t.nbytes >= MIN_REF_BYTES
+                digest = None
+                if big and prev is not None and prev.changed is not True:
+                    digest = tensor_digest(t)  # first: it may not need writing
+                    if digest == prev.sha256:
+                        held = dataclasses.replace(prev, changed=False)
+                        results.append(_result(item, held.name, held.offset, held.length))
+                        self.dedup.referred(item.index, held, self._base_entry(held.name))
+                        continue
                 s = out()
                 at = s.tell()
-                torch.save(t, s)
+                if big and digest is None:
+                    # Nothing to refer to, or it changed at its last save (most likely again):
+                    # written while its digest (for the next save) is taken on another thread.
+                    digest = _save_hashing(t, s)
+                else:
+                    torch.save(t, s)
                 results.append(_result(item, name, at, s.tell() - at))
                 if digest is not None:
                     digests[at] = digest
-                    self.dedup.stored(item.index, Stored(name, at, s.tell() - at, digest))
+                    changed = None if prev is None else digest != prev.sha256
+                    stored = Stored(name, at, s.tell() - at, digest, changed)
+                    self.dedup.stored(item.index, stored)
             if stream is not None and self.sync_files:
                 os.fsync(stream.fileno())
         if digests:
             self.fs.records.digests(name, digests)
         return results
+
+
+def _save_hashing(t: torch.Tensor, stream: Any) -> str | None:
+    """``torch.save(t, stream)`` while ``tensor_digest(t)`` runs on a helper thread (both
+    release the GIL for large buffers); the digest, or None where it failed."""
+    box: list[str | None] = []
+    th = threading.Thread(target=lambda: box.append(tensor_digest(t)), name="muon_ckpt-sha")
+    th.start()
+    try:
+        torch.save(t, stream)
+    finally:
+        th.join()
+    return box[0] if box else None
 
 
 def _result(item: Any, name: str, offset: int, length: int) -> WriteResult:
