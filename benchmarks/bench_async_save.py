@@ -23,6 +23,12 @@ For each case (N square fp32 matrices trained with Muon; CPU offload of the mome
 The first save of a manager allocates (and page-locks) its host buffers: it is reported on its
 own, and the figures are medians of the ``--rounds`` later ones.
 
+The cases must fit the machine: before each one the free space of the checkpoint directory is
+checked against what it writes at most at once (``STEPS_AT_ONCE`` copies of its state, all
+ranks, plus a tenth and 1 GiB), and that of ``--dcp-dir`` against one copy (DCP's reference);
+a case that does not fit is skipped (a DCP reference that does not fit is left out), and the
+report says what was skipped and why. Each case's steps are deleted once it is measured.
+
 Usage::
 
     python benchmarks/bench_async_save.py --device cuda --case 16x4096 --case 16x8192
@@ -48,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import room_for
 from bench_checkpoint import start_moto, storage_write
 
 from muon_ckpt import CheckpointManager
@@ -57,6 +64,9 @@ from muon_ckpt.store import Storage
 from optim.muon import Muon
 
 GiB, MiB = 1 << 30, 1 << 20
+# Steps of one case on disk at most at once: the one kept (keep_last=1) and the one being
+# written; then one more, the synchronous save (or the plain writes) beside the one kept.
+STEPS_AT_ONCE = 3
 
 
 def rank() -> int:
@@ -131,6 +141,18 @@ def build_gpt(
     return model, opt, None
 
 
+def planned_bytes(case: str, adamw: bool) -> int:
+    """The state bytes (all ranks) a case will have, before it is built: fp32 parameters and
+    Muon's momentum (AdamW: two moments)."""
+    if case.startswith("gpt"):
+        layers, dim, _ = (int(x) for x in case[3:].split("x"))
+        params = layers * 8 * dim * dim * 4
+    else:
+        n, side = (int(x) for x in case.split("x"))
+        params = n * side * side * 4
+    return params * (3 if adamw else 2)
+
+
 def step(model: nn.Module, opt: Muon, grads: list | None, dev: torch.device) -> float:
     """One training step: the fixed gradients set (matrices), or a forward and backward
     (``build_gpt``); then the optimizer step."""
@@ -153,6 +175,12 @@ def state_bytes(model: nn.Module, opt: Muon) -> int:
     n = sum(_nbytes(local_tensor(p)) for p in model.parameters())
     counts = {"momentum_buffer": 1, "moment1": 1, "moment2": 1}
     return n * (1 + sum(counts.get(k, 0) for k in next(iter(opt.state.values()))))
+
+
+def _say(line: str) -> None:
+    """Print on rank 0 only (every rank comes to the same verdict)."""
+    if rank() == 0:
+        print(line, flush=True)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -377,9 +405,21 @@ def main() -> None:
         dist.broadcast_object_list(box)
     dcp_dir = box[0]
     group = _cpu_group() if dist.is_initialized() else None
-    rows = []
+    rows: list = []
+    skipped: list[str] = []
     cases = (args.case or ([] if args.gpt else ["16x4096"])) + [f"gpt{g}" for g in args.gpt]
+    local = "://" not in url
     for case in cases:
+        planned = planned_bytes(case, args.adamw)
+        why = room_for(url, STEPS_AT_ONCE * planned, f"{case} skipped") if local else None
+        if _any_rank(why is not None):  # one host's disk (or ranks' disks): all skip alike
+            skipped.append(why or f"{case} skipped: another rank lacks the space")
+            _say(skipped[-1])
+            continue
+        no_dcp = room_for(dcp_dir, planned, f"{case}: dcp.async_save reference left out")
+        if _any_rank(no_dcp is not None):
+            skipped.append(no_dcp or f"{case}: dcp reference left out (another rank's space)")
+            _say(skipped[-1])
         for offload in (True, False):
             if case.startswith("gpt"):
                 layers, dim, batch = (int(x) for x in case[3:].split("x"))
@@ -393,28 +433,34 @@ def main() -> None:
             copies = nbytes // sum(_nbytes(local_tensor(p)) for p in model.parameters())
             plain = plain_writer(model, copies, Storage(url, opts), args.io_threads)
             run_url = f"{url}/{case}-{'on' if offload else 'off'}"
-            modes = {
-                mode: measure_ours(
+            modes = {}
+            for mode in args.snapshot:
+                mode_url = f"{run_url}-{mode}"
+                modes[mode] = measure_ours(
                     model,
                     opt,
                     grads,
                     dev,
-                    f"{run_url}-{mode}",
+                    mode_url,
                     opts,
                     args.rounds,
                     args.io_threads,
                     plain,
                     mode,
                 )
-                for mode in args.snapshot
-            }
+                sync(dev)
+                if rank() == 0:  # the case's steps go: the next case needs the space
+                    Storage(mode_url, opts).rm()
+                    Storage(mode_url + "-sync", opts).rm()
+                sync(dev)
             k = max(1, args.rounds - 1)
-            ref = measure_dcp(model, opt, dev, dcp_dir, k, pinned=False, group=group)
-            try:
-                ref_pin = measure_dcp(model, opt, dev, dcp_dir, k, pinned=True, group=group)
-            except Exception as e:  # report it and go on: it is a reference, not ours
-                print(f"dcp.async_save with the pinned stager failed: {type(e).__name__}: {e}")
-                ref_pin = None
+            ref = ref_pin = None
+            if no_dcp is None:
+                ref = measure_dcp(model, opt, dev, dcp_dir, k, pinned=False, group=group)
+                try:
+                    ref_pin = measure_dcp(model, opt, dev, dcp_dir, k, pinned=True, group=group)
+                except Exception as e:  # report it and go on: it is a reference, not ours
+                    print(f"dcp.async_save with the pinned stager failed: {type(e).__name__}: {e}")
             for mode, ours in modes.items():
                 label = f"{case}:{mode[:5]}"
                 rows.append(
@@ -425,6 +471,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
     if rank() == 0:
         report(rows, dev, dist.get_world_size() if dist.is_initialized() else 1, url)
+        for line in skipped:
+            print(line)
     sync(dev)
     if rank() == 0:
         Storage(url, opts).rm()

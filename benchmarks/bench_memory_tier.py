@@ -21,6 +21,11 @@ over the step time with none, for k in ``--every`` and each ``--snapshot`` mode,
 the smallest k within 1.05x is the interval to pick. Also what ``save()`` blocks and the host
 bandwidth the tier takes.
 
+Both must fit the machine: ``restore`` shrinks ``--size-gib`` until the url's copy fits the
+free space of its directory and the tier's (own parts and replicas) that of the memory
+directory, each plus a tenth and 1 GiB; ``overhead`` skips a case whose two memory steps (the
+one kept and the one being written) do not fit the memory directory, and says so.
+
 Usage::
 
     python -m benchmarks.bench_memory_tier restore --world 4 --node-size 2 --size-gib 0.5
@@ -44,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks._timing import sync
+from benchmarks._timing import fit_size_gib, room_for, sync
 from tests._pagecache import evict
 
 GiB = 1 << 30
@@ -231,6 +236,10 @@ def restore(args: argparse.Namespace) -> None:
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         s3fs.S3FileSystem(**opts).mkdir(bucket)
         base = f"s3://{bucket}/run"
+    copies = 1 + (args.world > args.node_size)  # own parts, and replicas from another node
+    args.size_gib = fit_size_gib(args.size_gib, copies, [args.memory_root], "memory tier")
+    if args.url != "moto":
+        args.size_gib = fit_size_gib(args.size_gib, 1, [tmp], "storage (the url's step)")
     try:
         if args.world == 1:
             _restore_rank(0, 1, args, base, opts)
@@ -247,14 +256,20 @@ def restore(args: argparse.Namespace) -> None:
 
 
 def overhead(args: argparse.Namespace) -> None:
-    from benchmarks.bench_async_save import build, build_gpt, state_bytes, step
+    from benchmarks.bench_async_save import build, build_gpt, planned_bytes, state_bytes, step
 
     device = torch.device(args.device)
     tmp = tempfile.mkdtemp(prefix="muon_ckpt_memtier_")
     mem = args.memory_dir or os.path.join("/dev/shm", f"bench-{uuid.uuid4().hex[:8]}")
     cases = (args.case or ([] if args.gpt else ["16x1024"])) + [f"gpt{g}" for g in args.gpt]
+    skipped = []
     try:
         for case in cases:
+            why = room_for(mem, 2 * planned_bytes(case, False), f"{case} skipped (memory tier)")
+            if why is not None:
+                skipped.append(why)
+                print(why, flush=True)
+                continue
             for offload in args.offload:
                 if case.startswith("gpt"):
                     layers, dim, batch = (int(x) for x in case[3:].split("x"))
@@ -274,6 +289,8 @@ def overhead(args: argparse.Namespace) -> None:
                     for k in args.every:
                         _overhead_line(args, model, opt, grads, step, state, mode, k, tmp, mem)
                 del model, opt, grads
+        for line in skipped:
+            print(line)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(mem, ignore_errors=True)

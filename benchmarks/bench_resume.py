@@ -27,6 +27,14 @@ to ``physical`` of the same layout, cache and process state, and ``load`` agains
 The per-phase split of one hot and one cold ``load`` follows (``last_load_timings``: the
 ``threads_*`` phases are seconds summed over the reading threads).
 
+``--async-save``: the loading manager saves asynchronously, as a training job does that
+overlaps its saves (its host buffers are then kept between calls, the load's backup in them).
+After each timed read, one optimizer step's elementwise part is timed, then the next
+(``step_seconds``): a load that left work undone would show up in the first.
+
+The steps must fit the disk: one copy of the state per layout, plus a tenth and 1 GiB, must fit
+the free space of ``--dir``; else ``--size-gib`` is shrunk to what fits, and the run says so.
+
 Usage::
 
     python -m benchmarks.bench_resume --device cuda --size-gib 4 --dir /nvme/bench
@@ -54,6 +62,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from benchmarks._timing import fit_size_gib
 from benchmarks.bench_checkpoint import build_state, start_moto
 from muon_ckpt import CheckpointManager
 from muon_ckpt._config import read_threads
@@ -189,6 +198,25 @@ def physical_remote(
 
 
 # ---------------------------------------------------------------------- one measurement
+def step_seconds(opt: torch.optim.Optimizer) -> float:
+    """One optimizer step's elementwise part over every parameter and its state (Muon's
+    momentum and update, without Newton-Schulz: its compute is the same whatever the load
+    did, and minutes on a small CPU), timed: what a load left undone would show up in."""
+    dev = opt.param_groups[0]["params"][0].device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                buf = opt.state[p]["momentum_buffer"]
+                buf.mul_(0.95).add_(p, alpha=1e-3)  # (the parameter stands in for its grad)
+                p.add_(buf, alpha=-1e-3)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0
+
+
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One timed read in this (fresh) process: ``spec`` says which; prints its result."""
     device = torch.device(spec["device"])
@@ -201,7 +229,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     threads = read_threads(None, st.is_local)
     method = spec["method"]
     run: Any
-    mgr = None
+    mgr, opt = None, None
     if method == "physical":
         parts = parts_of(files, threads)
         target = torch.empty(sum(n for _, n in files), dtype=torch.uint8, device=device)
@@ -235,6 +263,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 optimizer=opt,
                 storage_options=spec["opts"],
                 verify="size" if method == "size" else "checksum",
+                async_save=spec.get("async_save", False),
             )
 
             def run() -> None:
@@ -258,6 +287,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.synchronize(device)
     took = time.perf_counter() - t0
     out = {"seconds": took, "bytes": sum(n for _, n in files), "threads": threads}
+    if opt is not None:  # the first step after the read, against the next one
+        out["first_step"], out["next_step"] = step_seconds(opt), step_seconds(opt)
     if mgr is not None:
         out["phases"] = dict(mgr.last_load_timings)
         mgr.close()
@@ -288,6 +319,11 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--async-save",
+        action="store_true",
+        help="the loading manager saves asynchronously (its host staging is kept between calls)",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -307,6 +343,9 @@ def main() -> None:
         tmp = args.dir or tempfile.mkdtemp(prefix="muon_ckpt_resume_")
         url = os.path.join(tmp, f"resume-{uuid.uuid4().hex[:6]}")
         caches = ["hot", "cold"]
+        args.size_gib = fit_size_gib(
+            args.size_gib, len(args.layouts), [tmp], "bench_resume (one step per layout)"
+        )
     try:
         runs = save_steps(url, opts, args.size_gib, args.layouts)
         st = Storage(url, opts)
@@ -337,6 +376,7 @@ def main() -> None:
                     "cache": cache,
                     "process": proc,
                     "size_gib": args.size_gib,
+                    "async_save": args.async_save,
                 }
                 got[c].append(_spawn(spec))
         report(got, args.layouts, caches, args.methods)
@@ -393,6 +433,19 @@ def report(
                         f"raw dcp.load time / load() time, {lay} {cache} {proc}: "
                         f"{med((*k, 'dcp')) / med((*k, 'load')):.2f}x"
                     )
+    stepped = [m for m in methods if m != "physical"]
+    if stepped:
+        print("\nthe first step after the read / the next one, ms (medians; step_seconds):")
+        for lay in layouts:
+            for cache in caches:
+                for proc in ("fresh", "warm"):
+                    cells = []
+                    for m in stepped:
+                        rs = got[(lay, cache, proc, m)]
+                        first = statistics.median(r["first_step"] for r in rs) * 1000
+                        nxt = statistics.median(r["next_step"] for r in rs) * 1000
+                        cells.append(f"{m} {first:.0f} / {nxt:.0f}")
+                    print(f"  {lay} {cache} {proc}: " + ", ".join(cells))
     if "load" in methods:
         print("\nper phase, seconds (one load each; threads_*: summed over the reading threads):")
         for cache in caches:

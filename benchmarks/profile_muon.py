@@ -1,11 +1,13 @@
 """Where a Muon step spends its GPU time: ours vs torch.optim.Muon, kernel by kernel.
 
-    python benchmarks/profile_muon.py [--n 16] [--side 4096] [--steps 3]
+    python benchmarks/profile_muon.py [--n 16] [--side 4096] [--steps 3] [--gpt-like]
+      [--ns-dtype auto|bf16|fp32]
 
 For each optimizer, profiles ``--steps`` steps (after two warm-up steps) with torch.profiler and
 prints, per step: wall time, total kernel time, kernel time by kind (matmul, elementwise,
 reduction, copy/cast, other) and the five heaviest kernels. Wall minus kernel time is time the
-GPU sat idle (launch overhead or host syncs). A diagnostic companion to bench_muon.py, not a
+GPU sat idle (launch overhead or host syncs). ``--gpt-like`` profiles bench_muon.py's GPT-like set of
+104 matrices instead of ``--n`` squares. A diagnostic companion to bench_muon.py, not a
 benchmark of record: the profiler itself adds some overhead to both sides alike.
 """
 
@@ -22,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.bench_muon import gpt_like_shapes
 from optim import Muon
 
 _KINDS = (
@@ -80,14 +83,16 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--side", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--gpt-like", action="store_true", help="the GPT-like set of bench_muon.py")
+    ap.add_argument("--ns-dtype", default="auto", choices=("auto", "bf16", "fp32"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_muon.py needs a CUDA device")
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
-    shape = (args.side, args.side)
-    init = [torch.randn(shape, generator=g).to(dev) for _ in range(args.n)]
-    grads = [torch.randn(shape, generator=g).to(dev) for _ in range(args.n)]
+    shapes = gpt_like_shapes() if args.gpt_like else [(args.side, args.side)] * args.n
+    init = [torch.randn(s, generator=g).to(dev) for s in shapes]
+    grads = [torch.randn(s, generator=g).to(dev) for s in shapes]
     hp = {"lr": 0.02, "weight_decay": 0.01, "momentum": 0.95, "nesterov": True}
 
     def params():
@@ -96,14 +101,17 @@ def main() -> None:
             p.grad = gr
         return ps
 
-    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, {args.n} x {shape} fp32")
+    what = "GPT-like" if args.gpt_like else f"{args.n} x {args.side}^2"
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, {what} fp32")
     profile_one(
         "torch.optim.Muon",
         lambda: torch.optim.Muon(params(), adjust_lr_fn="match_rms_adamw", **hp),
         args.steps,
     )
     profile_one(
-        "optim.Muon (eager)", lambda: Muon([{"params": params(), **hp}], chunk_size=8), args.steps
+        f"optim.Muon (eager, ns_dtype={args.ns_dtype})",
+        lambda: Muon([{"params": params(), "ns_dtype": args.ns_dtype, **hp}], chunk_size=8),
+        args.steps,
     )
 
 

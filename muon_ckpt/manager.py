@@ -167,17 +167,16 @@ class CheckpointManager:
 
     def _save(self, step: int, overwrite: bool, background: bool, memory: bool = False) -> bool:
         mem, name = self._memory, optimizer_name(self._optimizer)
-        start = None
+        also = None
         if memory and mem is not None:
 
-            def start(step: int, snap: Any, line: str | None, save_id: str) -> Any:
-                return mem.start(
-                    step, snap, line, save_id, self._calls, name, owns=False, finish=None
-                )
+            def also(step: int, snap: Any, plan: Any, line: str | None, save_id: str) -> None:
+                snap.add_reader()  # released once the url's job and the memory job are done
+                mem.start(step, snap, plan, line, save_id, self._calls, name, owns=False)
 
         if background or memory:
             finish_at_exit(self, pending=True)  # the interpreter's exit waits for it (_exit)
-        self._saves.save(step, overwrite, background, start)
+        self._saves.save(step, overwrite, background, also)
         return True
 
     @property
@@ -249,18 +248,24 @@ class CheckpointManager:
         self.wait()
         t = self._targets
         t.group, t.hosts = self._calls.group, self._calls.hosts
+        got = None
+        tier = None
         if self._memory is not None:
-            mem = restore_from_memory(
+            view = restore_from_memory(
                 t, self._catalog, self._memory.tier, step, strict=strict, parts=chosen
             )
-            if mem is not None:
-                self._line.loaded(self.url, mem.decision)
-                self.last_load_report, self.last_load_timings = mem.report, mem.timings
-                self.last_load_bytes_read, self.last_load_tier = 0, mem.tier
-                return mem.decision.step
-        got = resume(
-            t, self._catalog, self._resume, step, strict=strict, parts=chosen, elastic=elastic
-        )
+            got, tier = view.loaded, view.commits
+        if got is None:
+            got = resume(
+                t,
+                self._catalog,
+                self._resume,
+                step,
+                strict=strict,
+                parts=chosen,
+                elastic=elastic,
+                tier=tier,
+            )
         if got is None:
             self._line.fresh()
             if coll.rank() == 0:
@@ -268,8 +273,11 @@ class CheckpointManager:
                 _log.info("no committed step in %s%s: starting fresh", self.url, tried)
             return None
         self._line.loaded(self.url, got.decision)
+        if self._memory is not None:  # the state is the loaded step's: no memory step to flush
+            self._memory.mark = None
         self.last_load_report, self.last_load_timings = got.report, got.timings
-        self.last_load_bytes_read, self.last_load_tier = got.bytes_read, "storage"
+        self.last_load_bytes_read = got.bytes_read if got.tier == "storage" else 0
+        self.last_load_tier = got.tier
         return got.decision.step
 
     # ------------------------------------------------------------------ lifecycle

@@ -9,6 +9,8 @@ from typing import Any
 
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from optim._ns_dtype import NS_DTYPE_CHOICES
+
 ADJUST_LR_FNS = ("match_rms_adamw", "original")
 
 GROUP_DEFAULTS: dict[str, Any] = {
@@ -17,6 +19,7 @@ GROUP_DEFAULTS: dict[str, Any] = {
     "momentum": 0.95,
     "nesterov": True,
     "ns_steps": 5,
+    "ns_dtype": "auto",
     "none_grad": False,
     "use_muon": True,
     "adamw_betas": (0.9, 0.95),
@@ -93,6 +96,7 @@ def check_group(group: dict, gi: int) -> None:
     ns = group["ns_steps"]
     if not isinstance(ns, int) or isinstance(ns, bool) or not 1 <= ns < 100:
         raise ValueError(f"{where}: ns_steps must be an int in [1, 100), got {ns!r}")
+    check_ns_dtype(group["ns_dtype"], gi)
     betas = group["adamw_betas"]
     if (
         not isinstance(betas, (tuple, list))
@@ -141,6 +145,14 @@ def check_group(group: dict, gi: int) -> None:
                     f"{where}: param {label} has placement {pl}; Muon supports Shard(dim) and "
                     "Replicate() on a 1-D mesh"
                 )
+
+
+def check_ns_dtype(value: Any, gi: int) -> None:
+    if not isinstance(value, str) or value not in NS_DTYPE_CHOICES:
+        raise ValueError(
+            f"{_where(gi)}: ns_dtype must be one of {NS_DTYPE_CHOICES} (the dtype Newton-Schulz "
+            f"runs in; 'auto': bf16 where the device has fast bf16 matrix units), got {value!r}"
+        )
 
 
 def check_same_mesh(groups: list[dict]) -> None:

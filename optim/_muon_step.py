@@ -1,7 +1,8 @@
 """The Muon update, pipelined in chunks: momentum on the shards, Newton-Schulz on owner ranks.
 
 Per chunk:
-1. every rank updates the momentum of its shards and forms the (Nesterov) update, cast to bf16;
+1. every rank updates the momentum of its shards and forms the (Nesterov) update, cast to the
+   item's Newton-Schulz dtype (``ns_dtype``: bf16 or fp32);
 2. gather: one ``all_to_all_single`` sends each shard to the matrix's owner (async);
 3. the owner reassembles the FULL matrix and runs Newton-Schulz once;
 4. scatter: one ``all_to_all_single`` returns each rank's slice of the result (async);
@@ -11,7 +12,9 @@ chunk's scatter overlaps the next chunk's Newton-Schulz.
 
 Bitwise reproducibility (N ranks == 1 process, same device type): every element of a shard
 goes through the same arithmetic as in the full tensor, and Newton-Schulz always runs on the
-same full bf16 matrix. On the CPU the elementwise work uses only single-rounding ops (mul, add,
+same full matrix in the same dtype. A chunk whose items mix bf16 and fp32 travels as fp32,
+which holds every bf16 value exactly; each item is cast back before Newton-Schulz or its
+update, so it computes on the very values of a single process. On the CPU the elementwise work uses only single-rounding ops (mul, add,
 sub): a fused lerp/addcmul/alpha= may round differently in a vectorised loop body and its
 scalar tail, i.e. depending on where an element sits. On CUDA every element takes the same
 kernel code wherever it sits, so the fused ``lerp`` and ``add(alpha=)`` of torch.optim.Muon
@@ -38,12 +41,13 @@ def adjusted_lr(lr: float, rows: int, cols: int, adjust_lr_fn: str) -> float:
 
 
 def _momentum_updates(items: list[Item], state: dict) -> list[Tensor]:
-    """Update momentum buffers in place; return each item's local bf16 update, in order."""
+    """Update momentum buffers in place; return each item's local update (in its ns_dtype),
+    in order."""
     out: list[Tensor | None] = [None] * len(items)
     by_hp: dict[tuple, list[int]] = {}
     for i, it in enumerate(items):
-        by_hp.setdefault((it.group["momentum"], it.group["nesterov"]), []).append(i)
-    for (m, nesterov), idx in by_hp.items():
+        by_hp.setdefault((it.group["momentum"], it.group["nesterov"], it.ns_dtype), []).append(i)
+    for (m, nesterov, ns_dtype), idx in by_hp.items():
         bufs = [local(state[items[i].param]["momentum_buffer"]) for i in idx]
         grads = [local(grad_like_param(items[i].param)) for i in idx]
         if bufs[0].device.type == "cuda":
@@ -52,7 +56,7 @@ def _momentum_updates(items: list[Item], state: dict) -> list[Tensor]:
             small = [k for k, i in enumerate(idx) if items[i].gnumel() < _FOREACH_MAX_NUMEL]
             for k, i in enumerate(idx):
                 if items[i].gnumel() >= _FOREACH_MAX_NUMEL:
-                    out[i] = _large_update(bufs[k], grads[k], m, nesterov)
+                    out[i] = _large_update(bufs[k], grads[k], m, nesterov, ns_dtype)
             if not small:
                 continue
             idx = [idx[k] for k in small]
@@ -72,9 +76,9 @@ def _momentum_updates(items: list[Item], state: dict) -> list[Tensor]:
             else:
                 upd = bufs
         for i, u in zip(idx, upd):
-            # copy=True: without Nesterov a bf16 buffer would otherwise come back as itself,
-            # and the offload pool frees buffers before Newton-Schulz reads the update.
-            out[i] = u.to(torch.bfloat16, copy=True)
+            # copy=True: without Nesterov a buffer of ns_dtype would otherwise come back as
+            # itself, and the offload pool frees buffers before Newton-Schulz reads the update.
+            out[i] = u.to(ns_dtype, copy=True)
     return out  # type: ignore[return-value]
 
 
@@ -84,11 +88,13 @@ def _momentum_updates(items: list[Item], state: dict) -> list[Tensor]:
 _FOREACH_MAX_NUMEL = 1 << 20
 
 
-def _large_update(buf: Tensor, grad: Tensor, m: float, nesterov: bool) -> Tensor:
-    """Momentum of one large matrix (CUDA); the bf16 update is written directly by the lerp,
-    with no fp32 temporary (same bits as lerp-then-cast: the kernel computes in fp32)."""
+def _large_update(
+    buf: Tensor, grad: Tensor, m: float, nesterov: bool, dtype: torch.dtype = torch.bfloat16
+) -> Tensor:
+    """Momentum of one large matrix (CUDA); the update (``dtype``) is written directly by the
+    lerp, with no fp32 temporary (same bits as lerp-then-cast: the kernel computes in fp32)."""
     buf.lerp_(grad, 1.0 - m)
-    upd = torch.empty_like(buf, dtype=torch.bfloat16)
+    upd = torch.empty_like(buf, dtype=dtype)
     if nesterov:
         torch.lerp(grad, buf, m, out=upd)
     else:
@@ -120,7 +126,8 @@ def _orthogonalise(items: list[Item], fulls: dict[int, Tensor]) -> dict[int, Ten
         by_unit.setdefault(items[i].unit, []).append(i)
     out: dict[int, Tensor] = {}
     for idx in by_unit.values():
-        res = newton_schulz([fulls[i] for i in idx], items[idx[0]].group["ns_steps"])
+        first = items[idx[0]]
+        res = newton_schulz([fulls[i] for i in idx], first.group["ns_steps"], first.ns_dtype)
         out.update(zip(idx, res))
     return out
 
@@ -142,11 +149,26 @@ def _split_by_owner(plan: Plan, items: list[Item]) -> list[list[int]]:
     return by_owner
 
 
+def _wire_dtype(items: list[Item]) -> torch.dtype:
+    """The dtype a chunk's exchanged updates and results travel in: the widest of their
+    ns_dtypes (fp32 holds every bf16 value exactly). The same on every rank: every rank has
+    the chunk's exchanged items."""
+    out = items[0].ns_dtype
+    for it in items[1:]:
+        out = torch.promote_types(out, it.ns_dtype)
+    return out
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _start_gather(plan: Plan, items: list[Item], updates: list[Tensor]) -> _Inflight:
     """Send every exchanged item's shard to its owner (async)."""
     ex = [i for i, it in enumerate(items) if it.exchanged]
     if not ex:
         return _Inflight(items, updates, None, None)
+    wire = _wire_dtype([items[i] for i in ex])
     r = plan.rank
     send_parts, in_splits, out_splits = [], [], []
     by_owner = _split_by_owner(plan, [items[i] for i in ex])
@@ -155,7 +177,7 @@ def _start_gather(plan: Plan, items: list[Item], updates: list[Tensor]) -> _Infl
         for j in by_owner[d]:
             it = items[ex[j]]
             if it.shard_dim is not None:
-                send_parts.append(updates[ex[j]].reshape(-1))
+                send_parts.append(_as(updates[ex[j]].reshape(-1), wire))
                 n += it.piece_numel(r)
         in_splits.append(n)
     for s in range(plan.world):
@@ -167,8 +189,8 @@ def _start_gather(plan: Plan, items: list[Item], updates: list[Tensor]) -> _Infl
             )
         )
     dev = updates[ex[0]].device
-    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.bfloat16, device=dev)
-    recv = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=dev)
+    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=wire, device=dev)
+    recv = torch.empty(sum(out_splits), dtype=wire, device=dev)
     work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=plan.pg, async_op=True)
     return _Inflight(items, updates, (recv, out_splits), work)
 
@@ -199,6 +221,7 @@ def _orthogonalise_and_scatter(plan: Plan, fl: _Inflight, adjust_lr_fn: str) -> 
             n = it.piece_numel(s)
             pieces[i].append(recv[off : off + n].view(it.pieces[s]))
             off += n
+    # (Pieces come in the wire dtype; Newton-Schulz casts them back to the item's, exactly.)
     fulls = {
         i: updates[i]
         if items[i].shard_dim is None
@@ -218,14 +241,14 @@ def _orthogonalise_and_scatter(plan: Plan, fl: _Inflight, adjust_lr_fn: str) -> 
                 part = res.narrow(it.shard_dim, start, it.pieces[d][it.shard_dim])
             else:
                 part = res
-            send_parts.append(part.reshape(-1))
+            send_parts.append(_as(part.reshape(-1), recv.dtype))
             n += part.numel()
         in_splits.append(n)
     for s in range(plan.world):
         out_splits2.append(sum(items[ex[j]].piece_numel(r) for j in by_owner[s]))
-    dev = recv.device
-    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.bfloat16, device=dev)
-    back = torch.empty(sum(out_splits2), dtype=torch.bfloat16, device=dev)
+    dev, wire = recv.device, recv.dtype
+    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=wire, device=dev)
+    back = torch.empty(sum(out_splits2), dtype=wire, device=dev)
     work = dist.all_to_all_single(back, send, out_splits2, in_splits, group=plan.pg, async_op=True)
     return _Inflight(items, None, (back, by_owner, ex), work)
 
@@ -238,7 +261,7 @@ def _finish_scatter(plan: Plan, fl: _Inflight, adjust_lr_fn: str) -> None:
         for j in by_owner[s]:
             it = fl.items[ex[j]]
             n = it.piece_numel(plan.rank)
-            _apply(it, back[off : off + n], adjust_lr_fn)
+            _apply(it, _as(back[off : off + n], it.ns_dtype), adjust_lr_fn)
             off += n
 
 

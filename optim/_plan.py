@@ -19,6 +19,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from optim._ns_dtype import NS_DTYPES
+
 
 @dataclass
 class Item:
@@ -28,6 +30,7 @@ class Item:
     group: dict
     gshape: torch.Size  # global (logical) shape
     exchanged: bool  # True: owner-based gather/scatter over the mesh; False: all local
+    ns_dtype: torch.dtype  # what its update, Newton-Schulz and result are computed in
     shard_dim: int | None = None  # None: every rank holds the full matrix (Replicate)
     pieces: list[torch.Size] = field(default_factory=list)  # local shape on each rank
     owner: int = 0
@@ -86,8 +89,8 @@ def _unit_cost(unit: list[Item]) -> float:
 
 
 def _form_units(items: list[Item]) -> list[list[Item]]:
-    """Batches of same-shape matrices. Depends only on the params' order, shapes, dtypes and
-    ns_steps (never on the world size or placements), so one process and N ranks run the
+    """Batches of same-shape matrices. Depends only on the params' order, shapes, dtypes,
+    ns_steps and ns_dtype (never on the world size or placements), so one process and N ranks run the
     very same batched Newton-Schulz calls: the N-ranks == 1-process invariant survives."""
     open_units: dict[tuple, list[Item]] = {}
     units: list[list[Item]] = []
@@ -97,6 +100,7 @@ def _form_units(items: list[Item]) -> list[list[Item]]:
             tuple(it.gshape),
             it.param.dtype,
             it.group["ns_steps"],
+            it.ns_dtype,
             isinstance(it.param, DTensor),
         )
         u = open_units.get(key)
@@ -139,9 +143,9 @@ def _items(groups: list[dict]) -> tuple[list[Item], DeviceMesh | None]:
                 mesh = p.device_mesh
                 pl = p.placements[0]
                 sd = pl.dim if isinstance(pl, Shard) else None
-                items.append(Item(p, g, p.shape, True, sd))
+                items.append(Item(p, g, p.shape, True, NS_DTYPES[g["ns_dtype"]], sd))
             else:
-                items.append(Item(p, g, p.shape, False))
+                items.append(Item(p, g, p.shape, False, NS_DTYPES[g["ns_dtype"]]))
     return items, mesh
 
 
@@ -152,13 +156,18 @@ def _measure_pieces(
     of the collectives' control tensors (None when nothing is exchanged).
 
     Each rank's shard length along the shard dim is gathered once per plan: the geometry is
-    read off the real shards rather than re-derived from a chunking rule."""
+    read off the real shards rather than re-derived from a chunking rule. Each rank's
+    Newton-Schulz dtype of the item comes with it: the owner's would otherwise decide."""
     if not exchanged:
         return None
     device = exchanged[0].param.to_local().device
+    codes = list(NS_DTYPES.values())
     mine = torch.tensor(
         [
-            it.param.to_local().shape[it.shard_dim] if it.shard_dim is not None else 0
+            [
+                it.param.to_local().shape[it.shard_dim] if it.shard_dim is not None else 0,
+                codes.index(it.ns_dtype),
+            ]
             for it in exchanged
         ],
         dtype=torch.int64,
@@ -166,8 +175,10 @@ def _measure_pieces(
     )
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=pg)
-    lens = torch.stack(gathered).cpu().tolist()
+    got = torch.stack(gathered).cpu().tolist()
+    lens = [[row[0] for row in rank_rows] for rank_rows in got]
     for j, it in enumerate(exchanged):
+        _check_same_ns_dtype(it, [list(NS_DTYPES)[got[r][j][1]] for r in range(world)])
         if it.shard_dim is None:
             it.pieces = [it.gshape] * world
             continue
@@ -183,6 +194,16 @@ def _measure_pieces(
             )
         it.pieces = pieces
     return device
+
+
+def _check_same_ns_dtype(it: Item, per_rank: list[str]) -> None:
+    if len(set(per_rank)) > 1:
+        raise RuntimeError(
+            f"the ranks disagree on the Newton-Schulz dtype of a param of shape "
+            f"{tuple(it.gshape)}: ns_dtype {per_rank} on ranks 0..{len(per_rank) - 1} "
+            "('auto' picks per host: bf16 where it has fast bf16 matrix units); pass the same "
+            "ns_dtype='bf16' or 'fp32' on every rank"
+        )
 
 
 def _assign_owners(units: list[list[Item]], world: int, rank: int) -> None:

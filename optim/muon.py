@@ -20,6 +20,7 @@ import optim._config as _config
 from offload import CPUOffloadPool, FrozenViews
 from optim._adamw import adamw_step
 from optim._muon_step import muon_step
+from optim._ns_dtype import resolve_ns_dtype
 from optim._plan import Plan, build_plan
 
 __all__ = ["Muon"]
@@ -46,6 +47,10 @@ class Muon(torch.optim.Optimizer):
         adjust_lr_fn: ``"match_rms_adamw"`` (0.2 * sqrt(max(A, B))) or ``"original"``
             (sqrt(max(1, A / B))), as torch.optim.Muon defines them.
         **defaults: default values for the group keys (``lr``, ``weight_decay``, ...).
+            ``ns_dtype`` (``"auto"``, ``"bf16"``, ``"fp32"``) is the dtype Newton-Schulz runs
+            in; a group's ``"auto"`` becomes ``"bf16"`` or ``"fp32"`` when it is added (bf16
+            on CUDA and on CPUs with AMX or AVX512-BF16), so that the group, its ``repr`` and
+            a checkpoint of it name the dtype the run computes in, and a resumed run keeps it.
     """
 
     def __init__(
@@ -90,13 +95,17 @@ class Muon(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        resolve_ns_dtype(group)
         self._plan = None
 
     def _get_plan(self) -> Plan:
+        for gi, g in enumerate(self.param_groups):  # (set since: a scheduler, a load)
+            _config.check_ns_dtype(g["ns_dtype"], gi)
+            resolve_ns_dtype(g)
         # Items hold their group dict: a new dict (load_state_dict replaces them all) or a new
-        # ns_steps (it shapes the batches) means a new plan.
+        # ns_steps or ns_dtype (they shape the batches) means a new plan.
         key = tuple(
-            (id(g), g["use_muon"], g["ns_steps"], tuple(id(p) for p in g["params"]))
+            (id(g), g["use_muon"], g["ns_steps"], g["ns_dtype"], tuple(id(p) for p in g["params"]))
             for g in self.param_groups
         )
         if self._plan is None or key != self._plan_key:
@@ -301,6 +310,9 @@ class Muon(torch.optim.Optimizer):
         state_dict = self._copy_into_existing_state(state_dict)
         before = {id(t) for st in self.state.values() for t in st.values()}
         super().load_state_dict(state_dict)
+        for g in self.param_groups:
+            # A state dict from before ns_dtype existed: Newton-Schulz ran in bf16 then.
+            g.setdefault("ns_dtype", "bf16")
         after = {id(t) for st in self.state.values() for t in st.values()}
         if after != before:
             # New state tensors replaced tracked ones: the pool re-learns them at turn-on.

@@ -32,7 +32,7 @@ def file_layout(path: str, offset: int = 0, length: int | None = None) -> Any:
     of ``path`` (the whole file without ``length``), or None."""
     import os
 
-    from muon_ckpt.load import _local_files as _itemread
+    from muon_ckpt.load import _local_files
 
     def pread(fd: int, mv: memoryview, at: int) -> None:
         assert os.preadv(fd, [mv], at) == len(mv)
@@ -40,7 +40,7 @@ def file_layout(path: str, offset: int = 0, length: int | None = None) -> Any:
     fd = os.open(path, os.O_RDONLY)
     try:
         n = os.fstat(fd).st_size - offset if length is None else length
-        return _itemread.item_layout(_itemread._Edges(fd, offset, n, pread))
+        return _local_files.item_layout(_local_files.Edges(fd, offset, n, pread))
     finally:
         os.close(fd)
 

@@ -124,15 +124,16 @@ def _view_ops(key: str, numel: int, size: tuple[int, ...]) -> bytes:
 
 # ------------------------------------------------------------------ steps edited in place
 class StepEditor:
-    """A committed step opened for crafting: ``md`` (its DCP metadata, to edit), ``add``
+    """A committed step (or ``dirname``: another checkpoint directory under ``st``, such as a
+    memory-tier part) opened for crafting: ``md`` (its DCP metadata, to edit), ``add``
     (append an item to a new data file), ``replace_item`` (new bytes for one stored item,
     in a new file); ``save()`` writes the metadata and new files and updates the manifest so
     every size and checksum matches."""
 
     NEW_FILE = "__0_9.distcp"
 
-    def __init__(self, st: Storage, step: int) -> None:
-        self.st, self.name = st, step_dirname(step)
+    def __init__(self, st: Storage, step: int, dirname: str | None = None) -> None:
+        self.st, self.name = st, dirname or step_dirname(step)
         self.md: Metadata = parse_metadata(st.read_bytes(self.name, METADATA), "test")
         self._new = bytearray()
 
@@ -192,10 +193,22 @@ def _entry(data: bytes) -> dict[str, Any]:
     return {"size": len(data), "crc32": f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"}
 
 
-def craft_step(st: Storage, step: int, edit: Callable[[StepEditor], None]) -> None:
-    ed = StepEditor(st, step)
+def craft_step(
+    st: Storage, step: int, edit: Callable[[StepEditor], None], dirname: str | None = None
+) -> None:
+    ed = StepEditor(st, step, dirname)
     edit(ed)
     ed.save()
+
+
+# ------------------------------------------------------------------ verdicts
+def assert_verify_agrees(rc: int, out: str, loaded: Any) -> None:
+    """``muon-ckpt verify``'s exit code ``rc`` (output ``out``) says what load() did
+    (``loaded``: its result or exception): OK when it loaded, FAILED when it refused."""
+    if isinstance(loaded, Exception):
+        assert rc == 1 and "FAILED" in out, (out, loaded)
+    else:
+        assert rc == 0 and ": OK: " in out, (out, loaded)
 
 
 # ------------------------------------------------------------------ memory

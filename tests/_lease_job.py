@@ -2,7 +2,9 @@
 PID namespace of its own, through ``unshare``) by the lease tests.
 
 ``hold URL READY DONE``: save step 1, touch READY, wait for DONE, then exit without close()
-(the lease stays behind, as after a crash). ``save URL STEP``: try to save STEP and print one
+(the lease stays behind, as after a crash). ``hold-memory URL MEMDIR READY DONE STATE``: the
+same with a memory tier, after steps 1-3 (url: 2; memory: 1-3), its state torch.saved to
+STATE. ``save URL STEP``: try to save STEP and print one
 JSON line: ``{"saved": true, "pid": ...}`` or ``{"saved": false, "error": ..., "pid": ...}``.
 """
 
@@ -29,6 +31,27 @@ def _hold(url: str, ready: str, done: str) -> None:
     os._exit(0)  # no close(), no atexit: the lease stays, as a crashed job leaves it
 
 
+def _hold_memory(url: str, memdir: str, ready: str, done: str, state: str) -> None:
+    from tests._ckpt import train
+    from tests._memtier import _fresh, _state
+
+    model, opt = _fresh()
+    mgr = CheckpointManager(
+        url, model=model, optimizer=opt, interval=2, memory_interval=1, memory_dir=memdir
+    )
+    mgr.load()
+    for s in (1, 2, 3):
+        train(model, opt, 1, seed=s)
+        mgr.save(s)
+        mgr.wait()
+    torch.save(_state(model, opt), state)
+    open(ready, "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os._exit(0)
+
+
 def _save(url: str, step: int) -> None:
     mgr = CheckpointManager(url, model=nn.Linear(8, 8))
     try:
@@ -45,5 +68,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "hold":
         _hold(*sys.argv[2:5])
+    elif sys.argv[1] == "hold-memory":
+        _hold_memory(*sys.argv[2:7])
     else:
         _save(sys.argv[2], int(sys.argv[3]))

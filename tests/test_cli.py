@@ -384,3 +384,51 @@ def test_inspect_shows_rank_extra_tensor_values(tmp_path, capsys):
     assert rc == 0
     keys = {k["key"]: k for k in json.loads(out)["keys"]}
     assert keys["rank_extra.0.rng.cpu"]["value"] == [0, 1, 2, 3]
+
+
+def test_verify_memory_checks_every_part_as_a_restore_would(tmp_path, capsys):
+    """``verify --memory`` checks each part of this node's tier as a step (files, checksums,
+    metadata, every item): a part whose item holds another dtype than its chunk declares
+    (checksums consistent) is FAILED, and a load does not restore from it either."""
+    import io
+
+    from muon_ckpt.memory import run_dirname
+    from tests._ckpt import TinyNet, make_muon, train
+    from tests._crafted import craft_step, saved
+
+    url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
+
+    def manager() -> tuple[Any, Any, Any]:
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = make_muon(model)
+        kw = {"interval": 5, "memory_interval": 1, "memory_dir": mem, "memory_flush": False}
+        return model, opt, CheckpointManager(url, model=model, optimizer=opt, **kw)
+
+    model, opt, mgr = manager()
+    mgr.load()
+    for step in (5, 6):  # 5: url and memory; 6: memory only
+        train(model, opt, 1, seed=step)
+        mgr.save(step)
+        mgr.wait()
+    mgr.close()
+    rc, out, _ = cli(capsys, "verify", "--memory", mem, url)
+    assert rc == 0, out
+    assert "  step 6 rank 0: OK: " in out and "  step 5 rank 0: OK: " not in out  # memory_keep=1
+    run_dir = tmp_path / "mem" / run_dirname(Storage(url).url_of())
+    key = "optim.state.fc1.weight.momentum_buffer"
+
+    def edit(ed: Any) -> None:
+        v = torch.load(io.BytesIO(ed.stored(key)), weights_only=True)
+        ed.replace_item(key, saved(v.double()))
+
+    craft_step(Storage(str(run_dir)), 6, edit, dirname="step-00000006/rank-00000")
+    rc, out, _ = cli(capsys, "verify", "--memory", mem, url, "--json")
+    (run,) = json.loads(out)["runs"]
+    assert rc == 1 and [(p["step"], p["status"]) for p in run["parts"]] == [(6, "failed")]
+    assert key in run["parts"][0]["problems"][0] and "float64" in run["parts"][0]["problems"][0]
+    rc, out, _ = cli(capsys, "verify", url)  # the url's steps are not the tier's
+    assert rc == 0 and "step 5: OK" in out
+    _, _, mgr = manager()
+    assert mgr.load() == 5 and mgr.last_load_tier == "storage"
+    mgr.close()

@@ -7,6 +7,7 @@ falls back past the crafted newest step."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,15 @@ from muon_ckpt import (
 )
 from muon_ckpt.cli import main
 from tests._ckpt import TinyNet, make_muon, three_step_run
-from tests._crafted import MiB, StepEditor, bomb_item, craft_step, peak_growth, saved
+from tests._crafted import (
+    MiB,
+    StepEditor,
+    assert_verify_agrees,
+    bomb_item,
+    craft_step,
+    peak_growth,
+    saved,
+)
 
 # Peak resident memory a command may add on these tiny steps (< 100 KiB each), crafted or
 # not: reading threads' buffers and torch's own; far below what an inflating item reaches.
@@ -76,8 +85,14 @@ def _commands(run: dict[str, Any], tmp_path: Any, capsys: Any) -> dict[str, Call
             )
         return rc
 
+    def verify() -> Any:
+        capsys.readouterr()
+        rc = main(["verify", url, "--step", "3"])
+        return rc, capsys.readouterr().out
+
     return {
         "load": load,
+        "verify": verify,
         "import": imp,
         "export": lambda: export_safetensors(
             url, str(out / "o.safetensors"), step=3, include=("model", "optim", "extra")
@@ -88,7 +103,14 @@ def _commands(run: dict[str, Any], tmp_path: Any, capsys: Any) -> dict[str, Call
 
 
 def _outcomes(run: dict[str, Any], tmp_path: Any, capsys: Any) -> dict[str, tuple[int, Any]]:
-    return {name: peak_growth(cmd) for name, cmd in _commands(run, tmp_path, capsys).items()}
+    """Each command's (memory growth, result or exception); ``muon-ckpt verify``'s verdict is
+    asserted here to be load's, within the memory bound (and left out of the result)."""
+    got = {name: peak_growth(cmd) for name, cmd in _commands(run, tmp_path, capsys).items()}
+    grew, (rc, out) = got.pop("verify")
+    _, loaded = got["load"]
+    assert grew < MEMORY_BOUND, ("verify", grew // MiB, out)
+    assert_verify_agrees(rc, out, loaded)
+    return got
 
 
 def _falls_back(run: dict[str, Any]) -> None:
@@ -145,6 +167,8 @@ def test_remote_reads_refuse_inflating_items_too(storage_url):
         ed.replace_item(LR, lr)
 
     craft_step(run["storage"], 3, edit)
+    flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in opts.items()]
+    assert main(["verify", url, "--step", "3", *flags]) == 1
     for verify in ("checksum", "size"):
         model, opt = _fresh()
         mgr = CheckpointManager(
@@ -232,6 +256,10 @@ def test_export_of_a_shape_its_chunks_do_not_cover_writes_nothing(local_run, tmp
         ed.set_chunks(key, [([0, 0], list(v.shape), saved(v))], size=size)
 
     craft_step(local_run["storage"], 3, edit)
+    model, opt = _fresh()
+    with pytest.raises(CheckpointCorruptError, match=key):
+        CheckpointManager(local_run["url"], model=model, optimizer=opt).load(step=3)
+    assert main(["verify", local_run["url"], "--step", "3"]) == 1
     out = tmp_path / "o.safetensors"
     with pytest.raises(CheckpointCorruptError, match=key):
         export_safetensors(local_run["url"], str(out), step=3)

@@ -29,7 +29,15 @@ from muon_ckpt.cli import main
 from muon_ckpt.interop._safetensors import SafetensorsFile
 from muon_ckpt.store import Storage
 from tests._ckpt import TinyNet, make_muon, three_step_run
-from tests._crafted import MiB, StepEditor, bomb_item, craft_step, peak_growth, saved
+from tests._crafted import (
+    MiB,
+    StepEditor,
+    assert_verify_agrees,
+    bomb_item,
+    craft_step,
+    peak_growth,
+    saved,
+)
 
 CASES = 24
 SEED = 31
@@ -130,7 +138,12 @@ def _run_commands(url: str, tmp: Any, capsys: Any) -> dict[str, Any]:
         assert rc == 0, err
         return None
 
-    cmds = {"load": load, "import": imp, "export": export, "inspect": inspect}
+    def verify() -> Any:
+        capsys.readouterr()
+        rc = main(["verify", url, "--step", "3"])
+        return rc, capsys.readouterr().out
+
+    cmds = {"load": load, "verify": verify, "import": imp, "export": export, "inspect": inspect}
     return {name: peak_growth(cmd) for name, cmd in cmds.items()}
 
 
@@ -158,6 +171,9 @@ def test_every_command_loads_exactly_or_refuses_within_a_memory_bound(
     want: dict[str, torch.Tensor] = {}
     craft_step(Storage(url), 3, lambda ed: want.setdefault("v", _craft(rng, ed, changes)))
     results = _run_commands(url, tmp_path, capsys)
+    grew, (rc, out) = results.pop("verify")
+    assert grew < MEMORY_BOUND, ("verify", changes, grew // MiB)
+    assert_verify_agrees(rc, out, results["load"][1])
     # A declared dtype other than the target's is what a load reports before reading (the
     # metadata alone cannot tell a crafted step from one of another model): a mismatch.
     refused = (CheckpointCorruptError,)

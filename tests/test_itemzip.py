@@ -18,7 +18,7 @@ import zipfile
 import pytest
 import torch
 
-from muon_ckpt.load import _local_files as _itemread
+from muon_ckpt.load import _local_files
 from muon_ckpt.load._item_zip import EDGE, Layout, parse_layout, unbounded_records
 from tests._ckpt import file_layout
 from tests._crafted import bomb_item
@@ -102,7 +102,7 @@ def test_item_inside_a_file_reads_only_its_edges(tmp_path, name):
 
     fd = os.open(path, os.O_RDONLY)
     try:
-        lay = _itemread.item_layout(_itemread._Edges(fd, 1000, len(data), pread))
+        lay = _local_files.item_layout(_local_files.Edges(fd, 1000, len(data), pread))
     finally:
         os.close(fd)
     _check_against_torch(data, lay)

@@ -101,6 +101,36 @@ def test_muon_ckpt_folders_import_one_way():
     assert not wrong, "\n".join(sorted(wrong))
 
 
+def _private_imports(path: str) -> list[str]:
+    """``from muon_ckpt.<folder>._<module> import ...`` in ``path`` (at any depth)."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return [
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.level == 0
+        and len(node.module.split(".")) > 2
+        and node.module.split(".")[0] == "muon_ckpt"
+        and node.module.split(".")[2].startswith("_")
+    ]
+
+
+def test_folders_meet_through_their_facades():
+    """A folder of ``muon_ckpt`` imports another folder's names from its ``__init__`` only:
+    what it exports is its interface, everything underscored is its own."""
+    wrong = []
+    for m, path in _modules().items():
+        parts = m.split(".")
+        if parts[0] != "muon_ckpt" or len(parts) < 3:
+            continue  # (a top-level module, the facade, and the base are not folders)
+        for imported in _private_imports(path):
+            if imported.split(".")[1] != parts[1]:
+                wrong.append(f"{m} imports {imported}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
 def test_packages_import_one_way():
     allowed = {
         "offload": {"offload"},

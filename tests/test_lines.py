@@ -209,6 +209,10 @@ def test_a_newer_format_is_refused_never_loaded_past_nor_deleted(storage_url, wi
     assert st.exists(step_dirname(3), MANIFEST) and st.exists(step_dirname(2), MANIFEST)
     assert mgr.steps() == [2]
     flags = [f"--storage-option={k}={v}" for k, v in opts.items()]
+    # verify says what load says: the run is refused, step 2 asked for by name loads.
+    assert main(["verify", url, *flags]) == 1
+    assert main(["verify", url, "--step", "3", *flags]) == 1
+    assert main(["verify", url, "--step", "2", *flags]) == 0
     assert main(["prune", url, "--keep", "1", *flags]) == 0
     assert st.exists(step_dirname(3), MANIFEST)
 

@@ -16,68 +16,17 @@ import torch
 
 from muon_ckpt import CheckpointError, CheckpointExistsError, CheckpointManager
 from muon_ckpt.cli import main as cli
-from tests._ckpt import TinyNet, make_muon, muon_state_sd, offload_off, train
+from tests._ckpt import train
 from tests._dist import run_on_ranks, run_then_kill
-
-
-def _fresh(seed=0, offload=False):
-    torch.manual_seed(seed)
-    model = TinyNet(vocab=64, dim=16)
-    opt = make_muon(model)
-    if offload:
-        opt.turn_on_cpu_offload()
-    return model, opt
-
-
-def _mgr(tmp_path, model, opt, **kw):
-    kw.setdefault("interval", 5)
-    kw.setdefault("memory_interval", 1)
-    kw.setdefault("memory_dir", str(tmp_path / "mem"))
-    return CheckpointManager(str(tmp_path / "run"), model=model, optimizer=opt, **kw)
-
-
-def _state(model, opt):
-    return offload_off(opt, lambda: muon_state_sd(model, opt))
-
-
-def _assert_same(want, got):
-    assert want.keys() == got.keys()
-    for k, v in want.items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(v.view(-1).view(torch.uint8), got[k].view(-1).view(torch.uint8)), k
-        else:
-            assert v == got[k], k
-
-
-def _run_dir(tmp_path, node=None):
-    base = tmp_path / "mem" if node is None else tmp_path / "mem" / f"node{node}"
-    (run,) = [p for p in base.iterdir() if p.name.startswith("run-")]
-    return run
-
-
-def _saved(tmp_path, steps, **kw):
-    """A run that saves ``steps`` (each waited for) and closes, flushing nothing."""
-    model, opt = _fresh()
-    mgr = _mgr(tmp_path, model, opt, **kw)
-    mgr.load()
-    for s in steps:
-        mgr.save(s)
-        mgr.wait()
-    mgr._memory.mark = None
-    mgr.close()
-
-
-def _load_fresh(tmp_path, seed=1, offload=False, **kw):
-    model, opt = _fresh(seed, offload)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    mgr = _mgr(tmp_path, model, opt, **kw)
-    step = mgr.load()
-    tier = mgr.last_load_tier
-    mgr._memory.mark = None  # (nothing to flush: this manager saved nothing)
-    mgr.close()
-    return step, tier, _state(model, opt)
+from tests._memtier import (
+    _assert_same,
+    _fresh,
+    _load_fresh,
+    _mgr,
+    _run_dir,
+    _saved,
+    _state,
+)
 
 
 def test_the_tier_keeps_memory_keep_steps(tmp_path, caplog):
@@ -189,7 +138,7 @@ def test_memory_steps_of_another_run_are_not_loaded(tmp_path):
     mgr2.close()
 
 
-def test_after_a_rewind_newer_memory_steps_last_until_the_first_memory_save(tmp_path):
+def test_after_a_rewind_the_first_memory_save_retires_the_newer_steps_of_both_tiers(tmp_path):
     def steps_held():
         return sorted(p.name for p in _run_dir(tmp_path).iterdir() if p.name.startswith("step-"))
 
@@ -212,14 +161,22 @@ def test_after_a_rewind_newer_memory_steps_last_until_the_first_memory_save(tmp_
     for s in range(7, 13):  # url: 5, 10; memory: 12
         mgr.save(s)
         mgr.wait()
-    # A rewind below the url's newest step starts a line the url has not committed: its
-    # memory steps replace the old line's, and a restart reads the url until it commits.
+    # A rewind below the url's newest step: its first memory step is a commit of the new
+    # line, which retires the url's step 10 as a commit to the url would. A restart on this
+    # node resumes it, with its own bytes; the url keeps 10 until the line commits there.
     assert mgr.load(5) == 5
     assert mgr.save(6) and mgr.wait() == 6
+    want = _state(model, opt)
     assert steps_held() == ["step-00000006"]
-    assert _load_fresh(tmp_path)[:2] == (10, "storage")
+    step, tier, got = _load_fresh(tmp_path)
+    assert (step, tier) == (6, "memory")
+    _assert_same(want, got)
+    with pytest.raises(CheckpointError, match="not loadable"):  # retired by memory step 6
+        model2, opt2 = _fresh(seed=4)
+        _mgr(tmp_path, model2, opt2).load(10)
     mgr._memory.mark = None
     mgr.close()
+    assert mgr.steps() == [5, 10]
 
 
 def test_a_first_memory_save_without_a_load_is_refused_beside_another_run(tmp_path):

@@ -25,6 +25,12 @@ def _w(*shape):
         ({"use_muon": None}, r"use_muon must be a bool, got None"),
         ({"ns_steps": 0}, r"ns_steps must be an int in \[1, 100\), got 0"),
         ({"ns_steps": 2.5}, r"ns_steps must be an int in \[1, 100\), got 2\.5"),
+        (
+            {"ns_dtype": "fp16"},
+            r"ns_dtype must be one of \('auto', 'bf16', 'fp32'\) .*got 'fp16'",
+        ),
+        ({"ns_dtype": torch.bfloat16}, r"ns_dtype must be one of .*got torch\.bfloat16"),
+        ({"ns_dtpye": "fp32"}, r"unknown hyperparameter 'ns_dtpye'; did you mean 'ns_dtype'"),
         ({"adamw_betas": (0.9,)}, r"adamw_betas must be two numbers in \[0, 1\), got \(0\.9,\)"),
         ({"adamw_betas": (0.9, 1.2)}, r"adamw_betas must be two numbers in \[0, 1\)"),
         ({"adamw_eps": -1e-8}, r"adamw_eps must be a number >= 0, got -1e-08"),

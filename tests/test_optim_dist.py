@@ -25,7 +25,16 @@ ADAMW_SPECS = [("bias", (128,), Shard(0)), ("norm", (5,), Shard(0)), ("scale", (
 
 
 def _make(
-    params_full, mesh, placements, names, adamw_full, adamw_pl, adamw_names, nesterov=True, **kw
+    params_full,
+    mesh,
+    placements,
+    names,
+    adamw_full,
+    adamw_pl,
+    adamw_names,
+    nesterov=True,
+    ns_dtypes=("auto",),
+    **kw,
 ):
     from optim.muon import Muon
 
@@ -41,17 +50,16 @@ def _make(
             torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [pl]))
             for t, pl in zip(adamw_full, adamw_pl)
         ]
-    groups = [
-        {
-            "params": mp,
-            "names": names,
-            "lr": 0.02,
-            "weight_decay": 0.01,
-            "momentum": 0.95,
-            "nesterov": nesterov,
-        },
-        {"params": ap, "names": adamw_names, "use_muon": False, "lr": 1e-3, "weight_decay": 0.1},
-    ]
+    hp = {"lr": 0.02, "weight_decay": 0.01, "momentum": 0.95, "nesterov": nesterov}
+    # One Muon group per ns_dtype, matrix i taking ns_dtypes[i % len(ns_dtypes)].
+    groups = []
+    for dt in dict.fromkeys(ns_dtypes):
+        idx = [i for i in range(len(mp)) if ns_dtypes[i % len(ns_dtypes)] == dt]
+        names_dt = [names[i] for i in idx]
+        groups.append({"params": [mp[i] for i in idx], "names": names_dt, "ns_dtype": dt, **hp})
+    groups.append(
+        {"params": ap, "names": adamw_names, "use_muon": False, "lr": 1e-3, "weight_decay": 0.1}
+    )
     return Muon(groups, **kw), mp, ap
 
 
@@ -60,7 +68,14 @@ def _full(t):
 
 
 def body_n_ranks_equal_single_process(
-    rank, world_size, chunk_size, warmup_step, offload, foreach_max=None, nesterov=True
+    rank,
+    world_size,
+    chunk_size,
+    warmup_step,
+    offload,
+    foreach_max=None,
+    nesterov=True,
+    ns_dtypes=("auto",),
 ):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -88,9 +103,17 @@ def body_n_ranks_equal_single_process(
     anames = [n for n, _, _ in ADAMW_SPECS]
     mpl = [p for _, _, p in MUON_SPECS]
     apl = [p for _, _, p in ADAMW_SPECS]
-    kw = {"chunk_size": chunk_size, "warmup_step": warmup_step, "nesterov": nesterov}
+    kw = {
+        "chunk_size": chunk_size,
+        "warmup_step": warmup_step,
+        "nesterov": nesterov,
+        "ns_dtypes": ns_dtypes,
+    }
     ref, rmp, rap = _make(mfull, None, None, mnames, afull, None, anames, **kw)
     opt, dmp, dap = _make(mfull, mesh, mpl, mnames, afull, apl, anames, **kw)
+    if len(set(ns_dtypes)) > 1:  # some chunk carries bf16 and fp32 matrices: it travels as fp32
+        chunks = opt._get_plan().chunks
+        assert any(len({it.ns_dtype for it in c if it.exchanged}) > 1 for c in chunks)
     if offload:
         opt.turn_on_cpu_offload()
     for gm, ga in grads:
@@ -140,6 +163,43 @@ def test_more_ranks_than_params_and_no_pipelining():
 def test_n_ranks_with_offload_bitwise_equal_single_process():
     results = run_on_ranks(body_n_ranks_equal_single_process, 3, 3, 2, True)
     assert results == [[]] * 3, results
+
+
+@pytest.mark.parametrize(
+    ("world_size", "offload", "ns_dtypes"),
+    [(2, False, ("fp32",)), (3, True, ("fp32", "bf16"))],
+    ids=["fp32", "fp32-and-bf16-with-offload"],
+)
+def test_n_ranks_bitwise_equal_single_process_in_each_ns_dtype(world_size, offload, ns_dtypes):
+    # (The cases above run 'auto': bf16 on a CPU with bf16 units, fp32 without.)
+    results = run_on_ranks(
+        body_n_ranks_equal_single_process, world_size, 3, 2, offload, None, True, ns_dtypes
+    )
+    assert results == [[]] * world_size, results
+
+
+def body_ranks_disagree_on_ns_dtype(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev = dist_device()
+    mesh = init_device_mesh(dev.type, (world_size,))
+    w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4).to(dev), mesh, [Shard(0)]))
+    w.grad = distribute_tensor(torch.randn(8, 4).to(dev), mesh, [Shard(0)])
+    try:
+        Muon([{"params": [w], "ns_dtype": ("bf16", "fp32")[rank]}]).step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_disagree_on_ns_dtype_are_refused_on_every_rank():
+    msgs = run_on_ranks(body_ranks_disagree_on_ns_dtype, 2, timeout=60)
+    want = (
+        "the ranks disagree on the Newton-Schulz dtype of a param of shape (8, 4): ns_dtype "
+        "['bf16', 'fp32'] on ranks 0..1 ('auto' picks per host: bf16 where it has fast bf16 "
+        "matrix units); pass the same ns_dtype='bf16' or 'fp32' on every rank"
+    )
+    assert msgs == [want, want]
 
 
 @pytest.mark.parametrize("nesterov", [True, False])

@@ -45,7 +45,8 @@ def _run_pair(make_ours, make_ref, shapes, steps, seed=0):
 def test_muon_matches_torch_optim_muon_within_bf16_rounding(adjust_lr_fn, nesterov):
     hp = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": nesterov}
     init, ours, ref, _, _ = _run_pair(
-        lambda ps: Muon([{"params": ps, **hp}], adjust_lr_fn=adjust_lr_fn),
+        # bf16 forced: torch's dtype (on a CPU without bf16 units, 'auto' is fp32)
+        lambda ps: Muon([{"params": ps, **hp}], adjust_lr_fn=adjust_lr_fn, ns_dtype="bf16"),
         lambda ps: torch.optim.Muon(ps, adjust_lr_fn=adjust_lr_fn, **hp),
         SHAPES,
         STEPS,
@@ -63,7 +64,7 @@ def test_muon_matches_torch_optim_muon_within_bf16_rounding(adjust_lr_fn, nester
 
 def test_muon_tolerance_is_tight_enough_to_catch_a_wrong_adjust_lr_fn():
     _, ours, ref, _, _ = _run_pair(
-        lambda ps: Muon([{"params": ps, "lr": 0.02}], adjust_lr_fn="original"),
+        lambda ps: Muon([{"params": ps, "lr": 0.02, "ns_dtype": "bf16"}], adjust_lr_fn="original"),
         lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.0, adjust_lr_fn="match_rms_adamw"),
         [(64, 128)],
         STEPS,

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"muon-ckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    # ls and prune: the url is optional with --memory (this node's memory tier).
+    # ls, verify and prune: the url is optional with --memory (this node's memory tier).
     maybe_url = argparse.ArgumentParser(add_help=False, parents=[common])
     maybe_url.add_argument(
         "url", nargs="?", help="run root (path or URL); with --memory: only this run's tier"
@@ -100,8 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_inspect)
 
-    s = sub.add_parser("verify", parents=[remote], help="check files against the manifest")
-    s.add_argument("--step", type=int, help="step to verify (default: every committed step)")
+    s = sub.add_parser(
+        "verify",
+        parents=[maybe_url],
+        help="check every step (or, with --memory, every part of this node's memory tier) as a "
+        "load would: files, checksums, metadata, every stored item",
+    )
+    s.add_argument(
+        "--step", type=int, help="step to verify (default: every committed step; not --memory)"
+    )
     s.add_argument("--json", action="store_true", help="machine-readable output (exit 1 still)")
     s.set_defaults(func=cmd_verify)
 

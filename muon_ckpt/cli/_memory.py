@@ -1,4 +1,5 @@
-"""``ls --memory`` and ``prune --memory``: the memory tier of this node (one directory)."""
+"""``ls --memory``, ``verify --memory`` and ``prune --memory``: the memory tier of this node
+(one directory)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import os
 from typing import Any
 
 from muon_ckpt.cli._text import human, json_doc, open_url, printable
+from muon_ckpt.cli._verdicts import verdict_lines, verified
 
-__all__ = ["cmd_ls_memory", "cmd_prune_memory"]
+__all__ = ["cmd_ls_memory", "cmd_prune_memory", "cmd_verify_memory"]
 
 
 def _runs(args: argparse.Namespace) -> tuple[str, list[str]]:
@@ -80,6 +82,57 @@ def cmd_ls_memory(args: argparse.Namespace) -> int:
                 print(f"    unusable: {printable(problem)}")
     print("(this node's memory tier only; a step restores when every rank's part is on some node)")
     return 0
+
+
+def _verify_run(root: str, name: str, json: bool) -> dict[str, Any]:
+    """Every part of one run directory checked as a restore would find it: its manifest (a
+    part's, of this version), then as a step is (``verified``), its chunks one rank's shards."""
+    from muon_ckpt.memory import list_parts, read_run_file, unsafe_reason
+    from muon_ckpt.store import Resolved, Storage
+
+    path = os.path.join(root, name)
+    why = unsafe_reason(root) or unsafe_reason(path)
+    run: dict[str, Any] = {"dir": path, "url": read_run_file(path), "problem": why, "parts": []}
+    if why is not None:
+        return run
+    st = Storage(path)
+    for p in sorted(list_parts(path), key=lambda p: (p.step, p.rank, p.copy)):
+        part = {"step": p.step, "rank": p.rank, "copy": p.copy, "dir": p.dirname}
+        if p.manifest is None:
+            part.update(status="failed", problems=[p.problem])
+        else:
+            r = Resolved(st, tuple(p.dirname.split("/")), p.step, p.manifest)
+            part.update(verified(r, json=json, tiles=False))
+        run["parts"].append(part)
+    return run
+
+
+def cmd_verify_memory(args: argparse.Namespace) -> int:
+    """Exit 1 when any part, or a run directory, would not be restored from."""
+    if args.step is not None:
+        raise ValueError("verify --memory checks every part of the tier: --step does not apply")
+    root, names = _runs(args)
+    runs = [_verify_run(root, n, args.json) for n in names]
+    failed = any(r["problem"] is not None for r in runs) or any(
+        p["status"] == "failed" for r in runs for p in r["parts"]
+    )
+    if args.json:
+        print(json_doc({"memory_dir": root, "ok": not failed, "runs": runs}))
+        return 1 if failed else 0
+    if not runs:
+        print(f"no memory-tier runs in {printable(root)}")
+    for run in runs:
+        print(f"{printable(run['dir'])}: {printable(run['url'] or '(url unknown)')}")
+        if run["problem"] is not None:
+            print(f"  FAILED: not read: {printable(run['problem'])}")
+            continue
+        if not run["parts"]:
+            print("  no parts")
+        for p in run["parts"]:
+            whose = f"replica of rank {p['rank']}" if p["copy"] else f"rank {p['rank']}"
+            for line in verdict_lines(f"step {p['step']} {whose}", p):
+                print(f"  {printable(line)}")
+    return 1 if failed else 0
 
 
 def cmd_prune_memory(args: argparse.Namespace) -> int:

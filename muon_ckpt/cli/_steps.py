@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from muon_ckpt.cli._memory import cmd_ls_memory, cmd_prune_memory
+from muon_ckpt.cli._memory import cmd_ls_memory, cmd_prune_memory, cmd_verify_memory
 from muon_ckpt.cli._text import human, json_doc, open_url, printable
+from muon_ckpt.cli._verdicts import verdict_lines, verified
 
 __all__ = ["cmd_inspect", "cmd_ls", "cmd_prune", "cmd_verify"]
 
@@ -64,7 +65,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import fnmatch
 
     from muon_ckpt.cli._values import read_values, value_text
-    from muon_ckpt.interop._export import section_of
+    from muon_ckpt.interop import section_of
     from muon_ckpt.load import CheckpointReader
     from muon_ckpt.store import resolve
 
@@ -125,11 +126,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _verify_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One result per step: step, status (ok, failed, skipped, deleted), files, bytes,
+    """One result per step: step, status (ok, failed, newer, skipped, deleted), files, bytes,
     problems and files not in the manifest. A step deleted while it is verified (retention,
-    prune, an overwrite) is ``deleted``: gone, not damaged."""
-    from muon_ckpt._errors import CheckpointCorruptError, CheckpointNotFoundError
-    from muon_ckpt.store import MANIFEST, METADATA, Catalog, resolve, verify
+    prune, an overwrite) is ``deleted``: gone, not damaged. A step of a newer format is
+    ``newer``, a failure: this version cannot check it, and a load refuses the run."""
+    from muon_ckpt._errors import (
+        CheckpointCorruptError,
+        CheckpointNotFoundError,
+        CheckpointVersionError,
+    )
+    from muon_ckpt.store import MANIFEST, METADATA, Catalog, Status, resolve
 
     st = open_url(args)
     out: list[dict[str, Any]] = []
@@ -139,8 +145,10 @@ def _verify_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
         for s in Catalog(st).scan():  # a run root: every committed step
             if s.committed:
                 todo.append(s.step)
-            elif s.status == "corrupt":
+            elif s.status == Status.CORRUPT:
                 out.append({"step": s.step, "status": "failed", "problems": [s.problem]})
+            elif s.status == Status.NEWER:
+                out.append({"step": s.step, "status": "newer", "problems": [s.problem]})
             else:
                 out.append({"step": s.step, "status": "skipped", "problems": []})
         if not todo and not out:
@@ -150,7 +158,9 @@ def _verify_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
     for step in todo:
         try:
             r = resolve(st, step)
-            res = verify(r, progress=None if not args.json else False)
+        except CheckpointVersionError as e:
+            out.append({"step": step, "status": "newer", "problems": [str(e)]})
+            continue
         except CheckpointCorruptError as e:
             out.append({"step": step, "status": "failed", "problems": [str(e)]})
             continue
@@ -160,44 +170,22 @@ def _verify_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
             # Listed as committed a moment ago: deleted since (its manifest goes first).
             out.append({"step": step, "status": "deleted", "problems": []})
             continue
-        status = "deleted" if res.deleted else "ok" if res.ok else "failed"
-        out.append(
-            {
-                "step": r.step,
-                "status": status,
-                "files": res.checked,
-                "bytes": res.bytes,
-                "problems": res.problems,
-                "unexpected": res.unexpected,
-            }
-        )
+        out.append({"step": r.step, **verified(r, json=args.json)})
     return sorted(out, key=lambda x: x["step"] if x["step"] is not None else -1)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if _url_or_memory(args, "verify"):
+        return cmd_verify_memory(args)
     results = _verify_steps(args)
-    failed = [x for x in results if x["status"] == "failed"]
+    failed = [x for x in results if x["status"] in ("failed", "newer")]
     if args.json:
         doc = {"url": args.url, "ok": not failed, "steps": results}
         print(json_doc(doc))
         return 1 if failed else 0
     for x in results:
-        step = x["step"]
-        if x["status"] == "skipped":
-            print(f"step {step}: skipped (not committed)")
-            continue
-        if x["status"] == "deleted":
-            print(f"step {step}: deleted while being verified (retention, prune or an overwrite)")
-            continue
-        if "files" not in x:  # the step could not be opened
-            print(f"step {step}: FAILED: {x['problems'][0]}")
-            continue
-        for p in x["problems"]:
-            print(f"step {step}: {p}")
-        for u in x["unexpected"]:
-            print(f"step {step}: note: {u} is not in the manifest")
-        verdict = "OK" if x["status"] == "ok" else f"FAILED ({len(x['problems'])} problem(s))"
-        print(f"step {step}: {verdict}: {x['files']} files, {human(x['bytes'])} checked")
+        for line in verdict_lines(f"step {x['step']}", x):
+            print(printable(line))
     return 1 if failed else 0
 
 

@@ -1,7 +1,7 @@
 """Export a checkpoint's consolidated (full) tensors to one safetensors file.
 
 Runs in one process with no process group, whatever the world size of the save: tensors are read
-through the verifying reader (``io.CheckpointReader``: DCP assembles every shard into the full
+through the verifying reader (``load.CheckpointReader``: DCP assembles every shard into the full
 tensor; sizes and checksums are checked as for a load), a batch of at most ``_BATCH`` bytes at a
 time, and streamed to the output (local path or fsspec URL), which appears only when complete.
 Keys are kept as stored (``model.<fqn>``, ``optim.state.<fqn>.<key>``, ...), so the file can be

@@ -3,7 +3,7 @@
 ``model.load_state_dict``, transformers and ``huggingface_hub.load_torch_model`` read it.
 
 Runs in one process with no process group, whatever the world size of the save, through the
-verifying reader (``io.CheckpointReader``) as ``export_safetensors`` does. Streams: a shard is
+verifying reader (``load.CheckpointReader``) as ``export_safetensors`` does. Streams: a shard is
 written tensor by tensor, read a batch (at most 256 MiB, or one larger tensor) at a time, so
 memory holds at most one batch, never a whole shard set. Each file is written atomically; a
 previous export's files of the same set are removed first (index first) and the index is

@@ -39,7 +39,7 @@ from muon_ckpt.state import (
 from muon_ckpt.store import Storage
 from muon_ckpt.store.dcp import check_held_chunks
 
-__all__ = ["LoadOutcome", "LoadTargets", "RankFailure", "attempt", "undo"]
+__all__ = ["LoadOutcome", "LoadTargets", "RankFailure", "attempt", "release_backup", "undo"]
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -139,12 +139,26 @@ def attempt(
     return out
 
 
-def undo(t: LoadTargets, rollback: Rollback | None) -> None:
-    """Put back what a failed load changed on this rank; free the host backup."""
+def undo(t: LoadTargets, rollback: Rollback | None, *, again: bool = False) -> None:
+    """Put back what a failed load changed on this rank; free the host backup, unless
+    another attempt follows (``again``: it copies into the same buffers)."""
     try:
         if rollback is not None:
             rollback.restore()
     finally:
+        if not again:
+            t.staging.release("cpu")
+
+
+def release_backup(t: LoadTargets) -> None:
+    """After a load that succeeded (its rollback done): the buffer of host tensors' copies is
+    kept where the manager's next save copies the same tensors into it (asynchronous and
+    memory-tier saves stage every host tensor there and keep the buffer between saves, so
+    holding it now costs no memory those saves do not hold), else freed (a synchronous save
+    copies no host tensor). The buffer of device tensors' copies is always kept: every save
+    stages into it."""
+    c = t.config
+    if not ((c.async_save or c.memory_interval is not None) and c.max_staging_bytes is None):
         t.staging.release("cpu")
 
 
@@ -176,13 +190,13 @@ def _prepare(
     flat = FlatState.build(
         t.model, opt, t.extra, rank_extra=t.rank_extra, rank=coll.rank(), parts=parts
     )
-    flat.use_host_states(offloaded_views(opt))
+    pooled = flat.use_host_states(offloaded_views(opt))
     report = fit(flat, d.metadata, fresh, where, strict=strict)
     report.step = d.step
     t1 = time.perf_counter()
     created = {k for k, (p, _) in flat.state_slots.items() if id(p) in fresh}
     limit = t.config.max_staging_bytes
-    kept = rollback.keep_values(flat.sd, skip=created, limit=limit)
+    kept = rollback.keep_values(flat.sd, skip=created, limit=limit, pooled=pooled)
     if not kept and "load backup" not in t.warned:
         _log.warning(
             "the backup that makes a load all-or-nothing needs more host memory than "

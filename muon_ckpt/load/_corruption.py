@@ -1,15 +1,15 @@
 """Preferring the corruption error over a parser's complaint: a damaged item often fails to
-parse before its file's checksum is known."""
+parse before its file's checksum is known; and what any other failure to parse an item is."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TypeVar
 
-from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt.load._declared import UntrustedItem
 
-__all__ = ["prefer_corruption"]
+__all__ = ["parsing", "prefer_corruption"]
 
 T = TypeVar("T")
 
@@ -29,3 +29,15 @@ def prefer_corruption(run: Callable[[], T], verdict: Callable[[], BaseException 
         if isinstance(e, UntrustedItem):
             raise CheckpointCorruptError(str(e)) from e
         raise
+
+
+def parsing(run: Callable[[], T], where: str, hint: str = "") -> T:
+    """``run()`` (parsing items of the file ``where``); anything it raises but the
+    checkpoint's own errors, the storage's and ``UntrustedItem`` is a CheckpointError
+    naming the file (torch.load of a damaged or crafted item raises anything)."""
+    try:
+        return run()
+    except (CheckpointError, OSError, UntrustedItem):
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{where}: cannot load it: {type(e).__name__}: {e}{hint}") from e

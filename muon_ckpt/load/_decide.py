@@ -18,7 +18,7 @@ from muon_ckpt._errors import (
     CheckpointNotFoundError,
     CheckpointVersionError,
 )
-from muon_ckpt.store import Catalog, FileEntry, Status, StepInfo
+from muon_ckpt.store import Catalog, FileEntry, Status, StepInfo, mark_tier
 
 __all__ = ["Decision", "Skip", "decide"]
 
@@ -56,10 +56,14 @@ def decide(
     resume: tuple[Catalog, int | None] | None,
     step: int | None,
     skipped: list[Skip],
+    tier: list[StepInfo] | None = None,
 ) -> Decision | None:
     """Rank 0: what to load from ``catalog`` (else ``resume``), or None on a fresh run;
-    ``skipped``: the steps that failed so far (not tried again)."""
+    ``skipped``: the steps that failed so far (not tried again); ``tier``: the memory
+    tier's commits (``store.mark_tier``), which retire url steps and count as newer."""
     scan = catalog.scan()
+    tier = list(tier or ())
+    retired = mark_tier(scan, tier)
     _refuse_newer_format(catalog, scan, step)
     committed = [s.step for s in scan if s.committed]
     if step is not None:
@@ -70,7 +74,9 @@ def decide(
         if more is None:
             return None
         candidates += more
-    return _first_that_checks_out(catalog, scan, candidates, step, list(skipped))
+    d = _first_that_checks_out(catalog, scan, tier, candidates, step, list(skipped))
+    more = [r for r in retired if r not in d.newer]
+    return dataclasses.replace(d, newer=[*d.newer, *more]) if more else d
 
 
 def _refuse_newer_format(catalog: Catalog, scan: list[StepInfo], step: int | None) -> None:
@@ -120,6 +126,7 @@ def _resume_candidates(
 def _first_that_checks_out(
     catalog: Catalog,
     scan: list[StepInfo],
+    tier: list[StepInfo],
     candidates: list[tuple[Catalog, int, bool]],
     step: int | None,
     skipped: list[Skip],
@@ -144,6 +151,7 @@ def _first_that_checks_out(
             skipped.append(Skip(from_resume, s, str(e)))
             continue
         newer = present if from_resume else [(n, g) for n, g in present if n > s]
+        newer += [(t.step, t.gen or 0) for t in tier if t.committed and t.step > s]
         if step is None:
             for info in scan:
                 if info.status == Status.CORRUPT and info.step in {n for n, _ in newer}:

@@ -24,7 +24,7 @@ from muon_ckpt.load._targets import commit_part, commit_slices, narrow, slice_sp
 from muon_ckpt.store import FileEntry
 from muon_ckpt.store.checksums import check_chunks, chunk_span
 
-__all__ = ["Capture", "fetch_items", "load_blob"]
+__all__ = ["Capture", "fetch_items", "load_blob", "read_into"]
 
 
 class Capture:
@@ -136,17 +136,7 @@ def _fetch_slices(
     count = [0]
 
     def pread(fd: Any, mv: memoryview, at: int) -> None:
-        fd.seek(at)
-        done = 0
-        while done < len(mv):
-            got = fd.readinto(mv[done:]) or 0
-            if got == 0:
-                raise CheckpointCorruptError(
-                    f"{where}: file is truncated: it ends at byte {at + done}, the "
-                    f"checkpoint's metadata has data up to byte {at + len(mv)}. Load another "
-                    "step (muon-ckpt ls lists them) or restore this file"
-                )
-            done += got
+        read_into(fd, mv, at, where)
         count[0] += len(mv)
 
     spans = SpanReader(where, entry, pread)
@@ -164,6 +154,22 @@ def _fetch_slices(
         view = spans.view(data_at + lo * isz, data_at + hi * isz)
     commit_slices(planner, lay, parts, lo, view, where)
     return True, count[0]
+
+
+def read_into(f: Any, mv: memoryview, at: int, where: str) -> None:
+    """Bytes ``[at, at + len(mv))`` of the open file ``f`` (of ``where``) into ``mv``: all of
+    them, or a CheckpointCorruptError (the file ends first)."""
+    f.seek(at)
+    done = 0
+    while done < len(mv):
+        got = f.readinto(mv[done:]) or 0
+        if got == 0:
+            raise CheckpointCorruptError(
+                f"{where}: file is truncated: it ends at byte {at + done}, the "
+                f"checkpoint's metadata has data up to byte {at + len(mv)}. Load another "
+                "step (muon-ckpt ls lists them) or restore this file"
+            )
+        done += got
 
 
 def _fetch_one(

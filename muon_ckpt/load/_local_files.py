@@ -45,7 +45,7 @@ from muon_ckpt.store import FileEntry, open_regular
 from muon_ckpt.store.checksums import Checksum
 
 
-class _Edges:
+class Edges:
     """The bytes of one stored item of a local file, read as the layout parser asks for them:
     its last ``EDGE`` bytes and its first ``EDGE`` bytes with one read each (a small item
     whole with one), anything outside them with a read of its own (``read``). ``pread`` is
@@ -84,7 +84,7 @@ class _Edges:
         return self._fetch(lo, hi)
 
 
-def item_layout(edges: _Edges) -> Layout | None:
+def item_layout(edges: Edges) -> Layout | None:
     """The layout of the dense tensor stored in an item of a local file (``_item_zip``), or
     None (torch.load's turn)."""
     return parse_layout(edges.read, edges.length)
@@ -174,7 +174,7 @@ class FileLoad:
             self._take(fd, buf[:n], offset)
             offset += n
 
-    def _take_edge(self, fd: int, edges: _Edges, lo: int, hi: int) -> None:
+    def _take_edge(self, fd: int, edges: Edges, lo: int, hi: int) -> None:
         """Bytes ``[lo, hi)`` of an item around its tensor's record: checksummed out of what
         its layout was parsed from when they are there, else read (the checksum needs them;
         without one they are not read)."""
@@ -288,7 +288,7 @@ class FileLoad:
             for req in reqs:
                 load_object(data, req, self._planner.load_bytes, self._where)
             return
-        edges = _Edges(fd, offset, length, self._pread)
+        edges = Edges(fd, offset, length, self._pread)
         lay = item_layout(edges)
         if lay is None:  # not a plain dense tensor: DCP's way, torch.load of the item
             data = self._whole_item(fd, offset, length)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-__all__ = ["SafeLoadPlanner"]
+__all__ = ["SafeLoadPlanner", "load_value"]
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -36,8 +37,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         return super().resolve_tensor(read_item)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
+        obj = load_value(value)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_value(value: io.BytesIO) -> Any:
+    """A stored non-tensor value, as every load reads it (``_declared.load_object`` bounds
+    its bytes first)."""
+    return torch.load(value, weights_only=True)

@@ -1,7 +1,7 @@
 """The load path's one DCP reader: every byte it hands on is checked against the manifest.
 
 Used by the manager's ``load`` and, in one process, by import, export and inspect (through
-``open_checkpoint``). How files are read depends on where they are:
+``CheckpointReader``). How files are read depends on where they are:
 
 * local files (``_local_files``): the files this rank needs, cut into parts (``_split``), are
   tasks on ``io_threads`` threads; items are parsed (torch's zip reader, a restricted
@@ -36,12 +36,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
+from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._tensors import local_tensor, overlapping
 from muon_ckpt._threads import run_all
 from muon_ckpt.load._chunk_spans import corrupt_chunk
-from muon_ckpt.load._corruption import prefer_corruption
-from muon_ckpt.load._declared import StoredChunks, UntrustedItem
+from muon_ckpt.load._corruption import parsing, prefer_corruption
+from muon_ckpt.load._declared import StoredChunks
 from muon_ckpt.load._local_files import FileLoad
 from muon_ckpt.load._read_buffers import PHASES, ReadBuffers
 from muon_ckpt.load._read_once import agree, distribute, plan_shared
@@ -340,21 +340,15 @@ class VerifyingReader(FileSystemReader):
             shared=self._shared_targets,
         )
 
+        hint = (
+            ""
+            if self._verify_crc
+            else '. If the file is damaged, load another step; verify="checksum" '
+            "(the default) checks every byte of it"
+        )
+
         def run() -> Checksum | None:
-            try:
-                return load.run(items, capture)
-            except (CheckpointError, OSError, UntrustedItem):
-                raise
-            except Exception as e:
-                hint = (
-                    ""
-                    if self._verify_crc
-                    else '. If the file is damaged, load another step; verify="checksum" '
-                    "(the default) checks every byte of it"
-                )
-                raise CheckpointError(
-                    f"{where}: cannot load it: {type(e).__name__}: {e}{hint}"
-                ) from e
+            return parsing(partial(load.run, items, capture), where, hint)
 
         # A damaged item often fails to parse before the checksum is known: the corruption
         # is then looked for in this part's window (in the whole file without one).

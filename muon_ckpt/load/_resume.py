@@ -15,12 +15,12 @@ import time
 
 import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointError, CheckpointMismatchError
-from muon_ckpt.load._attempt import LoadOutcome, LoadTargets, attempt, undo
+from muon_ckpt.load._attempt import LoadOutcome, LoadTargets, attempt, release_backup, undo
 from muon_ckpt.load._decide import Decision, Skip, decide
 from muon_ckpt.state import LoadReport, optimizer_name
-from muon_ckpt.store import Catalog
+from muon_ckpt.store import Catalog, StepInfo
 
-__all__ = ["Loaded", "resume"]
+__all__ = ["Loaded", "loaded", "resume"]
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -35,6 +35,7 @@ class Loaded:
     report: LoadReport
     timings: dict[str, float]
     bytes_read: int
+    tier: str  # where this rank's state came from: "storage", "memory" or "peer"
 
 
 def resume(
@@ -46,13 +47,21 @@ def resume(
     strict: bool,
     parts: tuple[str, ...],
     elastic: bool,
+    tier: list[StepInfo] | None = None,
 ) -> Loaded | None:
-    """Load ``step`` (None: the newest that loads cleanly) into ``t``; None on a fresh run."""
+    """Load ``step`` (None: the newest that loads cleanly) into ``t``; None on a fresh run.
+    ``tier``: the memory tier's commits, which retire steps of the url as its own do."""
     skipped: list[Skip] = []
     while True:
         t0 = time.perf_counter()
-        d = coll.on_rank0(functools.partial(decide, catalog, resume_from, step, skipped), t.group)
+        how = functools.partial(decide, catalog, resume_from, step, skipped, tier)
+        try:
+            d = coll.on_rank0(how, t.group)
+        except BaseException:
+            release_backup(t)  # (the buffers an attempt before this one kept for the next)
+            raise
         if d is None:
+            release_backup(t)
             return None
         decided = time.perf_counter() - t0
         chosen = _elastic(t, d, parts) if elastic else parts
@@ -61,8 +70,9 @@ def resume(
         out = attempt(t, source.storage, d, where, strict, chosen)
         if not out.failures:
             break
-        undo(t, out.rollback)
-        if step is not None or not out.corrupt:
+        again = step is None and out.corrupt  # the next older step is tried
+        undo(t, out.rollback, again=again)
+        if not again:
             raise _raised(t, out, d, where, chosen)
         why = out.failures[min(out.failures)].message
         if coll.rank() == 0:
@@ -70,14 +80,26 @@ def resume(
                 "skipping step %d (%s): %s; trying the next older step", d.step, where, why
             )
         skipped = [*d.skipped, Skip(d.from_resume, d.step, why)]
+    return loaded(t, out, d, where, "storage", t0, decided)
+
+
+def loaded(
+    t: LoadTargets,
+    out: LoadOutcome,
+    d: Decision,
+    where: str,
+    tier: str,
+    t0: float,
+    decided: float,
+) -> Loaded:
+    """The end of a load that succeeded on every rank, from either tier: the backup let go,
+    this rank's phases and what it left out said."""
     try:
         if out.rollback is not None:
             out.rollback.done()
     finally:
-        # The backup of host tensors is not kept (saves copy fewer of them, or none); the
-        # buffers of device tensors (page-locked) are what every later save stages into.
         # Also on an interrupt: release waits for the backup's copies into them.
-        t.staging.release("cpu")
+        release_backup(t)
     if out.report is None:  # (set whenever no rank failed)
         raise AssertionError("a load that succeeded without a report")
     timings = {"decide": decided, **out.timings}
@@ -86,11 +108,12 @@ def resume(
     timings["apply"] = timings["total"] - sum(
         timings.get(k, 0.0) for k in ("decide", "prepare", "backup", "dcp_load")
     )
-    _log.info("loaded step %d from %s in %.3f s", d.step, where, timings["total"])
+    via = "" if tier == "storage" else f" (the memory tier: {tier})"
+    _log.info("loaded step %d from %s%s in %.3f s", d.step, where, via, timings["total"])
     _log.debug("loaded step %d: %s", d.step, ", ".join(f"{k} {v:.3f}s" for k, v in timings.items()))
     if out.report:
         _log.warning("loaded step %d from %s partially: %s", d.step, where, out.report.summary())
-    return Loaded(d, where, out.report, timings, out.bytes_read)
+    return Loaded(d, where, out.report, timings, out.bytes_read, tier)
 
 
 def _elastic(t: LoadTargets, d: Decision, parts: tuple[str, ...]) -> tuple[str, ...]:

@@ -12,18 +12,18 @@ from muon_ckpt.memory._dirs import (
     run_dirname,
     unsafe_reason,
 )
-from muon_ckpt.memory._restore import MemoryLoaded, restore_from_memory
+from muon_ckpt.memory._restore import TierView, restore_from_memory
 from muon_ckpt.memory._saves import MemorySaves
 from muon_ckpt.memory._tier import MemoryJob, MemoryOptions, MemoryTier, MemoryWrite
 
 __all__ = [
     "MemoryJob",
-    "MemoryLoaded",
     "MemoryOptions",
     "MemorySaves",
     "MemoryTier",
     "MemoryWrite",
     "PartInfo",
+    "TierView",
     "default_root",
     "is_run_dirname",
     "layout_digest",

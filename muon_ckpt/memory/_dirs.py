@@ -138,6 +138,7 @@ class PartInfo:
     dirname: str
     manifest: Manifest | None
     problem: str | None = None
+    newer: bool = False  # written by a newer muon-ckpt (its manifest's format)
 
     def meta(self, name: str) -> Any:
         m = self.manifest
@@ -186,7 +187,9 @@ def list_parts(run_dir: str) -> list[PartInfo]:
                 if m.step != step or m.extra["memory"]["rank"] != rank:
                     raise CheckpointError(f"{path}: names step {m.step}, rank {rank}")
                 out.append(PartInfo(step, rank, cp is not None, rel, m))
-            except (CheckpointError, CheckpointVersionError, OSError) as e:
+            except CheckpointVersionError as e:
+                out.append(PartInfo(step, rank, cp is not None, rel, None, str(e), newer=True))
+            except (CheckpointError, OSError) as e:
                 out.append(PartInfo(step, rank, cp is not None, rel, None, str(e)))
     out.sort(key=lambda p: (-p.step, p.rank, p.copy))
     return out

@@ -28,7 +28,7 @@ import muon_ckpt._dcp as _dcp
 from muon_ckpt._errors import CheckpointError
 from muon_ckpt._version import __version__
 from muon_ckpt.memory._dirs import MAX_PART_MANIFEST, part_manifest
-from muon_ckpt.save._writer import ChecksumWriter, FileRecords
+from muon_ckpt.save import ChecksumWriter, FileRecords
 from muon_ckpt.state import HostStaging
 from muon_ckpt.store import MANIFEST, FileEntry, Manifest, Storage
 from muon_ckpt.store.checksums import Checksum
@@ -45,7 +45,7 @@ class _StagedPlanner:
 
     @staticmethod
     def make(staging: HostStaging) -> Any:
-        from muon_ckpt.save._job import StagedSavePlanner
+        from muon_ckpt.save import StagedSavePlanner
 
         return StagedSavePlanner(staging)
 
@@ -86,6 +86,8 @@ def write_own_part(
     *,
     world_size: int,
     line: str | None,
+    gen: int,
+    retires: list[tuple[int, int]],
     memory: dict[str, Any],
     extra: dict[str, Any],
     io_threads: int,
@@ -112,6 +114,8 @@ def write_own_part(
         muon_ckpt_version=__version__,
         extra={**extra, "memory": memory},
         line=line,
+        gen=gen,
+        retires=list(retires),
     )
     _commit(path, m)
     return m

@@ -1,18 +1,19 @@
-"""A load from the memory tier: the newest step complete across tiers, each rank's part from
-its own memory, else from a replica on another rank, else the whole load from storage.
+"""A load from the memory tier: the newest step of the run across tiers, each rank's part
+from its own memory, else from a replica on another rank, else the whole load from storage.
 
-1. rank 0 reads the newest committed step of the url (its line); every rank lists its tier
-   (nothing where the tier is not this user's own); one all-gather;
-2. every rank computes the same choice: the newest step of that line, not older than the
-   newest committed one (the url's step wins a tie only when memory has none), for which
-   every rank's part is somewhere, saved at this world size and ``node_size`` by a rank
-   whose tensors lay out as this rank's do. A memory step is never loaded where the url has
-   no committed step of its line (another run, a rewound line);
+1. rank 0 scans the url (every step, of any format); every rank lists its tier (nothing
+   where the tier is not this user's own); one all-gather;
+2. every rank computes the same history (``store.mark_tier``): the tier's complete steps --
+   every rank's part somewhere, of one save, at this world size, ``node_size`` and layout --
+   are commits of the run beside the url's, retiring and retired as they are. A newer format
+   anywhere (the url, or a part) is refused as a load from the url refuses it. The newest
+   live step is loaded from memory when the tier has it;
 3. parts to fetch move from their holders (``memory._parts``, checked as they arrive), and
    every rank loads its part alone, all or nothing as a load from storage (``attempt``);
 4. a rank whose part fails (damaged, missing) takes its next source, with a WARNING naming
    the tier, the step and the rank; when a rank has none left, or anything else failed, the
-   load goes to storage (the caller's path), the state as it was.
+   load goes to storage (the caller's path, which sees the tier's commits too), the state
+   as it was.
 """
 
 from __future__ import annotations
@@ -24,17 +25,25 @@ import time
 from typing import Any
 
 import muon_ckpt._collective as coll
-from muon_ckpt._errors import CheckpointError
-from muon_ckpt.load._attempt import LoadTargets, attempt, undo
-from muon_ckpt.load._decide import Decision
+from muon_ckpt._errors import CheckpointError, CheckpointVersionError
+from muon_ckpt.load import Decision, Loaded, LoadTargets, attempt, loaded, undo
 from muon_ckpt.memory._dirs import PartInfo, copy_dirname, layout_digest, own_dirname, part_manifest
 from muon_ckpt.memory._parts import drop_part, receive_part, send_part
 from muon_ckpt.memory._tier import MemoryTier
 from muon_ckpt.state import FlatState
-from muon_ckpt.store import MANIFEST, Catalog, Manifest, Storage
+from muon_ckpt.store import (
+    MANIFEST,
+    Catalog,
+    Manifest,
+    Status,
+    StepInfo,
+    Storage,
+    live_newer,
+    mark_tier,
+)
 from muon_ckpt.store.dcp import check_files
 
-__all__ = ["MemoryLoaded", "restore_from_memory"]
+__all__ = ["TierView", "restore_from_memory"]
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -52,18 +61,19 @@ class _Held:
     layout: Any
     url: Any
     save: Any  # the memory save that wrote it
+    gen: int
+    retires: list[tuple[int, int]]
+    base: Any
 
 
 @dataclasses.dataclass
-class MemoryLoaded:
-    """A memory-tier load: what a load from storage returns, and where this rank's part
-    came from (``"memory"``: its own tier; ``"peer"``: a replica on another rank)."""
+class TierView:
+    """What the memory tier holds of the run: its complete steps as commits (statuses marked
+    against the url's, ``store.mark_tier``), which a load from the url sees too, and the
+    load from memory, when it loaded (None: the url's turn)."""
 
-    decision: Decision
-    where: str
-    report: Any
-    timings: dict[str, float]
-    tier: str
+    commits: list[StepInfo]
+    loaded: Loaded | None = None
 
 
 def restore_from_memory(
@@ -74,11 +84,11 @@ def restore_from_memory(
     *,
     strict: bool,
     parts: tuple[str, ...],
-) -> MemoryLoaded | None:
-    """Load the newest step complete across tiers from memory, or None (then from storage)."""
+) -> TierView:
+    """Load the newest step of the run from memory when the tier has it."""
     t0 = time.perf_counter()
     group, rank, world = t.group, coll.rank(), coll.world_size()
-    newest = coll.on_rank0(lambda: _newest_committed(catalog), group)
+    scan = coll.on_rank0(catalog.scan, group)
     why_not = tier.readable()
     # Its own part and the replicas it holds (ranks of a node may share a directory: the
     # other ranks' own parts there are theirs to report).
@@ -86,19 +96,30 @@ def restore_from_memory(
         found = [] if why_not is not None else tier.parts()
     except OSError as e:
         found, why_not = [], f"{tier.run_dir}: {e}"
-    held = [_held(p) for p in found if p.manifest and (p.copy or p.rank == rank)]
+    mine = [p for p in found if p.copy or p.rank == rank]
+    held = [_held(p) for p in mine if p.manifest]
+    newer = sorted({p.step for p in mine if p.newer})
     flat = FlatState.build(t.model, None, {}, rank=rank)
     layout = layout_digest(flat.sd)
-    gathered = coll.all_gather((held, layout, why_not), group)
+    gathered = coll.all_gather((held, layout, why_not, newer), group)
     if rank == 0:
-        for r, (_, _, why) in enumerate(gathered):
+        for r, (_, _, why, _) in enumerate(gathered):
             if why is not None:
                 _log.warning("the memory tier of rank %d is not read: %s", r, why)
-    node = tier.node_size(world)
-    choice = _choose(gathered, newest, step, world, node, tier.url)
+    _refuse_newer(tier, sorted({s for g in gathered for s in g[3]}), step)
+    by_save = _complete(gathered, world, tier.node_size(world), tier.url)
+    commits = {key: _commit(key, gathered) for key in by_save}
+    retired = mark_tier(scan, list(commits.values()))
+    url_newer = [i.step for i in scan if i.status == Status.NEWER]
+    # A newer format in the url: its load refuses it (``load.decide``), the same words.
+    choice = None if url_newer and step in (None, *url_newer) else _choose(scan, commits, step)
+    view = TierView(list(commits.values()))
     if choice is None:
-        return None
-    chosen, save, sources = choice
+        return view
+    chosen, save = choice
+    sources = by_save[chosen, save]
+    for slot in sources:  # its own part first, then copies by holder
+        slot.sort(key=lambda hc: (hc[1], hc[0]))
     cur = [0] * world
     decided = time.perf_counter() - t0
     storage = Storage(tier.run_dir)
@@ -111,7 +132,7 @@ def restore_from_memory(
         if _advance(problems, sources, cur, chosen, "memory tier"):
             continue
         if any(c >= len(s) for c, s in zip(cur, sources, strict=True)):
-            return _to_storage(chosen, "no rank has a whole copy of some rank's part")
+            return _to_storage(view, chosen, "no rank has a whole copy of some rank's part")
         assert not isinstance(checked, str)
         m, md = checked
         d = Decision(
@@ -120,7 +141,7 @@ def restore_from_memory(
             world_size=m.world_size,
             files=m.files,
             metadata=md,
-            newer=[],
+            newer=[*live_newer(scan, view.commits, chosen), *retired],
             skipped=[],
             dirname=rel,
             line=m.line,
@@ -129,29 +150,29 @@ def restore_from_memory(
         out = attempt(t, storage, d, where, strict, parts, alone=True)
         if not out.failures:
             break
-        undo(t, out.rollback)
+        undo(t, out.rollback, again=out.corrupt)  # (a copy elsewhere copies into the same buffers)
         failed = {r: f.message for r, f in out.failures.items()}
         if not out.corrupt:
-            return _to_storage(chosen, "; ".join(f"rank {r}: {m}" for r, m in failed.items()))
+            why = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+            return _to_storage(view, chosen, why)
         _advance([failed.get(r) for r in range(world)], sources, cur, chosen, "memory tier")
         if any(c >= len(s) for c, s in zip(cur, sources, strict=True)):
-            return _to_storage(chosen, "no rank has a whole copy of some rank's part")
-    try:
-        if out.rollback is not None:
-            out.rollback.done()
-    finally:
-        t.staging.release("cpu")
+            return _to_storage(view, chosen, "no rank has a whole copy of some rank's part")
     holder, _ = sources[rank][cur[rank]]
     where_from = "memory" if holder == rank else "peer"
     tier.complete_steps.add(chosen)  # kept by retention as a step complete on every rank
-    timings = {"decide": decided, **out.timings, "total": time.perf_counter() - t0}
-    timings["apply"] = timings["total"] - sum(
-        timings.get(k, 0.0) for k in ("decide", "prepare", "backup", "dcp_load")
-    )
-    _log.info(
-        "loaded step %d from the memory tier (%s) in %.3f s", chosen, where_from, timings["total"]
-    )
-    return MemoryLoaded(d, where, out.report, timings, where_from)
+    view.loaded = loaded(t, out, d, where, where_from, t0, decided)
+    return view
+
+
+def _refuse_newer(tier: MemoryTier, newer: list[int], step: int | None) -> None:
+    """Parts of a newer format are never read, nor loaded past (as a url's steps)."""
+    if newer and (step is None or step in newer):
+        raise CheckpointVersionError(
+            f"{tier.run_dir}: memory-tier step(s) {newer} were written by a newer muon-ckpt; "
+            "this version neither reads them nor resumes an older step past them. Upgrade "
+            "muon-ckpt, or remove the tier (muon-ckpt prune --memory) to resume from the url"
+        )
 
 
 def _held(p: PartInfo) -> _Held:
@@ -167,63 +188,86 @@ def _held(p: PartInfo) -> _Held:
         p.meta("layout"),
         p.meta("url"),
         p.meta("save"),
+        m.gen or 0,
+        [(int(a), int(b)) for a, b in m.retires],
+        _base(p.meta("base")),
     )
 
 
-def _newest_committed(catalog: Catalog) -> tuple[int, str | None] | None:
-    committed = [s for s in catalog.scan() if s.committed]
-    return (committed[-1].step, committed[-1].line) if committed else None
+def _base(v: Any) -> tuple[int, int, str | None] | None:
+    """A part's ``base`` as written (a JSON list), or None when it is not one."""
+    ok = isinstance(v, list) and len(v) == 3 and all(type(x) is int for x in v[:2])
+    return (v[0], v[1], v[2]) if ok and (v[2] is None or isinstance(v[2], str)) else None
 
 
-def _choose(
-    gathered: list[tuple[list[_Held], str, str | None]],
-    newest: tuple[int, str | None] | None,
-    step: int | None,
+def _complete(
+    gathered: list[tuple[list[_Held], str, str | None, list[int]]],
     world: int,
     node: int,
     url: str,
-) -> tuple[int, str, list[list[tuple[int, bool]]]] | None:
-    """The step to load from memory, the save that wrote it and, for each rank, where its
-    part is (holder, copy), its own first; None when no step qualifies (rank 0 says why at
-    INFO). Every rank's part must come from one save: parts of a step saved twice (after a
-    restart or a rewind) never mix."""
-    if newest is None or len(gathered) != world:
-        return None
+) -> dict[tuple[int, str], list[list[tuple[int, bool]]]]:
+    """The tier's complete steps: for each (step, save) of which every rank's part is held
+    somewhere (saved at this world size and ``node_size``, by a rank whose tensors lay out
+    as that rank's do now), where each part is: (holder, copy). Parts of one step written by
+    two saves (after a restart or a rewind) never mix."""
+    if len(gathered) != world:
+        return {}
     layouts = [g[1] for g in gathered]
     by_save: dict[tuple[int, str], list[list[tuple[int, bool]]]] = {}
-    seen_newer: set[int] = set()
-    for holder, (held, _, _) in enumerate(gathered):
+    for holder, (held, _, _, _) in enumerate(gathered):
         for h in held:
-            if h.step > newest[0]:
-                seen_newer.add(h.step)
             ok = (
                 h.url == url
                 and isinstance(h.save, str)
-                and h.line == newest[1]
                 and h.world_size == world
                 and h.node_size == node
                 and 0 <= h.rank < world
                 and h.layout == layouts[h.rank]
-                and h.step >= newest[0]
-                and (step is None or h.step == step)
             )
             if ok:
                 slots = by_save.setdefault((h.step, h.save), [[] for _ in range(world)])
                 slots[h.rank].append((holder, h.copy))
-    for s, save in sorted(by_save, reverse=True):
-        sources = by_save[s, save]
-        if all(sources):
-            for slot in sources:  # its own part first, then copies by holder
-                slot.sort(key=lambda hc: (hc[1], hc[0]))
-            return s, save, sources
-    if seen_newer and coll.rank() == 0:
-        _log.info(
-            "memory tier: step(s) %s newer than the url's step %d are not loadable here (another "
-            "line, world size, node_size or layout, or some rank's part is missing)",
-            sorted(seen_newer),
-            newest[0],
-        )
-    return None
+    return {k: v for k, v in by_save.items() if all(v)}
+
+
+def _commit(
+    key: tuple[int, str], gathered: list[tuple[list[_Held], str, str | None, list[int]]]
+) -> StepInfo:
+    """A complete step of the tier as a commit of the run (rank 0's part says its line)."""
+    step, save = key
+    h = min(
+        (h for g in gathered for h in g[0] if (h.step, h.save) == key),
+        key=lambda h: (h.rank, h.copy),
+    )
+    return StepInfo(
+        step,
+        f"memory:{save}",
+        Status.COMMITTED,
+        gen=h.gen,
+        line=h.line,
+        retires=h.retires,
+        base=h.base,
+    )
+
+
+def _choose(
+    scan: list[StepInfo], commits: dict[tuple[int, str], StepInfo], step: int | None
+) -> tuple[int, str] | None:
+    """The tier's step to load, and the save that wrote it: the newest live step of the run
+    (the tier's on a tie) when the tier holds it; None when the url's turn (rank 0 says why
+    at INFO when the tier holds newer steps it does not load)."""
+    live = [(k, c) for k, c in commits.items() if c.committed and step in (None, c.step)]
+    if not live:
+        return None
+    newest_url = max((i.step for i in scan if i.committed), default=-1)
+    (s, save), _ = max(live, key=lambda kc: (kc[0][0], kc[1].gen or 0))
+    if step is None and s < newest_url:
+        return None
+    unused = sorted({c.step for c in commits.values() if not c.committed and c.step > s})
+    if unused and coll.rank() == 0:
+        why = "; ".join(sorted({str(c.problem) for c in commits.values() if c.step in unused}))
+        _log.info("memory tier: step(s) %s are not loaded: %s", unused, why)
+    return s, save
 
 
 def _check(storage: Storage, rel: str, step: int, save: str) -> str | tuple[Manifest, Any]:
@@ -325,11 +369,11 @@ def _advance(
     return moved
 
 
-def _to_storage(step: int, why: str) -> None:
+def _to_storage(view: TierView, step: int, why: str) -> TierView:
     if coll.rank() == 0:
         _log.warning(
             "memory tier: step %d cannot be loaded from host memory (%s); loading from storage",
             step,
             why,
         )
-    return None
+    return view

@@ -14,20 +14,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import uuid
-from collections.abc import Callable
 from typing import Any
 
 import muon_ckpt._collective as coll
 from muon_ckpt._config import ManagerConfig
-from muon_ckpt._errors import CheckpointExistsError
 from muon_ckpt.memory._dirs import default_root, layout_digest
 from muon_ckpt.memory._tier import MemoryJob, MemoryOptions, MemoryTier, MemoryWrite
-from muon_ckpt.save._line import RunLine
-from muon_ckpt.save._saves import UrlSaves, new_id
-from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
+from muon_ckpt.save import SaveSources, Snapshot, UrlSaves, new_id, take
 from muon_ckpt.state import HostStaging
-from muon_ckpt.store import Catalog
+from muon_ckpt.store import Catalog, SavePlan
 
 __all__ = ["MemorySaves"]
 
@@ -136,7 +131,9 @@ class MemorySaves:
                     self.tier.skipped,
                 )
             return False, None
-        line_id, save_id = coll.on_rank0(lambda: (_line_for(line, catalog, step), new_id()), group)
+        plan, line_id, save_id = coll.on_rank0(
+            lambda: (*line.admit(catalog, step), new_id()), group
+        )
         line.line = line_id
         src = self._own if saves.pending is not None else self._main
         src.group = group
@@ -145,12 +142,12 @@ class MemorySaves:
         self.start(
             step,
             snap,
+            plan,
             line_id,
             save_id,
             calls,
             optimizer,
             owns=True,
-            finish=snap.release,
             gate=saves.gate,
         )
         return True, snap
@@ -172,13 +169,13 @@ class MemorySaves:
         self,
         step: int,
         snap: Snapshot,
+        plan: SavePlan,
         line: str | None,
         save_id: str,
         calls: coll.Calls,
         optimizer: str | None,
         *,
         owns: bool,
-        finish: Callable[[], None] | None,
         gate: threading.Event | None = None,
     ) -> MemoryJob:
         """The background job that keeps ``snap`` (``save_id``: rank 0's ``new_id()``, the
@@ -198,6 +195,9 @@ class MemorySaves:
             sd=snap.sd,
             staging=snap.staging,
             line=line,
+            gen=plan.gen,
+            retires=list(plan.retires),
+            base=plan.base,
             save_id=save_id,
             world_size=world,
             rank=rank,
@@ -209,26 +209,10 @@ class MemorySaves:
             owns_staging=owns,
             gate=gate,
         )
-        job = MemoryJob(self.tier, w, finish or (lambda: None))
+        job = MemoryJob(self.tier, w, snap.reader_done)
         job.start()
         self.job = job
         self.mark = (step, self.steps_taken)
         if not snap.background:  # it reads the live state: done before training goes on
             job.wait_written()
         return job
-
-
-def _line_for(line: RunLine, catalog: Catalog, step: int) -> str:
-    """Rank 0: the line a memory save belongs to (this run's, or the one its first commit
-    will start); a manager that neither loaded nor saved refuses, as its first save would,
-    where the url holds another run's steps."""
-    if not line.resumed and not line.new_run:
-        steps = catalog.committed_steps()
-        if steps:
-            raise CheckpointExistsError(
-                f"{catalog.storage.url} holds committed steps {steps[-3:]} of a run this "
-                f"manager has not loaded: keeping step {step} in host memory would start "
-                "another run beside them. Call load() first to resume it, pass new_run=True "
-                "to replace it, or use another url"
-            )
-    return line.line or uuid.uuid4().hex[:16]

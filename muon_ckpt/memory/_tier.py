@@ -248,6 +248,9 @@ class MemoryWrite:
     sd: dict[str, Any]
     staging: HostStaging
     line: str | None
+    gen: int  # the commit's generation and what it retires, as a url commit's (store._lines)
+    retires: list[tuple[int, int]]
+    base: tuple[int, int, str | None] | None  # the url's newest commit then (store._lines)
     save_id: str  # the same on every rank, new at every memory save
     world_size: int
     rank: int
@@ -368,12 +371,15 @@ class MemoryJob:
                 w.staging,
                 world_size=w.world_size,
                 line=w.line,
+                gen=w.gen,
+                retires=w.retires,
                 memory={
                     "url": tier.url,
                     "save": w.save_id,
                     "rank": w.rank,
                     "node_size": tier.node_size(w.world_size),
                     "layout": w.layout,
+                    "base": w.base,
                 },
                 extra=w.extra,
                 io_threads=w.io_threads,

@@ -4,16 +4,20 @@ old steps deleted (``SaveJob``, here or in a thread); what the run's line retire
 (``RunLine``); a manager's saves one after another (``UrlSaves``)."""
 
 from muon_ckpt.save._deferred import hook_step
-from muon_ckpt.save._job import SaveJob, WriteSpec, spec_for
+from muon_ckpt.save._job import SaveJob, StagedSavePlanner, WriteSpec, spec_for
 from muon_ckpt.save._line import RunLine
 from muon_ckpt.save._saves import UrlSaves, new_id
 from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
+from muon_ckpt.save._writer import ChecksumWriter, FileRecords
 
 __all__ = [
+    "ChecksumWriter",
+    "FileRecords",
     "RunLine",
     "SaveJob",
     "SaveSources",
     "Snapshot",
+    "StagedSavePlanner",
     "UrlSaves",
     "WriteSpec",
     "hook_step",

@@ -37,7 +37,7 @@ class RunLine:
             resumed=self.resumed,
             new_run=self.new_run,
             abandon=self.abandoned,
-            base=None if self.base is None else self.base.key,
+            refer_to=None if self.base is None else self.base.key,
         )
         url = catalog.storage.url
         if plan.replacing and not self.resumed:
@@ -58,13 +58,25 @@ class RunLine:
             )
         return plan, self.line or uuid.uuid4().hex[:16]
 
+    def admit(self, catalog: Catalog, step: int) -> tuple[SavePlan, str]:
+        """Rank 0, before a save of ``step`` to the memory tier only: the url's rules
+        (``Catalog.admit``: the lease, another run's steps, a newer format, what it retires)
+        and the line id it carries, kept for the saves after it. ``base`` is left as it is:
+        the memory step's bytes are not in the url, so the next url save refers only to the
+        url's last commit."""
+        plan = catalog.admit(
+            step, resumed=self.resumed, new_run=self.new_run, abandon=self.abandoned
+        )
+        self.line = self.line or uuid.uuid4().hex[:16]
+        return plan, self.line
+
     def saving(self, plan: SavePlan, line: str) -> DedupBase | None:
         """Every rank, once the save began: until it commits, the next save retires them.
         Returns what the save may refer to: the base, while rank 0 found its step committed
         (else it is forgotten: a step deleted meanwhile, by a prune or by hand)."""
         self.resumed, self.line = True, line
         self.abandoned = [*((s, g) for s, g in plan.retires), *((s, None) for s in plan.drop)]
-        if self.base is not None and plan.base != self.base.key:
+        if self.base is not None and plan.refer_to != self.base.key:
             self.base = None
         return self.base
 

@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import muon_ckpt._collective as coll
 from muon_ckpt._config import ManagerConfig
@@ -20,19 +20,17 @@ from muon_ckpt.save._job import SaveJob, WriteSpec, spec_for
 from muon_ckpt.save._line import RunLine
 from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
 from muon_ckpt.state import optimizer_name
-from muon_ckpt.store import Catalog, data_dirname
+from muon_ckpt.store import Catalog, SavePlan, data_dirname
 
 __all__ = ["UrlSaves", "new_id"]
 
 _log = logging.getLogger("muon_ckpt")
 
 
-class _Written(Protocol):
-    def wait_written(self) -> None: ...
-
-
-# The memory tier's side of a save due for both: (step, snapshot, line, save id) -> its job.
-StartMemory = Callable[[int, Snapshot, "str | None", str], _Written]
+# Another job that writes a step's snapshot too (the memory tier's, for a step due for both;
+# this package does not know the tier): (step, snapshot, plan, line, save id) -> None. It
+# calls ``snap.add_reader()`` and, once it has ended, ``snap.reader_done()``.
+AlsoWrite = Callable[[int, Snapshot, SavePlan, "str | None", str], None]
 
 
 def new_id() -> str:
@@ -60,10 +58,10 @@ class UrlSaves:
         self.gate: threading.Event | None = None  # tests: background writes wait for it
 
     def save(
-        self, step: int, overwrite: bool, background: bool, memory: StartMemory | None = None
+        self, step: int, overwrite: bool, background: bool, also: AlsoWrite | None = None
     ) -> bool:
         """Save ``step`` (``background``: its job in a thread, pending); whether it is
-        pending. ``memory``: the step is due for the memory tier too."""
+        pending. ``also``: another job writes the same snapshot (the memory tier's)."""
         t0 = time.perf_counter()
         group = self.calls.group
         plan, line, save_id = coll.on_rank0(
@@ -73,7 +71,7 @@ class UrlSaves:
         t1 = time.perf_counter()
         self.sources.group = group
         # A memory save writes in the background: it needs host copies, as an async save.
-        snap = take(self.sources, step, background or memory is not None)
+        snap = take(self.sources, step, background or also is not None)
         self.deferred = snap.deferred
         t2 = time.perf_counter()
         spec = spec_for(
@@ -90,18 +88,9 @@ class UrlSaves:
             base=base if self.config.dedup else None,
         )
         spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
-        release = snap.release
-        if memory is not None:
-            # (not gated: tests hold the url's write and watch the memory part land)
-            mem = memory(step, snap, line, save_id)
-
-            def release_both() -> None:
-                mem.wait_written()  # the snapshot is read by both
-                if snap.release is not None:
-                    snap.release()
-
-            release = release_both
-        job = SaveJob(spec, finish=lambda: self._finished(spec, release))
+        if also is not None:  # (not gated: tests hold the url's write, watch the other land)
+            also(step, snap, plan, line, save_id)
+        job = SaveJob(spec, finish=lambda: self._finished(spec, snap.reader_done))
         if snap.background and background:
             job.start()
             self.pending = job
@@ -109,10 +98,9 @@ class UrlSaves:
         job.run()
         return False
 
-    def _finished(self, spec: WriteSpec, release: Any) -> None:
+    def _finished(self, spec: WriteSpec, release: Callable[[], None]) -> None:
         """In the caller's thread, once a save's job has ended (committed or not)."""
-        if release is not None:
-            release()
+        release()
         if spec.committed_at is not None:
             self.line.committed(spec.next_base)
         t = spec.timings

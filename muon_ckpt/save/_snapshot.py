@@ -61,6 +61,17 @@ class Snapshot:
     background: bool
     release: Callable[[], None] | None = None
     deferred: DeferredCopies | None = None  # copies that finish after save() returns
+    readers: int = 1  # the jobs that write it (two for a step due for both tiers)
+
+    def add_reader(self) -> None:
+        """Another job writes this snapshot: it is released once both are done."""
+        self.readers += 1
+
+    def reader_done(self) -> None:
+        """A job that wrote it has ended (in the caller's thread); the last one releases it."""
+        self.readers -= 1
+        if self.readers == 0 and self.release is not None:
+            self.release()
 
 
 def take(src: SaveSources, step: int, background: bool) -> Snapshot:

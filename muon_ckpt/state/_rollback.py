@@ -20,8 +20,16 @@ rank whose read failed while the others succeeded, a hyperparameter that does no
   planner calls it, ``SafeLoadPlanner``), copies it there and then if that thread has not
   reached it yet (the copy is taken once, by whichever comes first; the other waits for it).
   A load that waits on storage (a remote read) thus finds its tensors copied already, and
-  one that reads at memory speed shares the copies out over its reading threads. States created by the load itself are not
-  copied: undoing the load removes them again.
+  one that reads at memory speed shares the copies out over its reading threads. States
+  created by the load itself are not copied: undoing the load removes them again.
+
+Where the copies go: memory that is already faulted in wherever there is some, because a
+fresh page costs more than the copy into it (a page fault per 4 KiB, ~0.2-0.5 s/GiB, against
+~0.05 s/GiB for the copy: ``benchmarks/bench_host_memory.py``). The manager's staging buffers
+are the ones its saves copy into (device tensors' buffer, kept; host tensors' buffer, which
+an asynchronous save fills and keeps) and the loads after a first one reuse them; offloaded
+states (``pooled``) are copied into buffers of the rollback's own, given up with it, since a
+save copies none of them (it freezes the pool's buffer instead).
 
 ``restore()`` puts everything back; ``done()`` gives the host copies up. With
 ``max_staging_bytes`` below what the copy needs, no values are kept (the manager warns): a
@@ -65,6 +73,7 @@ class Rollback:
                 for g in optimizer.param_groups
             ]
         self._extra_sd = {name: _copy(obj.state_dict()) for name, obj in extra.items()}
+        self._own = HostStaging()  # the copies of offloaded states (``pooled``)
         self._pairs: list[tuple[Tensor, Tensor]] = []  # (live tensor, its copy)
         # Host tensors not copied yet: key -> (live tensor, its range), and a lock per key
         self._pending: dict[str, tuple[Tensor, Tensor]] = {}
@@ -74,12 +83,18 @@ class Rollback:
         self._copier: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def keep_values(self, sd: dict[str, Any], skip: set[str], limit: int | None) -> bool:
+    def keep_values(
+        self,
+        sd: dict[str, Any],
+        skip: set[str],
+        limit: int | None,
+        pooled: set[str] = frozenset(),
+    ) -> bool:
         """Make ready to keep the values of ``sd``'s tensors (live tensors, or host views of
-        offloaded states), except the keys in ``skip`` (states this load created): device
-        tensors are copied now, host tensors by the copier thread started here or by
-        ``keep`` before their first write, whichever comes first. Returns False, keeping
-        nothing, when that needs more than ``limit`` bytes."""
+        offloaded states: the keys in ``pooled``), except the keys in ``skip`` (states this
+        load created): device tensors are copied now, host tensors by the copier thread
+        started here or by ``keep`` before their first write, whichever comes first. Returns
+        False, keeping nothing, when that needs more than ``limit`` bytes."""
         live = {k: v for k, v in sd.items() if isinstance(v, Tensor) and k not in skip}
         self._extra_touched = True  # DCP writes into the tensors of extra's state dicts too
         if (
@@ -95,7 +110,11 @@ class Rollback:
         # release wait for it on the host).
         self._staging.fence()
         self._pairs = [(local_tensor(live[k]), local_tensor(staged[k])) for k in device]
-        self._pending = self._staging.reserve({k: live[k] for k in host}, copy_cpu=True)
+        own = {k: live[k] for k in host if k in pooled}
+        self._pending = {
+            **self._staging.reserve({k: live[k] for k in host if k not in own}, copy_cpu=True),
+            **self._own.reserve(own, copy_cpu=True),
+        }
         self._locks = {k: threading.Lock() for k in self._pending}
         # Host tensors that share memory with another (tied weights, a buffer under two
         # names): the load writes them under either key, so they are copied now.
@@ -172,8 +191,10 @@ class Rollback:
         self.done()
 
     def done(self) -> None:
+        """Give the copies up (the manager's staging buffers stay with the manager)."""
         self._stop_copier()
         self._pairs, self._pending, self._locks = [], {}, {}
+        self._own.release()
 
 
 def _copy(v: Any) -> Any:

@@ -26,10 +26,10 @@ from muon_ckpt.store._layout import (
     step_dirname,
 )
 from muon_ckpt.store._lease import LEASE
-from muon_ckpt.store._lines import SavePlan
+from muon_ckpt.store._lines import SavePlan, live_newer, mark_tier
 from muon_ckpt.store._local import open_regular
 from muon_ckpt.store._probe import open_run, open_storage
-from muon_ckpt.store._resolve import Resolved, prune, resolve, verify
+from muon_ckpt.store._resolve import Resolved, VerifyResult, prune, resolve, verify
 from muon_ckpt.store._steps import Status, StepInfo
 from muon_ckpt.store._storage import Storage, is_storage_failure
 
@@ -47,6 +47,7 @@ __all__ = [
     "Status",
     "StepInfo",
     "Storage",
+    "VerifyResult",
     "check_step",
     "confirm_files",
     "data_dirname",
@@ -54,6 +55,8 @@ __all__ = [
     "data_ref_name",
     "is_file_name",
     "is_storage_failure",
+    "live_newer",
+    "mark_tier",
     "open_regular",
     "open_run",
     "open_storage",

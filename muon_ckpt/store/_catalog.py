@@ -200,13 +200,13 @@ class Catalog:
         resumed: bool = True,
         new_run: bool = False,
         abandon: list[tuple[int, int | None]] | None = None,
-        base: tuple[int, int] | None = None,
+        refer_to: tuple[int, int] | None = None,
     ) -> SavePlan:
         """Ready a save of ``step``: take the write lease; finish or remove the leftovers of
         crashed saves (an overwrite that was committed but not swapped in is finished first);
         decide what the save retires and refuse what it must not do (``_lines.plan_save``:
         a committed or corrupt step without ``overwrite``, another run's steps, a newer
-        format); remove uncommitted directories and the data no step refers to. ``base``:
+        format); remove uncommitted directories and the data no step refers to. ``refer_to``:
         the commit ``(step, gen)`` whose files the save may refer to, kept in the plan while
         it is committed and not retired."""
         self.lease.acquire()
@@ -224,13 +224,36 @@ class Catalog:
             resumed=resumed,
             new_run=new_run,
             abandon=list(abandon or ()),
-            base=base,
+            refer_to=refer_to,
         )
         for s in infos:
             if s.status == UNCOMMITTED:
                 st.rm(s.dirname)
         self.collect()
         return plan
+
+    def admit(
+        self,
+        step: int,
+        *,
+        resumed: bool,
+        new_run: bool,
+        abandon: list[tuple[int, int | None]],
+    ) -> SavePlan:
+        """Ready a save of ``step`` that writes nothing here (a memory-tier step): the same
+        lease and the same refusals as ``begin`` (another job holds the lease, another run's
+        steps, a newer format), nothing removed (a save to this url may be in flight). The
+        plan's generation and retired commits go into the memory step's parts."""
+        self.lease.acquire()
+        return plan_save(
+            self.scan(),
+            self.storage.url,
+            step,
+            overwrite=True,  # (a memory step replaces nothing here)
+            resumed=resumed,
+            new_run=new_run,
+            abandon=list(abandon),
+        )
 
     def _finish_or_drop(self, name: str, step: int) -> None:
         """An ``overwrite-`` directory left by a crash: finish the move when it holds the

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from muon_ckpt._errors import CheckpointExistsError, CheckpointVersionError
 from muon_ckpt.store._steps import COMMITTED, CORRUPT, NEWER, SUPERSEDED, UNCOMMITTED, StepInfo
 
-__all__ = ["SavePlan", "mark_superseded", "plan_save"]
+__all__ = ["SavePlan", "live_newer", "mark_superseded", "mark_tier", "plan_save"]
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,10 @@ class SavePlan:
     replacing: list[int]  # the steps this save newly retires or drops (not those carried)
     beside: bool  # write beside the step's directory, swapped in at the commit (an overwrite,
     # or a step being replaced)
+    base: tuple[int, int, str | None] | None = None  # the newest live commit: (step, gen, line)
     # The commit (step, gen) whose data the save may refer to (tensors unchanged since):
     # committed and not retired by this save; None: the save writes every tensor
-    base: tuple[int, int] | None = None
+    refer_to: tuple[int, int] | None = None
 
 
 def mark_superseded(infos: list[StepInfo]) -> None:
@@ -70,12 +71,14 @@ def plan_save(
     resumed: bool,
     new_run: bool,
     abandon: list[tuple[int, int | None]],
-    base: tuple[int, int] | None = None,
+    refer_to: tuple[int, int] | None = None,
 ) -> SavePlan:
     """Decide a save of ``step`` over the scan ``infos`` of ``url``. ``resumed``: the
     manager loaded (or found nothing to load) or saved before; ``abandon``: the steps newer
     than the one it loaded (``(step, gen)``, gen None for a CORRUPT one), which this save
-    retires. Raises CheckpointVersionError or CheckpointExistsError, writing nothing."""
+    retires; ``refer_to``: the commit ``(step, gen)`` whose data the save may refer to, kept
+    in the plan while it is committed and not retired. Raises CheckpointVersionError or
+    CheckpointExistsError, writing nothing."""
     newer = [i.step for i in infos if i.status == NEWER]
     if newer:
         raise CheckpointVersionError(
@@ -96,12 +99,10 @@ def plan_save(
         drop += [i.step for i in infos if i.status == CORRUPT]
     for s, g in abandon:
         info = by_step.get(s)
-        if info is None:
-            continue
-        if g is None and info.status == CORRUPT:
+        if info is not None and g is None and info.status == CORRUPT:
             drop.append(s)
-        elif info.status == COMMITTED and (info.gen or 0) == g:
-            retires.append((s, g))
+        elif g is not None and (info is None or info.status == COMMITTED):
+            retires.append((s, g))  # (a step of the url, or of the memory tier: mark_tier)
     replacing = sorted({s for s, _ in retires} | set(drop))
     replaced = {s for s, _ in carried} | set(replacing)
     have = by_step.get(step)
@@ -112,21 +113,19 @@ def plan_save(
             f"{url}: step {step} is already {what}; pass overwrite=True to replace it, or "
             "save another step"
         )
-    gen = 1 + max((i.gen or 0 for i in infos if i.status in (COMMITTED, SUPERSEDED)), default=0)
+    # Above every commit it could retire, the memory tier's too: a commit never retires itself.
+    known = [i.gen or 0 for i in infos if i.status in (COMMITTED, SUPERSEDED)]
+    gen = 1 + max([*known, *(g for _, g in abandon if g is not None)], default=0)
     beside = overwrite or (have is not None and have.status != UNCOMMITTED)
-    retired = set(retires + carried)
-    live_base = (
-        base is not None
-        and base not in retired
-        and any(i.status == COMMITTED and (i.step, i.gen or 0) == base for i in infos)
+    base = (live[-1].step, live[-1].gen or 0, live[-1].line) if live else None
+    retired = sorted(set(retires + carried))
+    referable = (
+        refer_to is not None
+        and refer_to not in retired
+        and any(i.status == COMMITTED and (i.step, i.gen or 0) == refer_to for i in infos)
     )
     return SavePlan(
-        gen,
-        sorted(retired),
-        sorted(set(drop)),
-        replacing,
-        beside,
-        base if live_base else None,
+        gen, retired, sorted(set(drop)), replacing, beside, base, refer_to if referable else None
     )
 
 
@@ -143,3 +142,36 @@ def _foreign(url: str, step: int, live: list[StepInfo]) -> str:
         "or pass new_run=True to start a new run here (the steps there are deleted once this "
         "run's first step is committed). Nothing was written"
     )
+
+
+def mark_tier(infos: list[StepInfo], tier: list[StepInfo]) -> list[tuple[int, int]]:
+    """One history over the url's steps ``infos`` and the memory tier's complete steps
+    ``tier`` (COMMITTED, with their parts' ``gen``, ``line``, ``retires`` and ``base``): a
+    memory step is a commit of the run, so commits of either retire commits of either. A
+    memory step is also SUPERSEDED where the url does not vouch for it -- no commit of its
+    line, nor the commit it was saved after (``base``): another run's tier, or a url emptied
+    since -- or where a live url commit of another line is not older than it (a later line
+    abandoned it). Returns the url's commits that only the tier retires (``(step, gen)``):
+    the next save retires them in the url too."""
+    was = {(i.step, i.gen or 0) for i in infos if i.status == COMMITTED}
+    mark_superseded([*infos, *tier])
+    commits = [i for i in infos if i.status in (COMMITTED, SUPERSEDED)]
+    lines = {i.line for i in commits}
+    bases = {(i.step, i.gen or 0, i.line) for i in commits}
+    live_url = [i for i in infos if i.status == COMMITTED]
+    for t in tier:
+        if t.status != COMMITTED:
+            continue
+        later = [u.step for u in live_url if u.line != t.line and (u.gen or 0) >= (t.gen or 0)]
+        if t.line not in lines and t.base not in bases:
+            t.status, t.problem = SUPERSEDED, "of no line the url holds (another run's)"
+        elif later:
+            t.status = SUPERSEDED
+            t.problem = f"abandoned by the line of step {later[-1]} of the url"
+    return sorted(was - {(i.step, i.gen or 0) for i in infos if i.status == COMMITTED})
+
+
+def live_newer(infos: list[StepInfo], tier: list[StepInfo], step: int) -> list[tuple[int, int]]:
+    """The live commits of either tier newer than ``step`` (``(step, gen)``): what the first
+    save after a load of ``step`` retires (a rewind's abandoned steps)."""
+    return sorted({(i.step, i.gen or 0) for i in (*infos, *tier) if i.committed and i.step > step})

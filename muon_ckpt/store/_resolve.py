@@ -1,10 +1,11 @@
 """Readers over the catalog for the CLI and interop: ``resolve`` a URL to one checkpoint
-directory, ``verify`` every file of a step, ``prune`` old steps (under the run's write lease,
-so never beside a save)."""
+directory, ``verify`` every file of a step and its metadata, ``prune`` old steps (under the
+run's write lease, so never beside a save)."""
 
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -58,11 +59,12 @@ class Resolved:
     def kind(self) -> str:
         return "muon-ckpt" if self.manifest is not None else "dcp"
 
-    def metadata(self) -> Metadata:
+    def metadata(self, *, tiles: bool = True) -> Metadata:
         """The DCP metadata; for a muon-ckpt step after checking every file's size and the
-        metadata's checksum against the manifest."""
+        metadata's checksum against the manifest (``tiles``: chunks must tile each tensor;
+        not in a memory-tier part, which holds one rank's shards)."""
         if self.manifest is not None:
-            return check_files(self.storage, self.parts, self.manifest)
+            return check_files(self.storage, self.parts, self.manifest, tiles)
         where = self.storage.url_of(*self.parts, METADATA)
         try:
             data = self.storage.read_bytes(*self.parts, METADATA, limit=MAX_PLAIN_METADATA)
@@ -134,14 +136,33 @@ class VerifyResult:
         return not self.problems
 
 
-def verify(r: Resolved, *, progress: bool | None = None) -> VerifyResult:
-    """Check every file of the manifest for presence, size and checksums. A step that
-    retention, a prune or an overwrite deleted meanwhile is ``deleted``, not damaged."""
+def verify(
+    r: Resolved,
+    *,
+    progress: bool | None = None,
+    tiles: bool = True,
+    check_items: Callable[[Storage, Metadata], list[str]] | None = None,
+) -> VerifyResult:
+    """Check every file of the manifest for presence, size and checksums, then what a load
+    checks before it reads (``check_files``, as the load's decision does: the metadata's
+    checksum, every tensor's chunks tiling it (``tiles``), every item inside its file), then
+    ``check_items(step, metadata)`` (the problems of the items, as the load path finds them
+    when it reads: ``load.verify_step`` passes them). A step that retention, a prune or an
+    overwrite deleted meanwhile is ``deleted``, not damaged."""
     if r.manifest is None:
         raise CheckpointNotFoundError(
             f"{r.url!r} has no {MANIFEST}: only muon-ckpt checkpoints can be verified"
         )
     res = _check_files(r, r.manifest, progress)
+    if not res.problems:  # damaged files: their metadata and items say nothing more
+        try:
+            md = r.metadata(tiles=tiles)
+            if check_items is not None:
+                res.problems += check_items(r.storage.child(*r.parts), md)
+        except CheckpointCorruptError as e:
+            res.problems.append(str(e))
+        except FileNotFoundError as e:  # listed a moment ago (see below)
+            res.problems.append(f"missing: {e}")
     # Deleting a step removes its manifest first: a file found missing (or changed) after that
     # is the deletion's doing, and the manifest read again tells.
     if res.problems and _gone(r):

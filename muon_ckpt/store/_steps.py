@@ -72,6 +72,8 @@ class StepInfo:
     gen: int | None = None  # the commit's generation (_lines), from the manifest
     line: str | None = None  # the line of steps it belongs to, from the manifest
     retires: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    # A memory-tier step's: the url's newest commit when it was saved, (step, gen, line)
+    base: tuple[int, int, str | None] | None = field(default=None, repr=False)
 
     @property
     def committed(self) -> bool:
@@ -79,7 +81,7 @@ class StepInfo:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["retires"]
+        del d["retires"], d["base"]
         return {**d, "committed": self.committed}
 
 

@@ -19,8 +19,14 @@ fi
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__)'
+df -h "${CKPT_DIR:-/tmp}" /dev/shm 2>/dev/null || df -h /tmp /dev/shm  # the benchmarks size to these
 rc=0
-step() { echo; echo "=== $* ==="; "$@" 2>&1 | tee -a "$out/gpu.log"; local r=${PIPESTATUS[0]}; echo "=== exit $r: $1 ==="; [ "$r" = 0 ] || rc=1; }
+# STEP_TIMEOUT (seconds, default none): each step is stopped after it (exit 124), the next runs.
+step() {
+  echo; echo "=== $* ==="
+  timeout -k 10 "${STEP_TIMEOUT:-0}" "$@" 2>&1 | tee -a "$out/gpu.log"; local r=${PIPESTATUS[0]}
+  echo "=== exit $r: $1 ==="; [ "$r" = 0 ] || rc=1
+}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step torchrun --nproc-per-node="$ngpu" tests/gpu/test_cpu_offload.py
   suite="tests/gpu/test_optim_gpu.py tests/gpu/test_checkpoint_gpu.py tests/gpu/test_itemread_gpu.py tests/gpu/test_async_gpu.py tests/gpu/test_deferred_gpu.py tests/gpu/test_resume_gpu.py tests/gpu/test_memory_tier_gpu.py tests/test_optim_dist.py tests/test_optim_reference.py tests/test_optim_config.py tests/test_offload_dist.py"
@@ -30,6 +36,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-$suite}
 fi
 # BENCH picks benchmarks (default all): muon offload checkpoint async resume memory.
+# ASYNC_ARGS, RESUME_ARGS, MEMORY_ARGS: more options for bench_async_save, bench_resume and
+# bench_memory_tier overhead (e.g. RESUME_ARGS="--rounds 1 --methods physical load dcp"), last
+# on the line, so that they win.
 want() { [[ " ${BENCH:-muon offload checkpoint async resume memory} " == *" $1 "* ]]; }
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   if want muon; then
@@ -47,11 +56,11 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   want checkpoint && step python3 benchmarks/bench_checkpoint.py --device cuda --size-gib "${CKPT_GIB:-4}" --url "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
   cases=""; for c in ${ASYNC_CASES:-16x4096 16x8192}; do cases="$cases --case $c"; done
   gpt=${GPT_CASE:-12x2048x4096}  # LAYERSxDIMxBATCH: forward and backward most of a step
-  want async && step python3 benchmarks/bench_async_save.py --device cuda $cases --gpt "$gpt" --snapshot blocking deferred --url "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
-  want resume && step python3 -m benchmarks.bench_resume --device cuda --size-gib "${CKPT_GIB:-4}" --dir "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
+  want async && step python3 benchmarks/bench_async_save.py --device cuda $cases --gpt "$gpt" --snapshot blocking deferred --url "${CKPT_DIR:-/tmp/muon-ckpt-bench}" ${ASYNC_ARGS:-}
+  want resume && step python3 -m benchmarks.bench_resume --device cuda --size-gib "${CKPT_GIB:-4}" --dir "${CKPT_DIR:-/tmp/muon-ckpt-bench}" ${RESUME_ARGS:-}
   if want memory; then
     step python3 -m benchmarks.bench_memory_tier restore --world 1 --node-size 1 --device cuda --size-gib "${CKPT_GIB:-4}"
-    step python3 -m benchmarks.bench_memory_tier overhead --device cuda --case 16x4096 --gpt "$gpt" --offload on --every 1 2 4 8 --steps 30
+    step python3 -m benchmarks.bench_memory_tier overhead --device cuda --case 16x4096 --gpt "$gpt" --offload on --every 1 2 4 8 --steps 30 ${MEMORY_ARGS:-}
   fi
 fi
 exit $rc

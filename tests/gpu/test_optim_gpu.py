@@ -5,7 +5,8 @@
 On CUDA the momentum update takes other kernels than on CPU: fused lerps, and for matrices of
 at least ``_FOREACH_MAX_NUMEL`` elements a per-matrix lerp written straight into bfloat16.
 The CPU suite cannot reach them, so this compares both against torch.optim.Muon here, with the
-tolerance of tests/test_optim_reference.py (one bf16 ulp of the update per step).
+tolerance of tests/test_optim_reference.py (one bf16 ulp of the update per step), and the fp32
+Newton-Schulz (``ns_dtype="fp32"``) against a float64 one on the GPU.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def test_cuda_muon_matches_torch_optim_muon(adjust_lr_fn, nesterov):
     ours = [torch.nn.Parameter(t.clone()) for t in init]
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     hp = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": nesterov}
-    o1 = Muon([{"params": ours, **hp}], adjust_lr_fn=adjust_lr_fn, chunk_size=2)
+    o1 = Muon([{"params": ours, **hp}], adjust_lr_fn=adjust_lr_fn, chunk_size=2, ns_dtype="bf16")
     o2 = torch.optim.Muon(ref, adjust_lr_fn=adjust_lr_fn, **hp)
     for _ in range(STEPS):
         for a, b in zip(ours, ref):
@@ -61,9 +62,10 @@ def test_cuda_muon_matches_torch_optim_muon(adjust_lr_fn, nesterov):
         )
 
 
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_large_matrix_momentum_is_the_same_bits_on_any_row_shard(nesterov, dtype):
+def test_large_matrix_momentum_is_the_same_bits_on_any_row_shard(nesterov, dtype, ns_dtype):
     # The N-ranks == 1-process guarantee on CUDA for the per-matrix momentum path: uneven row
     # shards of a matrix, their state at odd element offsets of flat buffers (as the offload
     # pool and all_to_all receive buffers place them), give the bits of the full matrix. The
@@ -76,8 +78,8 @@ def test_large_matrix_momentum_is_the_same_bits_on_any_row_shard(nesterov, dtype
     grad = torch.randn(rows, cols, device=dev, generator=g).to(dtype)
     buf0 = torch.randn(rows, cols, device=dev, generator=g).to(dtype)
     full_buf = buf0.clone()
-    full_upd = _large_update(full_buf, grad, 0.95, nesterov)
-    assert full_upd.dtype == torch.bfloat16 and full_upd.data_ptr() != full_buf.data_ptr()
+    full_upd = _large_update(full_buf, grad, 0.95, nesterov, ns_dtype)
+    assert full_upd.dtype == ns_dtype and full_upd.data_ptr() != full_buf.data_ptr()
     cuts = [0, 701, 1366, rows]
     for a, b in itertools.pairwise(cuts):
         n = (b - a) * cols
@@ -85,6 +87,38 @@ def test_large_matrix_momentum_is_the_same_bits_on_any_row_shard(nesterov, dtype
         sgrad = torch.empty(n + 1, device=dev, dtype=dtype)[1:].view(b - a, cols)
         sbuf.copy_(buf0[a:b])
         sgrad.copy_(grad[a:b])
-        upd = _large_update(sbuf, sgrad, 0.95, nesterov)
+        upd = _large_update(sbuf, sgrad, 0.95, nesterov, ns_dtype)
         assert torch.equal(sbuf, full_buf[a:b]), (a, b)
         assert torch.equal(upd, full_upd[a:b]), (a, b)
+
+
+def test_auto_ns_dtype_is_bf16_on_a_gpu_with_bf16_tensor_cores():
+    from optim import Muon
+
+    want = "bf16" if torch.cuda.get_device_capability()[0] >= 8 else "fp32"
+    w = torch.nn.Parameter(torch.zeros(4, 4, device="cuda"))
+    assert Muon([w]).param_groups[0]["ns_dtype"] == want
+
+
+@pytest.mark.parametrize("shape", [(1024, 1024), (512, 2048), (4, 256, 96)])
+def test_cuda_fp32_newton_schulz_is_within_5e_5_of_float64(shape):
+    # The bound of tests/test_optim_ns_dtype.py. TF32 is off by default in torch (it would be
+    # ~1e-3 off); the test keeps it off whatever the process set.
+    from optim.newton_schulz import zeropower_via_newtonschulz
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        out = zeropower_via_newtonschulz(g, dtype=torch.float32)
+        x = g.double()
+        tall = x.size(-2) > x.size(-1)
+        x = x.mT if tall else x
+        x = x / x.norm(dim=(-2, -1), keepdim=True)
+        for _ in range(5):
+            gram = x @ x.mT
+            x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+        ref = x.mT if tall else x
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 5e-5
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
