@@ -12,9 +12,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointNotFoundError
 from muon_ckpt._progress import progress_bar
-from muon_ckpt.store._catalog import Catalog, check_files
+from muon_ckpt.store._catalog import Catalog
 from muon_ckpt.store._checksum import file_checksum
 from muon_ckpt.store._data import listing
+from muon_ckpt.store._files import check_files
 from muon_ckpt.store._layout import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
