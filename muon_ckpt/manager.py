@@ -29,6 +29,7 @@ from muon_ckpt.memory import MemorySaves, restore_from_memory
 from muon_ckpt.save import RunLine, SaveSources, UrlSaves, hook_step
 from muon_ckpt.state import HostStaging, LoadReport, check_objects, check_parts, optimizer_name
 from muon_ckpt.store import StepInfo, check_step, open_run
+from muon_ckpt.store.codec import require_zstd
 
 __all__ = ["CheckpointManager"]
 
@@ -61,6 +62,7 @@ class CheckpointManager:
         lease_seconds: float = 600.0,
         confirm: str = "checksum",
         dedup: bool = True,
+        compression: str | None = None,
         read_once: bool | None = None,
         new_run: bool = False,
         snapshot: str = "blocking",
@@ -74,6 +76,8 @@ class CheckpointManager:
         given = locals()
         names = ManagerConfig.__dataclass_fields__
         self.config = ManagerConfig(**{k: v for k, v in given.items() if k in names})
+        if self.config.compression == "zstd":
+            require_zstd()  # now, not at the first save: an ImportError saying what to install
         self._extra, self._rank_extra = check_objects(model, optimizer, extra, rank_extra)
         self._model, self._optimizer = model, optimizer
         c = self.config

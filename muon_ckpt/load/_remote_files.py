@@ -1,7 +1,8 @@
 """Remote reads of ``VerifyingReader`` (object stores and other non-local fsspec filesystems).
 
 Every stored item is loaded from memory into its targets (``_item_bytes``: its zip records parsed,
-its tensor bytes viewed in place and copied), without a ``torch.load`` per item.
+its tensor bytes viewed in place and copied), without a ``torch.load`` per item; a compressed
+item is expanded by the thread that read it.
 With checksums (``stream=True``): a file this rank reads completely is read front to back by a
 worker thread, one stored item at a time, chaining the checksum; the calling thread loads each
 item as it arrives. A file needed only in part is read item by item with ranged reads, each
@@ -24,7 +25,7 @@ from typing import Any, Protocol
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._threads import run_all
 from muon_ckpt.load._corruption import prefer_corruption
-from muon_ckpt.load._declared import StoredChunks
+from muon_ckpt.load._declared import StoredChunks, UntrustedItem
 from muon_ckpt.load._item_bytes import Capture, fetch_items, load_blob
 from muon_ckpt.store import FileEntry, Storage, data_ref, is_file_name
 from muon_ckpt.store.checksums import Checksum
@@ -165,18 +166,28 @@ def _stream_files(
         try:
             got = r.checksum(name)
             entry = r.entry(name)
+            bad: UntrustedItem | None = None  # raised once the file's checksum matched
             with r.step.open(name, ahead=[(0, entry.size)] if entry is not None else None) as f:
                 for off in sorted(slices[name]):
                     if stop.is_set():
                         return
-                    data = f.read(lengths[(name, off)])
+                    data: Any = f.read(lengths[(name, off)])
                     r.count(len(data))
                     got.update(data)
+                    reqs = slices[name][off]
+                    if isinstance(reqs, list):  # a compressed item expands here, not below
+                        try:
+                            data = r.chunks.decode(reqs[0], data, r.where(name))
+                        except UntrustedItem as e:
+                            bad = bad or e
+                            continue
                     put((name, off, data, None))
                 tail = f.read(1)  # anything past the manifest's size
                 r.count(len(tail))
                 got.update(tail)
             r.check(name, got)
+            if bad is not None:
+                raise bad
             put((name, -1, None, None))
         except BaseException as e:
             put((name, -1, None, e))
@@ -201,7 +212,7 @@ def _stream_files(
                 continue
             prefer_corruption(
                 lambda n=name, o=off, d=data: load_blob(
-                    d, slices[n][o], planner, r.where(n), r.chunks
+                    d, slices[n][o], planner, r.where(n), r.chunks, decoded=True
                 ),
                 lambda n=name: file_verdict(n),
             )

@@ -60,13 +60,19 @@ def tensor_digest(t: torch.Tensor) -> str | None:
 class Stored:
     """Where a tensor item is stored: ``name`` (``../data/<dir>/<file>``), its bytes there,
     and the digest of the tensor it holds; ``changed``: whether it differed from its base at
-    the save that recorded it (None: not known, e.g. after a load)."""
+    the save that recorded it (None: not known, e.g. after a load); ``how``: its DCP
+    storage transforms (``store.codec.DESCRIPTOR`` when compressed)."""
 
     name: str
     offset: int
     length: int
     sha256: str
     changed: bool | None = None
+    how: tuple[str, ...] = ()
+
+    def where(self) -> tuple[str, int, int, tuple[str, ...]]:
+        """What DCP's metadata says of the item: file, offset, length, transforms."""
+        return self.name, self.offset, self.length, self.how
 
 
 @dataclasses.dataclass
@@ -90,7 +96,8 @@ class DedupBase:
                 continue
             digest = entry.sha256.get(info.offset)
             if digest is not None:
-                items[index] = Stored(name, info.offset, info.length, digest)
+                how = tuple(info.transform_descriptors or ())
+                items[index] = Stored(name, info.offset, info.length, digest, None, how)
         used = {s.name for s in items.values()}
         return cls((step, gen), items, {n: files[n] for n in used})
 

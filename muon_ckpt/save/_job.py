@@ -80,6 +80,7 @@ class WriteSpec:
     # directory, format 2), and what the run holds that the save refers to when unchanged
     data_dir: str | None = None
     base: DedupBase | None = None
+    compress: bool = False  # tensors stored compressed (store.codec; format 4)
     timings: dict[str, float] = field(default_factory=dict)
     committed_at: float | None = None  # time.perf_counter() once the step was committed
     next_base: DedupBase | None = None  # once committed with data_dir: the next save's base
@@ -120,6 +121,7 @@ def spec_for(
         deferred=snap.deferred,
         data_dir=data_dir,
         base=base,
+        compress=config.compression == "zstd",
     )
 
 
@@ -138,7 +140,13 @@ def write_and_commit(w: WriteSpec) -> None:
     records = FileRecords()
     dirname = write_dirname(step, w.plan.beside)
     writer = ChecksumWriter(
-        storage, dirname, records, w.io_threads, data_dir=w.data_dir, base=w.base
+        storage,
+        dirname,
+        records,
+        w.io_threads,
+        data_dir=w.data_dir,
+        base=w.base,
+        compress=w.compress,
     )
     try:
         what = f"saving step {step} to {storage.url!r}"
@@ -167,7 +175,14 @@ def write_and_commit(w: WriteSpec) -> None:
         if w.optimizer is not None:
             extra["optimizer"] = w.optimizer
         m = w.catalog.commit(
-            step, w.world_size, files, extra, plan=w.plan, line=w.line, data=w.data_dir
+            step,
+            w.world_size,
+            files,
+            extra,
+            plan=w.plan,
+            line=w.line,
+            data=w.data_dir,
+            compressed=writer.compressed,
         )
         _log.info(
             "committed step %d to %s: %d files, %d bytes, written in %.2f s (%d bytes new; "
@@ -199,6 +214,14 @@ def write_and_commit(w: WriteSpec) -> None:
     t2 = w.committed_at = time.perf_counter()
     w.written_bytes = sum(e.size for e in records.files.values())
     w.referred_bytes = writer.dedup.referred_bytes
+    if writer.packed[0]:
+        _log.debug(
+            "step %d: this rank compressed %d bytes of tensors into %d (%.3fx)",
+            step,
+            writer.packed[0],
+            writer.packed[1],
+            writer.packed[0] / max(1, writer.packed[1]),
+        )
     if w.data_dir is not None:
         w.next_base = writer.dedup.base((step, w.plan.gen), records.files)
     if w.keep_last is not None or w.plan.retires or w.plan.drop:

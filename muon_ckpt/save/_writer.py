@@ -42,8 +42,10 @@ from muon_ckpt._errors import CheckpointError
 from muon_ckpt._threads import run_all
 from muon_ckpt.save._dedup import MIN_REF_BYTES, DedupBase, DedupRecords, Stored, tensor_digest
 from muon_ckpt.save._writeback import start_writeback
+from muon_ckpt.save._zip_crc import torch_save_without_zip_crc
 from muon_ckpt.store import DATA, FileEntry, Storage, data_ref_name
 from muon_ckpt.store.checksums import Checksum
+from muon_ckpt.store.codec import DESCRIPTOR, MIN_COMPRESS_BYTES, Encoder, stride_of
 from muon_ckpt.store.dcp import DelegatingFileSystem, dcp_filesystem
 
 __all__ = ["ChecksumWriter", "FileRecords"]
@@ -53,62 +55,6 @@ _PARALLEL_CRC_BYTES = 4 << 20  # buffers at least this big: crc in a helper thre
 # of its rows then reads at most one chunk more before them, and the zip records around it
 # (small chunks of their own), not the neighbouring megabytes.
 _CUT_BYTES = 64 << 10
-
-
-_zip_crc_get = getattr(torch.serialization, "get_crc32_options", None)
-_zip_crc_set = getattr(torch.serialization, "set_crc32_options", None)
-_zip_crc_lock = threading.Lock()
-_zip_crc_users = 0
-_zip_crc_saved = True
-_zip_crc_thread_local: bool | None = None
-
-
-def _zip_crc_per_thread() -> bool:
-    """Whether torch keeps the crc32 switch per thread (torch 2.13 does; older builds share
-    one setting). Probed once: a helper thread flips it and this thread looks."""
-    global _zip_crc_thread_local
-    if _zip_crc_thread_local is None:
-        assert _zip_crc_get is not None and _zip_crc_set is not None
-        with _zip_crc_lock:
-            before = _zip_crc_get()
-            t = threading.Thread(target=lambda: _zip_crc_set(not before))
-            t.start()
-            t.join()
-            _zip_crc_thread_local = _zip_crc_get() == before
-            if not _zip_crc_thread_local:
-                _zip_crc_set(before)  # shared: undo the probe
-    return _zip_crc_thread_local
-
-
-@contextmanager
-def _torch_save_without_zip_crc() -> Generator[None, None, None]:
-    """torch.save in this thread skips its per-record crc32 for the duration. Where torch
-    shares one setting between threads, concurrent uses share one switch and the last one
-    out restores the caller's setting."""
-    global _zip_crc_users, _zip_crc_saved
-    if _zip_crc_get is None or _zip_crc_set is None:  # pragma: no cover - no switch in torch
-        yield
-        return
-    if _zip_crc_per_thread():
-        saved = _zip_crc_get()
-        _zip_crc_set(False)
-        try:
-            yield
-        finally:
-            _zip_crc_set(saved)
-        return
-    with _zip_crc_lock:
-        if _zip_crc_users == 0:
-            _zip_crc_saved = _zip_crc_get()
-            _zip_crc_set(False)
-        _zip_crc_users += 1
-    try:
-        yield
-    finally:
-        with _zip_crc_lock:
-            _zip_crc_users -= 1
-            if _zip_crc_users == 0:
-                _zip_crc_set(_zip_crc_saved)
 
 
 class FileRecords:
@@ -239,7 +185,7 @@ class _RecordingFileSystem(DelegatingFileSystem):
                 s = _CrcStream(raw, self.records, _local_fd(raw))
                 # In the writer thread that runs torch.save: the switch is per thread in
                 # recent torch, so setting it around write_data missed DCP's other threads.
-                with _torch_save_without_zip_crc():
+                with torch_save_without_zip_crc():
                     yield s
                 # DCP fsyncs (locally) after the last write; the file closes on leaving here.
                 tail_start = s.last_write_end
@@ -273,8 +219,9 @@ class ChecksumWriter(FileSystemWriter):
     ``data_dir``: the directory under ``<root>/data/`` the data files go to (format 3;
     ``.metadata`` stays in the step directory and names them ``../data/<dir>/<file>``);
     then a tensor that ``base`` holds unchanged is referred to, not written (``_dedup``),
-    and ``dedup`` records what the next save's base needs. None: DCP's own writer, every
-    file in the step directory (format 2)."""
+    and ``dedup`` records what the next save's base needs. ``compress``: tensors of at least
+    ``MIN_COMPRESS_BYTES`` are stored compressed (``store._codec``, format 4), by the writer
+    threads. Without either: DCP's own writer, every file in the step directory (format 2)."""
 
     def __init__(
         self,
@@ -285,6 +232,7 @@ class ChecksumWriter(FileSystemWriter):
         *,
         data_dir: str | None = None,
         base: DedupBase | None = None,
+        compress: bool = False,
     ) -> None:
         super().__init__(
             storage.path(step_dir),
@@ -296,17 +244,25 @@ class ChecksumWriter(FileSystemWriter):
         )
         self.fs = _RecordingFileSystem(dcp_filesystem(storage), records, storage.path(step_dir))
         self.path = self.fs.init_path(storage.path(step_dir))
-        self.storage = storage
-        self.data_dir, self.base = data_dir, base
+        self.storage, self.step_dir = storage, step_dir
+        self.data_dir, self.base, self.compress = data_dir, base, compress
         self.dedup = DedupRecords()
         self.write_seconds = 0.0  # wall time of write_data (all writer threads)
+        self._lock = threading.Lock()
+        self.packed = [0, 0]  # compressed tensors written: their bytes in, the bytes stored
+        self.compressed = False  # (rank 0, once finished) whether the step has such items
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        infos = (metadata.storage_data or {}).values()
+        self.compressed = any(getattr(i, "transform_descriptors", None) for i in infos)
 
     def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
         t0 = time.perf_counter()
-        if self.data_dir is None:
+        if self.data_dir is None and not self.compress:
             fut = super().write_data(plan, planner)
         else:
-            fut = self._write_shared(plan, planner)
+            fut = self._write_own(plan, planner)
         results = fut.wait()  # (a completed future)
         self.write_seconds = time.perf_counter() - t0
         errors = self.fs.records.errors
@@ -321,32 +277,38 @@ class ChecksumWriter(FileSystemWriter):
             ) from err
         return fut
 
-    def _write_shared(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
+    def _write_own(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
         """DCP's write of this rank's items (its split into ``thread_count`` files, each
-        item as ``torch.save`` writes it), into ``data_dir``, leaving out the tensors
-        ``base`` holds unchanged; the files run on ``thread_count`` threads."""
-        assert self.data_dir is not None
-        self.storage.makedirs(DATA, self.data_dir)
+        item as ``torch.save`` writes it), into ``data_dir`` (else the step directory),
+        leaving out the tensors ``base`` holds unchanged; the files run on ``thread_count``
+        threads."""
+        if self.data_dir is not None:
+            self.storage.makedirs(DATA, self.data_dir)
         prefix = plan.storage_data.prefix  # __<rank>_
         buckets = _split_by_size_and_type(self.thread_count, plan.items)
         jobs = [(f"{prefix}{k}{DEFAULT_SUFFIX}", b) for k, b in enumerate(buckets) if b]
         results: list[WriteResult] = []
-        lock = threading.Lock()
 
         def one(job: tuple[str, list[Any]]) -> None:
-            name, items = job
+            fname, items = job
             try:
-                got = self._write_file(name, items, planner)
+                got = self._write_file(fname, items, planner)
             except Exception as e:  # as DCP's writer threads: its items are missing (below)
-                self.fs.records.fail(data_ref_name(self.data_dir or "", name), e)
+                self.fs.records.fail(self._where(fname)[0], e)
                 return
-            with lock:
+            with self._lock:
                 results.extend(got)
 
         run_all(self.thread_count, one, jobs, name="-write")
         fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         fut.set_result(results)
         return fut
+
+    def _where(self, fname: str) -> tuple[str, str]:
+        """A data file's name from the step directory, and its path."""
+        if self.data_dir is None:
+            return fname, self.storage.path(self.step_dir, fname)
+        return data_ref_name(self.data_dir, fname), self.storage.path(DATA, self.data_dir, fname)
 
     def _base_entry(self, name: str) -> FileEntry:
         assert self.base is not None
@@ -356,9 +318,8 @@ class ChecksumWriter(FileSystemWriter):
         """One data file: its non-tensor items, then its tensors, each written unless the
         base holds it unchanged (then referred to). The file is made only when something
         is written to it."""
-        assert self.data_dir is not None
-        name = data_ref_name(self.data_dir, fname)
-        path = self.storage.path(DATA, self.data_dir, fname)
+        name, path = self._where(fname)
+        dedup = self.data_dir is not None
         results: list[WriteResult] = []
         digests: dict[int, str] = {}
         with ExitStack() as stack:
@@ -383,29 +344,36 @@ class ChecksumWriter(FileSystemWriter):
                 if t.untyped_storage().size() != t.nbytes:
                     t = t.clone()  # torch.save writes the whole storage: only its bytes
                 prev = None if self.base is None else self.base.items.get(item.index)
-                big = t.nbytes >= MIN_REF_BYTES
+                big = dedup and t.nbytes >= MIN_REF_BYTES
                 digest = None
                 if big and prev is not None and prev.changed is not True:
                     digest = tensor_digest(t)  # first: it may not need writing
                     if digest == prev.sha256:
                         held = dataclasses.replace(prev, changed=False)
-                        results.append(_result(item, held.name, held.offset, held.length))
+                        results.append(_result(item, *held.where()))
                         self.dedup.referred(item.index, held, self._base_entry(held.name))
                         continue
                 s = out()
                 at = s.tell()
+                how = (DESCRIPTOR,) if self.compress and t.nbytes >= MIN_COMPRESS_BYTES else ()
+                dst = Encoder(s, stride_of(t.element_size())) if how else s
                 if big and digest is None:
                     # Nothing to refer to, or it changed at its last save (most likely again):
                     # written while its digest (for the next save) is taken on another thread.
-                    digest = _save_hashing(t, s)
+                    digest = _save_hashing(t, dst)
                 else:
-                    torch.save(t, s)
-                results.append(_result(item, name, at, s.tell() - at))
+                    torch.save(t, dst)
+                if isinstance(dst, Encoder):
+                    dst.finish()
+                    with self._lock:
+                        self.packed[0] += dst.raw
+                        self.packed[1] += dst.stored
+                stored = Stored(name, at, s.tell() - at, digest or "", None, how)
+                results.append(_result(item, *stored.where()))
                 if digest is not None:
                     digests[at] = digest
                     changed = None if prev is None else digest != prev.sha256
-                    stored = Stored(name, at, s.tell() - at, digest, changed)
-                    self.dedup.stored(item.index, stored)
+                    self.dedup.stored(item.index, dataclasses.replace(stored, changed=changed))
             if stream is not None and self.sync_files:
                 os.fsync(stream.fileno())
         if digests:
@@ -426,7 +394,8 @@ def _save_hashing(t: torch.Tensor, stream: Any) -> str | None:
     return box[0] if box else None
 
 
-def _result(item: Any, name: str, offset: int, length: int) -> WriteResult:
-    return WriteResult(
-        index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)
-    )
+def _result(
+    item: Any, name: str, offset: int, length: int, how: tuple[str, ...] = ()
+) -> WriteResult:
+    info = _StorageInfo(name, offset, length, transform_descriptors=list(how) or None)
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=info)

@@ -40,6 +40,7 @@ from muon_ckpt._version import __version__
 from muon_ckpt.store._data import collect_data, listing
 from muon_ckpt.store._files import check_files
 from muon_ckpt.store._layout import (
+    COMPRESSED_FORMAT_VERSION,
     MANIFEST,
     METADATA,
     PLAIN_FORMAT_VERSION,
@@ -277,12 +278,14 @@ class Catalog:
         plan: SavePlan,
         line: str | None = None,
         data: str | None = None,
+        compressed: bool = False,
     ) -> Manifest:
         """Check that every recorded file is there with its size (those of the run's data it
         refers to included) and that this job still holds the lease, then write the manifest
         (with ``plan``'s generation and retired commits, ``line``, and ``data``: the data
-        directory the save wrote to) and read it back; a step written beside the one it
-        replaces is then swapped in."""
+        directory the save wrote to; ``compressed``: whether its metadata has compressed
+        items, format 4) and read it back; a step written beside the one it replaces is then
+        swapped in."""
         st, name = self.storage, write_dirname(step, plan.beside)
         listed = listing(st, (name,), set(files))
         for fname, entry in sorted(files.items()):
@@ -297,11 +300,12 @@ class Catalog:
                 f"{st.url_of(name)}: DCP wrote no {METADATA}; step {step} is NOT committed"
             )
         shared = any(data_ref(n) is not None for n in files)
+        version = SHARED_FORMAT_VERSION if shared else PLAIN_FORMAT_VERSION
         manifest = Manifest(
             step=step,
             world_size=world_size,
             files=dict(sorted(files.items())),
-            format_version=SHARED_FORMAT_VERSION if shared else PLAIN_FORMAT_VERSION,
+            format_version=COMPRESSED_FORMAT_VERSION if compressed else version,
             data=data,
             time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__,

@@ -40,8 +40,9 @@ METADATA = ".metadata"  # DCP's own metadata file, in every step directory
 FORMAT = "muon-ckpt"
 # 3: data files in <url>/data/, shared by the steps that refer to them; 2: CRC32C (or crc32)
 # per 1 MiB chunk, every file in the step's directory; 1: one zlib crc32 per file
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 SHARED_FORMAT_VERSION = 3  # the first format whose steps refer to files in DATA
+COMPRESSED_FORMAT_VERSION = 4  # the first whose items may be compressed (store._codec)
 PLAIN_FORMAT_VERSION = 2  # what a step without such references is written as
 DATA = "data"  # <url>/data/: the data files of format-3 steps
 KEY_FORMAT_VERSION = 1
