@@ -281,6 +281,9 @@ def measure_ours(
     return out
 
 
+_STAGER_NOT_REUSABLE = torch.__version__.startswith("2.11.")
+
+
 def measure_dcp(model, opt, dev, path: str, rounds: int, pinned: bool, group) -> list[float] | None:
     """Blocked time of dcp.async_save of the same state (offload turned off and on around it
     when it is on, as DCP needs ordinary device tensors)."""
@@ -296,6 +299,10 @@ def measure_dcp(model, opt, dev, path: str, rounds: int, pinned: bool, group) ->
     times = []
     for r in range(rounds + 1):
         d = os.path.join(path, f"dcp-{r}")
+        if stager is not None and r and _STAGER_NOT_REUSABLE:
+            # torch 2.11's DefaultStager cannot stage a second time (pytorch#183413: its
+            # _stage() closes itself): a new one per save, as a job on 2.11 must do.
+            stager = DefaultStager(StagingOptions(True, False, True, True))
         sync(dev)
         t0 = time.perf_counter()
         was_on = opt.cpu_offload

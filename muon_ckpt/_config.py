@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from muon_ckpt._zstd import require_zstd
+
 __all__ = ["ManagerConfig", "read_threads"]
 
 # "checksum": sizes and the manifest's checksums (CRC32C, or zlib crc32 in older manifests) of
@@ -234,6 +236,8 @@ class ManagerConfig:
             raise ValueError(f"dedup must be True or False, got {self.dedup!r}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if self.compression == "zstd":
+            require_zstd()  # now, not at the first save: an ImportError saying what to install
         self._check_memory()
 
     def _check_memory(self) -> None:

@@ -20,7 +20,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointStorageError
+from muon_ckpt._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointStorageError,
+    handled,
+    interrupt_in,
+)
 from muon_ckpt.store import is_storage_failure
 
 __all__ = ["UntrustedItem", "dcp_failure", "failures", "load", "save"]
@@ -92,29 +98,16 @@ def load(
 
 @contextlib.contextmanager
 def failures(what: str) -> Iterator[None]:
-    """DCP's failures as muon-ckpt's errors (``dcp_failure``), an interrupt as itself."""
+    """DCP's failures as muon-ckpt's errors (``dcp_failure``), an interrupt as itself (DCP
+    turns everything raised inside it into a CheckpointException: ``interrupt_in``)."""
+    since = handled()
     try:
         yield
     except DCP_ERRORS as e:
-        stop = interrupt_in(e)
+        stop = interrupt_in(e, since)
         if stop is not None:  # Ctrl-C (or an exit) in the middle: itself, not a failure
             raise stop from None
         raise dcp_failure(e, what) from e
-
-
-def interrupt_in(e: BaseException) -> BaseException | None:
-    """The interrupt (KeyboardInterrupt, SystemExit: a BaseException that is not an
-    Exception) that a failed ``dcp.save``/``dcp.load`` wraps, if any: DCP turns everything
-    raised inside it into a CheckpointException, and a Ctrl-C must leave as itself."""
-    if not isinstance(e, Exception):
-        failures: dict[int, Any] = getattr(e, "failures", None) or {}
-        for v in failures.values():
-            cause = v[0] if isinstance(v, tuple) else v
-            if isinstance(cause, BaseException) and not isinstance(cause, Exception):
-                return cause
-        if not hasattr(e, "failures"):
-            return e
-    return None
 
 
 def dcp_failure(e: BaseException, what: str) -> CheckpointError:

@@ -21,7 +21,7 @@ import torch
 
 import muon_ckpt._collective as coll
 from muon_ckpt._config import OPTIONS, ManagerConfig
-from muon_ckpt._errors import CheckpointError
+from muon_ckpt._errors import CheckpointError, passes_interrupts
 from muon_ckpt._exit import finish_at_exit, let_go
 from muon_ckpt._preempt import PreemptionWatch
 from muon_ckpt.load import LoadTargets, resume
@@ -29,7 +29,6 @@ from muon_ckpt.memory import MemorySaves, restore_from_memory
 from muon_ckpt.save import RunLine, SaveSources, UrlSaves, hook_step
 from muon_ckpt.state import HostStaging, LoadReport, check_objects, check_parts, optimizer_name
 from muon_ckpt.store import StepInfo, check_step, open_run
-from muon_ckpt.store.codec import require_zstd
 
 __all__ = ["CheckpointManager"]
 
@@ -76,8 +75,6 @@ class CheckpointManager:
         given = locals()
         names = ManagerConfig.__dataclass_fields__
         self.config = ManagerConfig(**{k: v for k, v in given.items() if k in names})
-        if self.config.compression == "zstd":
-            require_zstd()  # now, not at the first save: an ImportError saying what to install
         self._extra, self._rank_extra = check_objects(model, optimizer, extra, rank_extra)
         self._model, self._optimizer = model, optimizer
         c = self.config
@@ -142,6 +139,7 @@ class CheckpointManager:
         return self._catalog.step_info(step)
 
     # ------------------------------------------------------------------ save
+    @passes_interrupts
     def save(self, step: int, *, force: bool = False, overwrite: bool = False) -> bool:
         """Save ``step`` if it is due (``interval``) or ``force``; return whether it saved.
 
@@ -188,6 +186,7 @@ class CheckpointManager:
         """This rank's seconds per phase of the last finished save (docs/internals.md)."""
         return self._saves.timings
 
+    @passes_interrupts
     def wait(self) -> int | None:
         """Block until the pending asynchronous save is complete in every tier it goes to
         (committed to ``url``; in the memory tier, replicas included) and return its step
@@ -227,6 +226,7 @@ class CheckpointManager:
             self._preempt.exit(step)
 
     # ------------------------------------------------------------------ load
+    @passes_interrupts
     def load(
         self,
         step: int | None = None,
@@ -285,6 +285,7 @@ class CheckpointManager:
         return got.decision.step
 
     # ------------------------------------------------------------------ lifecycle
+    @passes_interrupts
     def close(self) -> None:
         """Finish a pending save (its failure is raised here), give the write lease back and
         restore the signal handlers; ``steps()`` still works after. Idempotent. Call it before

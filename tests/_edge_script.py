@@ -29,7 +29,8 @@ from tests.conftest import tiny_run, tiny_snapshot, tiny_train
 
 class _Signals:
     """A Stateful for ``extra`` whose saving sends this process a signal: at ``state_dict()``
-    (inside a snapshot), or while DCP pickles its value (inside the write)."""
+    (inside a snapshot), while DCP pickles its value (inside the write), or (``zip``) while
+    ``torch.save`` writes a tensor item's zip records into the step's file (``in_zip``)."""
 
     def __init__(self, when: str | None) -> None:
         self.when = when
@@ -43,6 +44,38 @@ class _Signals:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         pass
+
+
+def in_zip(signals: _Signals) -> None:
+    """A SIGINT that lands inside torch.save's zip writer: in the third write to the step's
+    file that ``torch.save`` makes in the main thread (the one that takes signals; with
+    ``io_threads=1`` the only one that writes), once some records are written. The zip
+    writer's context manager then fails on the way out ("unexpected pos"), a RuntimeError
+    whose __context__ is the KeyboardInterrupt."""
+    from muon_ckpt.save import _writer
+
+    real = _writer._CrcStream.write
+    writes = [0]  # by torch.save, in the main thread, since the signal was armed
+
+    def from_zip_writer() -> bool:
+        f = sys._getframe(2)  # what called write(): DCP's stream wrapper, torch.save's _save
+        for _ in range(2):
+            if f is not None and f.f_code.co_name == "_save" and "serial" in f.f_code.co_filename:
+                return True
+            f = f.f_back if f is not None else None
+        return False
+
+    def write(self: Any, b: Any) -> int:
+        main = threading.current_thread() is threading.main_thread()
+        if signals.armed and main and from_zip_writer():
+            writes[0] += 1
+            if writes[0] == 3:
+                signals.armed = False
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)  # the interrupt is raised here, inside the zip writer's write
+        return real(self, b)
+
+    _writer._CrcStream.write = write  # type: ignore[method-assign]
 
 
 class _Pickled:
@@ -67,6 +100,8 @@ def main(cfg: dict[str, Any]) -> None:
     progress = open(os.path.join(out, f"progress-{rank}"), "a", buffering=1)  # noqa: SIM115
     model, opt = tiny_run(seed=0)
     signals = _Signals(cfg.get("signal_in"))
+    if signals.when == "zip":
+        in_zip(signals)
     mgr = CheckpointManager(
         cfg["url"],
         model=model,
@@ -75,6 +110,7 @@ def main(cfg: dict[str, Any]) -> None:
         storage_options=cfg.get("opts") or {},
         interval=cfg.get("interval"),
         async_save=cfg.get("async_save", True),
+        io_threads=cfg.get("io_threads"),
     )
     if cfg.get("preempt"):
         mgr.watch_preemption()
@@ -95,7 +131,9 @@ def main(cfg: dict[str, Any]) -> None:
             except KeyboardInterrupt:
                 progress.write(f"interrupted {step}\n")
                 progress.write(f"steps {mgr.steps()}\n")
+                mgr.save(step, force=True)  # the interrupted step, saved again: it commits
                 mgr.close()
+                progress.write(f"saved again {step}: steps {mgr.steps()}\n")
                 return
             continue
         saved = mgr.save(step)

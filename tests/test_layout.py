@@ -33,6 +33,7 @@ _LEVEL = {
     "interop": 4,
     "manager": 5,
     "demo": 6,
+    "integrations": 6,  # adapters for the frameworks: users of the manager
     "cli": 7,
     "__init__": 8,
 }

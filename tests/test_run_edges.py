@@ -21,7 +21,7 @@ import torch
 
 from muon_ckpt import CheckpointManager
 from tests._edge_script import _Signals
-from tests.conftest import assert_same, tiny_run, tiny_snapshot
+from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -178,12 +178,15 @@ def test_a_background_failure_after_the_last_save_is_logged_at_exit(tmp_path):
 
 # ---------------------------------------------------------------------- Ctrl-C in a save
 @pytest.mark.parametrize(
-    ("async_save", "signal_in"), [(False, "write"), (True, "snapshot"), (False, "snapshot")]
+    ("async_save", "signal_in"),
+    [(False, "write"), (False, "zip"), (True, "snapshot"), (False, "snapshot")],
 )
 def test_ctrl_c_inside_a_save_leaves_as_keyboard_interrupt(async_save, signal_in, tmp_path):
-    """A SIGINT while ``save()`` runs (while DCP writes, or while the snapshot is taken)
-    comes out of the call as KeyboardInterrupt, not as a CheckpointError that the loop's
-    ``except CheckpointError`` would swallow; committed steps are unchanged and load."""
+    """A SIGINT while ``save()`` runs (while DCP writes, inside torch.save's zip writer, or
+    while the snapshot is taken) comes out of the call as KeyboardInterrupt, not as a
+    CheckpointError that the loop's ``except CheckpointError`` would swallow (``zip``: the
+    zip writer raises a RuntimeError whose __context__ is the interrupt); committed steps are
+    unchanged and load, and the interrupted step, saved again over what it left, commits."""
     url, out = str(tmp_path / "run"), str(tmp_path / "out")
     os.makedirs(out)
     cfg = {
@@ -193,16 +196,190 @@ def test_ctrl_c_inside_a_save_leaves_as_keyboard_interrupt(async_save, signal_in
         "interrupt_at": 3,
         "signal_in": signal_in,
         "async_save": async_save,
+        "io_threads": 1 if signal_in == "zip" else None,  # (the main thread writes every file)
     }
     [(rc, err)] = _finish(_launch(cfg, 1))
     assert rc == 0, err
     lines = _progress(out)
     assert "interrupted 3" in lines, (lines, err)
     assert not any(ln.startswith("caught CheckpointError") for ln in lines), lines
-    assert "steps [1, 2]" in lines
-    mgr, _, _ = _loader(url, {})
-    assert mgr.steps() == [1, 2]
+    assert "steps [1, 2]" in lines  # (what a load finds right after the interrupt)
+    assert "saved again 3: steps [1, 2, 3]" in lines  # over what the interrupt left
+    mgr, model, opt = _loader(url, {})
+    assert mgr.load() == 3
+    assert_same(tiny_snapshot(model, opt), torch.load(os.path.join(out, "state-3.pt")))
     _assert_loads_bitwise(url, {}, out, 2)
+
+
+def _raised(fn: Any) -> BaseException:
+    try:
+        fn()
+    except BaseException as e:
+        return e
+    raise AssertionError("nothing raised")
+
+
+def test_an_interrupt_anywhere_in_the_chain_is_what_comes_out():
+    """The rule behind every save, load and wait: an interrupt (a BaseException that is not
+    an Exception) wrapped by DCP, or left as the __context__ or __cause__ of what broke on
+    its way out, anywhere down the chain, is found; errors without one are not interrupts."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from muon_ckpt import CheckpointError
+    from muon_ckpt._dcp import failures
+    from muon_ckpt._errors import interrupt_in, passes_interrupts
+
+    ki, bye = KeyboardInterrupt(), SystemExit(3)
+
+    def zip_writer() -> None:  # what torch.save's context manager does on a Ctrl-C
+        try:
+            raise ki
+        finally:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos")
+
+    broke = _raised(zip_writer)
+    assert broke.__context__ is ki and interrupt_in(broke) is ki
+    wrapped = CheckpointError("writing failed")
+    wrapped.__cause__ = broke
+    assert interrupt_in(CheckpointException("save", {0: (wrapped, None)})) is ki
+    assert interrupt_in(CheckpointException("save", {1: bye})) is bye
+    assert interrupt_in(ki) is ki
+    loop_a, loop_b = RuntimeError("a"), ValueError("b")
+    loop_a.__context__, loop_b.__context__ = loop_b, loop_a
+    assert interrupt_in(loop_a) is None  # a cycle ends
+    assert interrupt_in(CheckpointException("save", {0: (RuntimeError("x"), None)})) is None
+
+    def in_dcp() -> None:  # through the place DCP's failures are translated
+        with failures("saving step 1"):
+            raise CheckpointException("save", {0: (wrapped, None)})
+
+    assert _raised(in_dcp) is ki
+
+    # What was being handled when the call began is not the call's interrupt: a save made
+    # in an ``except KeyboardInterrupt:`` block that fails on its own is that failure.
+    door = passes_interrupts(zip_writer)
+    assert _raised(door) is ki
+    own = CheckpointError("its own failure")
+    try:
+        raise ki
+    except KeyboardInterrupt:
+        assert _raised(passes_interrupts(_raises(own))) is own and own.__context__ is ki
+        assert interrupt_in(own, since=ki) is None
+
+
+def _raises(e: BaseException) -> Any:
+    def fn() -> None:
+        raise e
+
+    return fn
+
+
+def _interrupted_once(where: str) -> Any:
+    """A stand-in for ``where``'s callee that fails, the first time, as an interrupted
+    library call does: a CheckpointCorruptError raised on the way out of a Ctrl-C (its
+    __context__), the error a load falls back past; afterwards the real one."""
+    from muon_ckpt import CheckpointCorruptError
+
+    module, name = where.rsplit(".", 1)
+    real = getattr(__import__(module, fromlist=[name]), name)
+    calls = [0]
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > 1:
+            return real(*args, **kwargs)
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise CheckpointCorruptError("a read cut short: unexpected pos")
+
+    return broken
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_ctrl_c_inside_a_load_leaves_as_itself_and_changes_nothing(memory, tmp_path, monkeypatch):
+    """A load whose read breaks on an interrupt (a corrupt-looking error whose __context__ is
+    the KeyboardInterrupt) raises that KeyboardInterrupt, the state as it was: it does not
+    fall back to an older step, nor from the memory tier to the url, as it would for damage.
+    The next load loads the newest step."""
+    url = str(tmp_path / "run")
+    kw: dict[str, Any] = (
+        {"memory_interval": 2, "memory_dir": str(tmp_path / "mem")} if memory else {}
+    )
+    model, opt = tiny_run(seed=0)
+    mgr = CheckpointManager(url, model=model, optimizer=opt, **kw)
+    for step in (1, 2):
+        tiny_train(model, opt, 1, seed=step)
+        mgr.save(step, force=True)
+    mgr.wait()
+    saved = tiny_snapshot(model, opt)
+    mgr.close()
+    model, opt = tiny_run(seed=1)
+    before = tiny_snapshot(model, opt)
+    mgr = CheckpointManager(url, model=model, optimizer=opt, **kw)
+    where = (
+        "muon_ckpt.memory._restore.check_files"
+        if memory
+        else "muon_ckpt.load._attempt.apply_loaded"
+    )
+    monkeypatch.setattr(where, _interrupted_once(where))
+    with pytest.raises(KeyboardInterrupt):
+        mgr.load()
+    assert_same(tiny_snapshot(model, opt), before)
+    assert mgr.load() == 2
+    assert mgr.last_load_tier == ("memory" if memory else "storage")
+    assert_same(tiny_snapshot(model, opt), saved)
+    mgr.close()
+
+
+def test_a_save_made_while_handling_ctrl_c_fails_as_itself(tmp_path):
+    """A save or load called in the script's ``except KeyboardInterrupt:`` block that fails
+    for a reason of its own (a committed step without ``overwrite``, a step that is not there)
+    raises that CheckpointError, not the interrupt it was called while handling."""
+    from muon_ckpt import CheckpointExistsError, CheckpointNotFoundError
+
+    model, opt = tiny_run(seed=0)
+    mgr = CheckpointManager(str(tmp_path / "run"), model=model, optimizer=opt)
+    mgr.save(1)
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:  # (caught as BaseException: a wrong answer fails this test only)
+        saved, loaded = _raised(lambda: mgr.save(1)), _raised(lambda: mgr.load(step=7))
+    assert isinstance(saved, CheckpointExistsError), repr(saved)
+    assert isinstance(loaded, CheckpointNotFoundError), repr(loaded)
+    mgr.close()
+
+
+def test_an_exit_in_a_background_save_leaves_wait_as_itself(tmp_path, monkeypatch):
+    """A SystemExit raised while a background save writes (in the save's own thread, which
+    writes every file with ``io_threads=1``) comes out of ``wait()`` as itself, not as the
+    CheckpointError a failed asynchronous save is; nothing is committed and the next save
+    commits."""
+    import threading
+
+    from muon_ckpt.save import _writer
+
+    real = _writer._CrcStream.write
+    main = threading.main_thread()
+
+    def exits(self: Any, b: Any) -> int:
+        if threading.current_thread() is not main:
+            raise SystemExit(3)
+        return real(self, b)
+
+    model, opt = tiny_run(seed=0)
+    url = str(tmp_path / "run")
+    mgr = CheckpointManager(url, model=model, optimizer=opt, async_save=True, io_threads=1)
+    monkeypatch.setattr(_writer._CrcStream, "write", exits)
+    mgr.save(1, force=True)
+    with pytest.raises(SystemExit):
+        mgr.wait()
+    monkeypatch.undo()
+    assert mgr.steps() == []
+    assert mgr.save(2, force=True)
+    mgr.wait()
+    assert mgr.steps() == [2]
+    mgr.close()
 
 
 # ---------------------------------------------------------------------- preemption

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from muon_ckpt._errors import passes_interrupts
 from muon_ckpt._version import __version__
 from muon_ckpt.cli._export import cmd_export
 from muon_ckpt.cli._steps import cmd_inspect, cmd_ls, cmd_prune, cmd_verify
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code = int(args.func(args) or 0)
+        code = int(passes_interrupts(args.func)(args) or 0)  # (Ctrl-C: exit 130)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
         return code
     except BrokenPipeError:

@@ -21,7 +21,13 @@ import torch
 import muon_ckpt._collective as coll
 import muon_ckpt._dcp as _dcp
 from muon_ckpt._config import ManagerConfig, checks_content
-from muon_ckpt._errors import CheckpointCorruptError, CheckpointMismatchError
+from muon_ckpt._errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    handled,
+    interrupt_in,
+    raise_interrupt,
+)
 from muon_ckpt.load._decide import Decision
 from muon_ckpt.load._planner import SafeLoadPlanner
 from muon_ckpt.load._reader import VerifyingReader
@@ -74,10 +80,13 @@ class RankFailure:
     message: str
 
     @classmethod
-    def of(cls, error: Exception | None) -> RankFailure | None:
+    def of(cls, error: Exception | None, since: BaseException | None) -> RankFailure | None:
+        """``error`` as the other ranks see it; one an interrupt caused is not corrupt data
+        (``since``: what was being handled when the load began, see ``interrupt_in``)."""
         if error is None:
             return None
-        return cls(isinstance(error, CheckpointCorruptError), f"{type(error).__name__}: {error}")
+        corrupt = isinstance(error, CheckpointCorruptError) and interrupt_in(error, since) is None
+        return cls(corrupt, f"{type(error).__name__}: {error}")
 
 
 @dataclasses.dataclass
@@ -114,6 +123,7 @@ def attempt(
     (a memory-tier part), without DCP's collectives; the agreements are the same."""
     out = LoadOutcome({})
     flat: FlatState | None = None
+    since = handled()
     try:
         try:
             model = t.model if "model" in parts else None
@@ -124,7 +134,8 @@ def attempt(
             flat, out.report, out.timings = _prepare(t, d, where, strict, parts, out.rollback)
         except Exception as e:
             out.error = e
-        out.failures = _agree(out.error, t.group)
+        out.failures = _agree(RankFailure.of(out.error, since), t.group)
+        raise_interrupt(out.error, since)  # (never a step to fall back past)
         if not out.failures:
             if flat is None or out.report is None or out.rollback is None:
                 raise AssertionError("an agreed load without its state, report or backup")
@@ -132,7 +143,8 @@ def attempt(
                 _read(t, storage, d, where, flat, out, strict, parts, out.rollback, alone)
             except Exception as e:
                 out.error = e
-            out.failures = _agree(out.error, t.group)
+            out.failures = _agree(RankFailure.of(out.error, since), t.group)
+            raise_interrupt(out.error, since)  # (never a step to fall back past)
     except BaseException:
         undo(t, out.rollback)
         raise
@@ -162,9 +174,9 @@ def release_backup(t: LoadTargets) -> None:
         t.staging.release("cpu")
 
 
-def _agree(error: Exception | None, group: Any) -> dict[int, RankFailure]:
-    """Every rank's failure so far, on every rank."""
-    outcome = coll.all_gather(RankFailure.of(error), group)
+def _agree(failure: RankFailure | None, group: Any) -> dict[int, RankFailure]:
+    """Every rank's failure so far (this rank's: ``failure``), on every rank."""
+    outcome = coll.all_gather(failure, group)
     return {r: o for r, o in enumerate(outcome) if o is not None}
 
 

@@ -83,6 +83,8 @@ def unsafe_reason(path: str) -> str | None:
         st = os.lstat(path)
     except FileNotFoundError:
         return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link, not a directory"
     if not stat.S_ISDIR(st.st_mode):
         return f"{path} is not a directory"
     if st.st_uid != os.getuid():
@@ -171,8 +173,8 @@ def list_parts(run_dir: str) -> list[PartInfo]:
         sname = os.path.basename(sdir)
         for pname in sorted(os.listdir(sdir)):
             own, cp = _OWN.fullmatch(pname), _COPY.fullmatch(pname)
-            if own is None and cp is None:
-                continue
+            if (own is None and cp is None) or os.path.islink(os.path.join(sdir, pname)):
+                continue  # (a link is never a part, as a linked step directory is no step)
             rank = int((own or cp).group(1))  # type: ignore[union-attr]
             rel = f"{sname}/{pname}"
             path = os.path.join(run_dir, rel, MANIFEST)
@@ -185,7 +187,10 @@ def list_parts(run_dir: str) -> list[PartInfo]:
                     raise CheckpointError(f"{path}: larger than {MAX_PART_MANIFEST} bytes")
                 m = part_manifest(data, path)
                 if m.step != step or m.extra["memory"]["rank"] != rank:
-                    raise CheckpointError(f"{path}: names step {m.step}, rank {rank}")
+                    raise CheckpointError(
+                        f"{path}: names step {m.step} rank {m.extra['memory']['rank']}, in the "
+                        f"directory of step {step} rank {rank}"
+                    )
                 out.append(PartInfo(step, rank, cp is not None, rel, m))
             except CheckpointVersionError as e:
                 out.append(PartInfo(step, rank, cp is not None, rel, None, str(e), newer=True))

@@ -30,7 +30,7 @@ from muon_ckpt._version import __version__
 from muon_ckpt.memory._dirs import MAX_PART_MANIFEST, part_manifest
 from muon_ckpt.save import ChecksumWriter, FileRecords
 from muon_ckpt.state import HostStaging
-from muon_ckpt.store import MANIFEST, FileEntry, Manifest, Storage
+from muon_ckpt.store import MANIFEST, FileEntry, Manifest, Storage, open_regular
 from muon_ckpt.store.checksums import Checksum
 
 __all__ = ["drop_part", "receive_part", "send_part", "write_own_part"]
@@ -126,10 +126,11 @@ def send_part(path: str | None, dst: int, group: Any) -> None:
     taken."""
     header = None
     if path is not None:
-        try:  # gone since it was listed: offered as nothing
-            with open(os.path.join(path, MANIFEST), "rb") as f:
+        where = os.path.join(path, MANIFEST)
+        try:  # gone since it was listed, or not a regular file now: offered as nothing
+            with os.fdopen(open_regular(where, where), "rb") as f:
                 header = f.read(MAX_PART_MANIFEST + 1)
-        except OSError as e:
+        except (OSError, CheckpointError) as e:
             _log.warning("memory tier: %s is not sent to rank %d: %s", path, dst, e)
     with coll.communicating(f"sending a memory-tier part to rank {dst}"):
         dist.send_object_list([header], dst=dst, group=group)
@@ -146,10 +147,11 @@ def send_part(path: str | None, dst: int, group: Any) -> None:
 
 def _send_file(where: str, size: int, dst: int, group: Any) -> None:
     """``size`` bytes of a file, in pieces; what cannot be read (gone, shrunk since its
-    manifest) goes as zeros, which the receiver's check refuses: the stream stays in step."""
+    manifest, not a regular file: a FIFO would block the open, a symlink lead elsewhere) goes
+    as zeros, which the receiver's check refuses: the stream stays in step."""
     try:
-        fd: int | None = os.open(where, os.O_RDONLY)
-    except OSError as e:
+        fd: int | None = open_regular(where, where)
+    except (OSError, CheckpointError) as e:
         _log.warning("memory tier: %s cannot be read: %s", where, e)
         fd = None
     try:

@@ -25,7 +25,12 @@ import time
 from typing import Any
 
 import muon_ckpt._collective as coll
-from muon_ckpt._errors import CheckpointError, CheckpointVersionError
+from muon_ckpt._errors import (
+    CheckpointError,
+    CheckpointVersionError,
+    handled,
+    raise_interrupt,
+)
 from muon_ckpt.load import Decision, Loaded, LoadTargets, attempt, loaded, undo
 from muon_ckpt.memory._dirs import PartInfo, copy_dirname, layout_digest, own_dirname, part_manifest
 from muon_ckpt.memory._parts import drop_part, receive_part, send_part
@@ -87,6 +92,7 @@ def restore_from_memory(
 ) -> TierView:
     """Load the newest step of the run from memory when the tier has it."""
     t0 = time.perf_counter()
+    since = handled()  # (an interrupt is never a reason to take the next source)
     group, rank, world = t.group, coll.rank(), coll.world_size()
     scan = coll.on_rank0(catalog.scan, group)
     why_not = tier.readable()
@@ -97,6 +103,16 @@ def restore_from_memory(
     except OSError as e:
         found, why_not = [], f"{tier.run_dir}: {e}"
     mine = [p for p in found if p.copy or p.rank == rank]
+    for p in mine:  # damage, as a url's step that fails its checks: said, never loaded
+        if p.problem is not None and not p.newer:
+            _log.warning(
+                "memory tier: rank %d's %s of step %d is not used: %s (the next complete "
+                "memory save drops it)",
+                p.rank,
+                "replica" if p.copy else "part",
+                p.step,
+                p.problem,
+            )
     held = [_held(p) for p in mine if p.manifest]
     newer = sorted({p.step for p in mine if p.newer})
     flat = FlatState.build(t.model, None, {}, rank=rank)
@@ -127,7 +143,7 @@ def restore_from_memory(
     where = os.path.join(tier.run_dir, rel)
     while True:
         problem = _fetch(tier, chosen, save, sources, cur, group)
-        checked = _check(storage, rel, chosen, save) if problem is None else problem
+        checked = _check(storage, rel, chosen, save, since) if problem is None else problem
         problems = coll.all_gather(checked if isinstance(checked, str) else None, group)
         if _advance(problems, sources, cur, chosen, "memory tier"):
             continue
@@ -270,7 +286,9 @@ def _choose(
     return s, save
 
 
-def _check(storage: Storage, rel: str, step: int, save: str) -> str | tuple[Manifest, Any]:
+def _check(
+    storage: Storage, rel: str, step: int, save: str, since: BaseException | None
+) -> str | tuple[Manifest, Any]:
     """This rank's own part of ``step`` as far as its manifest and sizes tell (the load
     checks every byte): (its manifest, its DCP metadata), or why it cannot be read."""
     where = os.path.join(storage.url, rel)
@@ -280,6 +298,7 @@ def _check(storage: Storage, rel: str, step: int, save: str) -> str | tuple[Mani
             return f"{where} is another save's part than the one chosen"
         return m, check_files(storage, (rel,), m, tiles=False)
     except (CheckpointError, OSError) as e:
+        raise_interrupt(e, since)
         return str(e)
 
 

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 import muon_ckpt._collective as coll
 import muon_ckpt._dcp as _dcp
 from muon_ckpt._config import ManagerConfig
-from muon_ckpt._errors import CheckpointError
+from muon_ckpt._errors import CheckpointError, handled, interrupt_in
 from muon_ckpt.save._dedup import DedupBase
 from muon_ckpt.save._deferred import DeferredCopies
 from muon_ckpt.save._snapshot import Snapshot
@@ -127,6 +127,7 @@ def spec_for(
 
 def write_and_commit(w: WriteSpec) -> None:
     storage, step = w.catalog.storage, w.step
+    since = handled()  # (a synchronous save called while the caller handles an exception)
     if w.gate is not None:
         w.gate.wait()
     if coll.world_size() != w.world_size:  # each rank would commit its own part alone
@@ -160,6 +161,9 @@ def write_and_commit(w: WriteSpec) -> None:
             w.deferred.verify()
         confirm_files(storage, dirname, records.files, w.confirm, w.io_threads)
     except Exception as e:  # every rank must reach the gather: rank 0 raises it for all
+        if interrupt_in(e, since) is not None:
+            raise  # (a Ctrl-C that broke the read-back, as if raised itself: the manager's
+            # public call lets it out; the other ranks' collectives time out, as for one)
         failed = e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")
     w.timings["confirm"] = time.perf_counter() - t1
     refs = writer.dedup.refs  # files of earlier saves the step refers to (not confirmed again)

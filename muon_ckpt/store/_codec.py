@@ -36,6 +36,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from muon_ckpt._zstd import require_zstd
 from muon_ckpt.store._crc import CRC32C, crc_function
 
 __all__ = [
@@ -69,18 +70,6 @@ _STRIDES = (1, 2, 4, 8)
 class BadEncoding(ValueError):
     """An encoded item that is not one, or expands beyond its bound (the load path reports it
     as an untrusted item: ``load._declared``)."""
-
-
-def require_zstd() -> Any:
-    """The ``zstandard`` module, or an ImportError that says how to get it."""
-    try:
-        import zstandard
-    except ImportError as e:
-        raise ImportError(
-            "compression='zstd' (and reading a step saved with it) needs the zstandard "
-            "package: pip install 'muon-ckpt[zstd]' (or pip install zstandard)"
-        ) from e
-    return zstandard
 
 
 def stride_of(itemsize: int) -> int:

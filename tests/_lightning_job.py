@@ -1,0 +1,171 @@
+"""A Lightning ``Trainer.fit`` with Muon (CPU offload on) saved by ``MuonCheckpoint``, run in
+a child process by tests/test_integration_lightning.py and benchmarks/bench_integrations.py.
+
+``python -m tests._lightning_job URL OUT [--kill-at STEP] [--lightning-ckpt DIR]``: trains
+``STEPS`` optimizer steps over 5 batches per epoch (so the run crosses epochs and saves mid-
+epoch) from a resumable dataloader, saving every ``EVERY`` steps asynchronously, then writes
+what the comparison needs to ``OUT`` (torch.save). With ``--kill-at``, once that step is trained
+and the pending save committed, the process SIGKILLs itself. ``--lightning-ckpt`` saves with
+Lightning's own ModelCheckpoint (offload off: its save calls ``optimizer.state_dict()``) into
+that directory instead, resuming from its ``last.ckpt``. ``--devices 2``: DDP over two CPU
+processes (Lightning launches the second; not run by the tests, ~8 s a run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from muon_ckpt.integrations.lightning import MuonCheckpoint
+from optim import Muon
+
+STEPS, EVERY, BATCH, BATCHES = 12, 3, 4, 5
+
+
+class ResumableLoader(DataLoader):
+    """Batches in order, resumable where the last one was drawn (Lightning restores a
+    dataloader's position only through its ``state_dict``/``load_state_dict``)."""
+
+    def __init__(self, ds: TensorDataset) -> None:
+        super().__init__(ds, batch_size=BATCH)
+        self.drawn = 0
+
+    def __iter__(self) -> Any:
+        start = self.drawn if self.drawn < len(self) else 0  # a finished epoch starts over
+        self.drawn = start
+        for i, b in enumerate(super().__iter__()):
+            if i >= start:
+                self.drawn = i + 1
+                yield b
+
+    def state_dict(self) -> dict[str, int]:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.drawn = state["drawn"]
+
+
+class Net(pl.LightningModule):
+    def __init__(self, offload: bool, width: int = 16) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
+        self.offload = offload
+        self.seen: list[tuple[int, int, int]] = []  # (global step, epoch, first sample id)
+
+    def training_step(self, batch: Any, _: int) -> torch.Tensor:
+        x, y, ids = batch
+        self.seen.append((self.trainer.global_step, self.current_epoch, int(ids[0])))
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        ps = list(self.net.parameters())
+        opt = Muon(
+            [
+                {"params": [p for p in ps if p.ndim == 2], "lr": 0.02},
+                {"params": [p for p in ps if p.ndim < 2], "use_muon": False, "lr": 1e-2},
+            ]
+        )
+        if self.offload:
+            opt.turn_on_cpu_offload()
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class KillAt(pl.Callback):
+    """SIGKILL this process at the end of step ``step``, once the pending save committed."""
+
+    def __init__(self, step: int, ckpt: MuonCheckpoint | None) -> None:
+        self.step, self.ckpt = step, ckpt
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        if trainer.global_step == self.step:
+            if self.ckpt is not None and self.ckpt.manager is not None:
+                self.ckpt.manager.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def data(n: int = BATCH * BATCHES) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True).sin(), torch.arange(n))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("url")
+    ap.add_argument("out")
+    ap.add_argument("--kill-at", type=int)
+    ap.add_argument("--lightning-ckpt")
+    ap.add_argument("--width", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--devices", type=int, default=1, help="> 1: DDP over CPU processes")
+    a = ap.parse_args()
+    torch.set_num_threads(1)  # bitwise across processes, as in tests/conftest.py
+    torch.manual_seed(0)
+    model = Net(offload=a.lightning_ckpt is None, width=a.width)
+    callbacks: list[pl.Callback] = []
+    ckpt = None
+    fit: dict[str, Any] = {}
+    if a.lightning_ckpt is None:
+        ckpt = MuonCheckpoint(a.url, every_n_train_steps=EVERY, keep_last=2, async_save=True)
+        callbacks.append(ckpt)
+    else:
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                a.lightning_ckpt, every_n_train_steps=EVERY, save_last=True, save_top_k=0
+            )
+        )
+        last = os.path.join(a.lightning_ckpt, "last.ckpt")
+        fit["ckpt_path"] = last if os.path.exists(last) else None
+    if a.kill_at is not None:
+        callbacks.insert(0, KillAt(a.kill_at, ckpt))
+    trainer = pl.Trainer(
+        max_steps=a.steps,
+        accelerator="cpu",
+        devices=a.devices,
+        strategy="ddp" if a.devices > 1 else "auto",
+        use_distributed_sampler=False,  # every rank draws the same batches (the loader's own)
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    t0 = time.perf_counter()
+    trainer.fit(model, ResumableLoader(data()), **fit)
+    opt = trainer.optimizers[0]
+    named = dict(model.named_parameters())
+    torch.save(
+        {
+            "fit_s": time.perf_counter() - t0,
+            "params": {n: p.detach().clone() for n, p in named.items()},
+            "states": {n: dict(opt.state[p]) for n, p in named.items()},
+            "lr": [g["lr"] for g in opt.param_groups],
+            "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "seen": model.seen,
+            "resumed": None if ckpt is None else ckpt.resumed_step,
+            "steps": None if ckpt is None else ckpt_steps(a.url),
+        },
+        a.out,
+    )
+
+
+def ckpt_steps(url: str) -> list[int]:
+    from muon_ckpt import CheckpointManager
+
+    return CheckpointManager(url).steps()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

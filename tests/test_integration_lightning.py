@@ -1,0 +1,122 @@
+"""PyTorch Lightning: a ``Trainer.fit`` with Muon (CPU offload on) saved by ``MuonCheckpoint``,
+SIGKILLed after a save and restarted with the same script, ends bitwise where an uninterrupted
+fit ends: weights, Muon and AdamW state, lr scheduler, global step, epoch, and the batches it
+trains after the restart (a resumable dataloader's position). The job: tests/_lightning_job.py.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from tests._dist import run_script
+
+EVERY, STEPS = 3, 12  # as in tests/_lightning_job.py (imported by the tests that need it)
+
+
+@pytest.fixture(scope="module")
+def pl():
+    """Lightning, imported by the tests that use it (not at collection: ~2 s per worker)."""
+    return pytest.importorskip("pytorch_lightning")
+
+
+def _job(url, out, *args):
+    r = run_script(["-m", "tests._lightning_job", str(url), str(out), *args], timeout=240)
+    return r, (torch.load(out, weights_only=False) if r.returncode == 0 else None)
+
+
+def test_fit_killed_after_a_save_resumes_bitwise(tmp_path, pl):
+    from tests import _lightning_job
+
+    assert (_lightning_job.EVERY, _lightning_job.STEPS) == (EVERY, STEPS)
+    r, ref = _job(tmp_path / "ref", tmp_path / "ref.pt")
+    assert r.returncode == 0, r.stderr
+    url = tmp_path / "run"
+    r, _ = _job(url, tmp_path / "killed.pt", "--kill-at", "8")
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert sorted(p.name for p in url.glob("step-*")) == ["step-00000003", "step-00000006"]
+    r, got = _job(url, tmp_path / "resumed.pt")
+    assert r.returncode == 0, r.stderr
+
+    assert got["resumed"] == 6  # the newest committed step: mid-epoch 1, after its first batch
+    assert got["seen"] == ref["seen"][6:]  # the same batches, from the same position on
+    assert (got["global_step"], got["epoch"]) == (ref["global_step"], ref["epoch"]) == (STEPS, 3)
+    assert got["lr"] == ref["lr"] and got["sched"] == ref["sched"]
+    assert got["steps"] == ref["steps"] == [9, 12]  # keep_last=2
+    for name, p in ref["params"].items():
+        assert torch.equal(got["params"][name], p), name
+        assert ref["states"][name].keys() == got["states"][name].keys(), name
+        for k, v in ref["states"][name].items():
+            assert torch.equal(got["states"][name][k], v), (name, k)
+
+
+def _trainer(pl, ckpt, steps):
+    return pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        callbacks=[ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def test_ckpt_path_at_a_muon_url_fails_naming_what_to_use(tmp_path, pl):
+    from muon_ckpt.integrations.lightning import MuonCheckpoint
+    from tests._lightning_job import Net, ResumableLoader, data
+
+    torch.manual_seed(0)
+    url = str(tmp_path / "run")
+    ckpt = MuonCheckpoint(url, every_n_train_steps=EVERY)
+    trainer = _trainer(pl, ckpt, EVERY)
+    trainer.fit(Net(offload=True), ResumableLoader(data()))
+    assert ckpt.manager is None and ckpt.resumed_step is None  # closed at the end of the fit
+    for path in (url, f"{url}/step-00000003"):
+        again = MuonCheckpoint(url, every_n_train_steps=EVERY)
+        with pytest.raises(ValueError, match=r"Leave ckpt_path out.*resumes its url's newest"):
+            _trainer(pl, again, 2 * EVERY).fit(Net(True), ResumableLoader(data()), ckpt_path=path)
+    # Resuming through the callback alone works, with offload on; the fit goes on to its end.
+    again = MuonCheckpoint(url, every_n_train_steps=EVERY)
+    trainer = _trainer(pl, again, 2 * EVERY)
+    trainer.fit(Net(offload=True), ResumableLoader(data()))
+    assert again.resumed_step == EVERY and trainer.global_step == 2 * EVERY
+    # Once more: nothing left to train (Lightning's fit loop returns before its first batch).
+    again = MuonCheckpoint(url, every_n_train_steps=EVERY)
+    _trainer(pl, again, 2 * EVERY).fit(Net(offload=True), ResumableLoader(data()))
+    assert again.resumed_step == 2 * EVERY and again.manager is None
+
+    # A Lightning checkpoint of its own (offload off) while the url has steps: refused.
+    lightning_ckpt = str(tmp_path / "plain.ckpt")
+    assert not trainer.optimizers[0].cpu_offload  # turned off for Lightning's teardown
+    trainer.save_checkpoint(lightning_ckpt)
+    again = MuonCheckpoint(url, every_n_train_steps=EVERY)
+    with pytest.raises(ValueError, match="would both restore this fit"):
+        _trainer(pl, again, 3 * EVERY).fit(
+            Net(offload=False), ResumableLoader(data()), ckpt_path=lightning_ckpt
+        )
+
+
+def test_bad_options_fail_at_construction(tmp_path, pl):
+    from muon_ckpt.integrations.lightning import MuonCheckpoint
+
+    with pytest.raises(ValueError, match=r"\['interval'\].*every_n_train_steps"):
+        MuonCheckpoint(str(tmp_path), interval=3)
+    with pytest.raises(ValueError, match=r"\['keep_lats'\]"):
+        MuonCheckpoint(str(tmp_path), keep_lats=3)
+    with pytest.raises(ValueError, match="keep_last"):
+        MuonCheckpoint(str(tmp_path), keep_last=0)
+    with pytest.raises(ValueError, match="'lightning' is MuonCheckpoint's own"):
+        MuonCheckpoint(str(tmp_path), extra={"lightning": torch.optim.SGD([torch.zeros(1)])})
+
+
+def test_the_core_never_imports_lightning():
+    code = (
+        "import sys, muon_ckpt, muon_ckpt.integrations\n"
+        "from muon_ckpt import CheckpointManager\n"
+        "print(sorted(m for m in sys.modules if 'lightning' in m))\n"
+    )
+    r = run_script(["-c", code], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
