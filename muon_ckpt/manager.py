@@ -61,6 +61,8 @@ class CheckpointManager:
         storage_timeout: float | None = 60.0,
         lease_seconds: float = 600.0,
         confirm: str = "checksum",
+        dedup: bool = True,
+        compression: str | None = None,
         read_once: bool | None = None,
         new_run: bool = False,
         memory: MemoryOptions | None = None,

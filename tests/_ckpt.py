@@ -80,9 +80,26 @@ def write_step(
     return storage.url_of(name)
 
 
-def three_step_run(url: str, opts: dict[str, Any], *, leftover: bool = False) -> dict[str, Any]:
+def data_files(storage: Storage, step: int, dirname: str | None = None) -> dict[str, int]:
+    """Name -> size of the data files (``*.distcp``) the manifest of ``step`` lists, named
+    from its step directory (``dirname``, default its own): ``../data/<dir>/<file>`` in
+    format 3, plain names in format 2. ``storage.read_bytes(dirname, name)`` reads one."""
+    name = dirname or step_dirname(step)
+    m = Manifest.from_json(storage.read_bytes(name, MANIFEST), storage.url_of(name))
+    return {n: e.size for n, e in m.files.items() if n.endswith(".distcp")}
+
+
+def biggest_data_file(storage: Storage, step: int) -> str:
+    sizes = data_files(storage, step)
+    return max(sizes, key=lambda n: (sizes[n], n))
+
+
+def three_step_run(
+    url: str, opts: dict[str, Any], *, leftover: bool = False, dedup: bool = True
+) -> dict[str, Any]:
     """Committed steps 1, 2, 3 saved by the CheckpointManager (TinyNet + Muon), with
-    ``leftover`` also an uncommitted step 4; returns url, opts, CLI flags and the Storage."""
+    ``leftover`` also an uncommitted step 4; returns url, opts, CLI flags and the Storage.
+    ``dedup=False``: steps of format 2, each self-contained in its directory."""
     import json
 
     from muon_ckpt import CheckpointManager
@@ -90,7 +107,9 @@ def three_step_run(url: str, opts: dict[str, Any], *, leftover: bool = False) ->
     torch.manual_seed(0)
     model = TinyNet()
     opt = make_muon(model)
-    with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts) as mgr:
+    with CheckpointManager(
+        url, model=model, optimizer=opt, storage_options=opts, dedup=dedup
+    ) as mgr:
         for step in (1, 2, 3):
             train(model, opt, 1, seed=step)
             mgr.save(step)

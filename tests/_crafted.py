@@ -91,6 +91,31 @@ def bomb_item(value: torch.Tensor, storage_bytes: int, *, deflate: bool, aliases
     return zip_bytes(records, [(f"archive/data/{k}", 3) for k in keys[1:]])
 
 
+def compressed(data: bytes, stride: int = 4) -> bytes:
+    """``data`` encoded as a compressed item (``store._codec``), as a save writes it."""
+    from muon_ckpt.store.codec import Encoder
+
+    out = io.BytesIO()
+    enc = Encoder(out, stride)
+    enc.write(data)
+    enc.finish()
+    return out.getvalue()
+
+
+def compressed_bomb(frames: int, raw: int = 4 * MiB) -> bytes:
+    """A well-formed compressed item of ``frames`` frames of ``raw`` zero bytes each (each
+    padded to the 1/64 the format asks): what it expands to is far beyond any small chunk."""
+    import crc32c
+    import zstandard
+
+    from muon_ckpt.store._codec import _FRAME, _HEAD, MAGIC, MAX_RATIO
+
+    packed = zstandard.ZstdCompressor(level=19).compress(bytes(raw))
+    pad = max(0, -(-raw // MAX_RATIO) - len(packed))
+    frame = _FRAME.pack(raw, len(packed), 1, crc32c.crc32c(bytes(raw))) + packed + bytes(pad)
+    return _HEAD.pack(MAGIC, 1, 4) + frame * frames
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
@@ -137,8 +162,9 @@ class StepEditor:
         self.md: Metadata = parse_metadata(st.read_bytes(self.name, METADATA), "test")
         self._new = bytearray()
 
-    def add(self, data: bytes) -> _StorageInfo:
-        info = _StorageInfo(self.NEW_FILE, len(self._new), len(data))
+    def add(self, data: bytes, how: Sequence[str] | None = None) -> _StorageInfo:
+        """``data`` appended to the new file; ``how``: its DCP storage transforms."""
+        info = _StorageInfo(self.NEW_FILE, len(self._new), len(data), how)
         self._new += data
         return info
 
@@ -152,26 +178,26 @@ class StepEditor:
             f.seek(info.offset)
             return f.read(info.length)
 
-    def replace_item(self, key: str, data: bytes) -> None:
-        self.md.storage_data[self.index_of(key)] = self.add(data)
+    def replace_item(self, key: str, data: bytes, how: Sequence[str] | None = None) -> None:
+        self.md.storage_data[self.index_of(key)] = self.add(data, how)
 
     def set_chunks(
         self,
         key: str,
-        pieces: Sequence[tuple[Sequence[int], Sequence[int], bytes]],
+        pieces: Sequence[tuple[Any, ...]],
         *,
         size: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         """``key`` declared as ``size`` (default: as it was) of ``dtype``, stored in
-        ``pieces`` (chunk offsets, chunk sizes, the item's bytes)."""
+        ``pieces`` (chunk offsets, chunk sizes, the item's bytes[, its storage transforms])."""
         tm = self.md.state_dict_metadata[key]
         for idx in [i for i in self.md.storage_data if i.fqn == key]:
             del self.md.storage_data[idx]
         chunks = []
-        for offsets, sizes, data in pieces:
+        for offsets, sizes, data, *how in pieces:
             chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-            self.md.storage_data[MetadataIndex(key, offsets)] = self.add(data)
+            self.md.storage_data[MetadataIndex(key, offsets)] = self.add(data, *how)
         props = tm.properties if dtype is None else TensorProperties(dtype=dtype)
         shape = tm.size if size is None else torch.Size(size)
         self.md.state_dict_metadata[key] = TensorStorageMetadata(props, shape, chunks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from muon_ckpt import (
 )
 from muon_ckpt.cli import main
 from muon_ckpt.store import MANIFEST, METADATA, Storage, step_dirname
-from tests._ckpt import TinyNet, make_muon, three_step_run
+from tests._ckpt import TinyNet, biggest_data_file, make_muon, three_step_run
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -109,8 +110,7 @@ def _flip_or_truncate(st: Storage, name: str, how: str) -> None:
 
 
 def _biggest_data_file(st: Storage) -> str:
-    sizes = st.walk_files(step_dirname(3))
-    return max((n for n in sizes if n.endswith(".distcp")), key=lambda n: sizes[n])
+    return biggest_data_file(st, 3)
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
@@ -119,28 +119,34 @@ def test_export_import_and_inspect_name_the_damaged_file(run, capsys, tmp_path, 
     name = _biggest_data_file(st)
     _flip_or_truncate(st, name, how)
     url, opts = run["url"], run["opts"]
+    where = re.escape(st.url_of(step_dirname(3), name))  # (its data: ../data/<dir>/<file>)
     out = str(tmp_path / "out.safetensors")
 
-    with pytest.raises(CheckpointCorruptError, match=rf"step-00000003/{name}"):
+    with pytest.raises(CheckpointCorruptError, match=where):
         export_safetensors(url, out, storage_options=opts)
     assert not os.path.exists(out)  # nothing half-written is left behind
     hf = str(tmp_path / "hf")
-    with pytest.raises(CheckpointCorruptError, match=rf"step-00000003/{name}"):
+    with pytest.raises(CheckpointCorruptError, match=where):
         export_hf(url, hf, storage_options=opts)  # the Hugging Face layout: the same reader
     assert not os.path.exists(hf) or os.listdir(hf) == []  # no file left behind
     rc, stdout, err = _cli(capsys, "export", url, out, *run["flags"])
     assert rc == 1 and stdout == ""
-    assert err.startswith("muon-ckpt: error: CheckpointCorruptError: ") and name in err
+    assert (
+        err.startswith("muon-ckpt: error: CheckpointCorruptError: ")
+        and st.url_of(step_dirname(3), name) in err
+    )
     assert "Traceback" not in err
 
     model = TinyNet()
     opt = make_muon(model)
-    with pytest.raises(CheckpointCorruptError, match=rf"step-00000003/{name}"):
+    with pytest.raises(CheckpointCorruptError, match=where):
         import_optimizer_state(opt, url, model=model, storage_options=opts)
 
     if how == "truncate":  # inspect reads the metadata; every file's size is checked first
         rc, _, err = _cli(capsys, "inspect", url, *run["flags"])
-        assert rc == 1 and "CheckpointCorruptError" in err and name in err
+        assert (
+            rc == 1 and "CheckpointCorruptError" in err and st.url_of(step_dirname(3), name) in err
+        )
     # Steps 1 and 2 are untouched, and still export.
     export_safetensors(url, out, step=2, storage_options=opts)
 

@@ -16,7 +16,7 @@ from muon_ckpt import CheckpointManager, CheckpointNotFoundError, MemoryOptions
 from muon_ckpt._progress import progress_bar
 from muon_ckpt.cli import main
 from muon_ckpt.store import Storage
-from tests._ckpt import three_step_run
+from tests._ckpt import data_files, three_step_run
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -84,7 +84,7 @@ def test_verify_passes_then_catches_corruption(run, capsys):
     assert "step 4: skipped (not committed)" in out
     assert out.count(": OK: ") == 3
     st = run["storage"]
-    files = sorted(f for f in st.walk_files("step-00000002") if f.endswith(".distcp"))
+    files = sorted(data_files(st, 2))
     flipped = bytearray(st.read_bytes("step-00000002", files[0]))
     flipped[len(flipped) // 2] ^= 0x01  # same size, one bit changed
     _put(st, ("step-00000002", files[0]), bytes(flipped))
@@ -97,9 +97,10 @@ def test_verify_passes_then_catches_corruption(run, capsys):
     assert "step 1: OK" in out and "step 3: OK" in out
     rc, _, _ = cli(capsys, "verify", run["url"], "--step", "3", *run["flags"])
     assert rc == 0
-    st.rm("step-00000003", files[0])
+    gone = sorted(data_files(st, 3))[0]
+    st.rm("step-00000003", gone)
     rc, out, _ = cli(capsys, "verify", run["url"], "--step", "3", *run["flags"])
-    assert rc == 1 and f"{files[0]}: missing" in out
+    assert rc == 1 and f"{gone}: missing" in out
     _put(st, ("step-00000001", "manifest.json"), b"{not json")
     rc, out, _ = cli(capsys, "verify", run["url"], "--step", "1", *run["flags"])
     assert rc == 1 and "step 1: FAILED" in out and "manifest is unreadable" in out
@@ -145,7 +146,8 @@ def test_prune_keeps_newest_and_never_touches_leftovers(run, capsys):
     rc, out, _ = cli(capsys, "prune", run["url"], "--keep", "1", *run["flags"])
     assert rc == 0 and "deleted 2 step(s): 1, 2" in out and "kept 1 committed step(s): 3" in out
     assert "uncommitted leftovers (not touched; a save may still be running): 4" in out
-    assert sorted(st.listdir()) == ["step-00000003", "step-00000004"]
+    assert sorted(st.listdir()) == ["data", "step-00000003", "step-00000004"]
+    assert [n[:8] for n in st.listdir("data")] == ["00000003"]  # the pruned steps' data went
     rc, _, err = cli(capsys, "prune", run["url"], "--keep", "0", *run["flags"])
     assert rc == 1
     assert err.strip() == (
@@ -239,11 +241,12 @@ def test_verify_json_reports_every_step_good_corrupt_and_missing_file(tmp_path, 
     ]
     assert all(s["files"] > 1 and s["bytes"] > 0 for s in doc["steps"][:3])
     st = run["storage"]
-    files = sorted(f for f in st.walk_files("step-00000002") if f.endswith(".distcp"))
+    files = sorted(data_files(st, 2))
     flipped = bytearray(st.read_bytes("step-00000002", files[0]))
     flipped[len(flipped) // 2] ^= 0x01
     _put(st, ("step-00000002", files[0]), bytes(flipped))
-    st.rm("step-00000003", files[0])
+    gone = sorted(data_files(st, 3))[0]
+    st.rm("step-00000003", gone)
     _put(st, ("step-00000001", "manifest.json"), b"{not json")
     rc, out, _ = cli(capsys, "verify", run["url"], "--json")
     doc = json.loads(out)
@@ -253,7 +256,7 @@ def test_verify_json_reports_every_step_good_corrupt_and_missing_file(tmp_path, 
     assert "manifest is unreadable" in steps[1]["problems"][0]
     assert len(steps[2]["problems"]) == 1 and "(content changed)" in steps[2]["problems"][0]
     assert steps[2]["problems"][0].startswith(f"{files[0]}: crc32c ")
-    assert steps[3]["problems"] == [f"{files[0]}: missing (manifest: {_size(run, files[0])} bytes)"]
+    assert steps[3]["problems"] == [f"{gone}: missing (manifest: {_size(run, gone)} bytes)"]
     rc, out, _ = cli(capsys, "verify", run["url"], "--step", "3", "--json")
     assert rc == 1 and [s["step"] for s in json.loads(out)["steps"]] == [3]
 

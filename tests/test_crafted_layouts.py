@@ -1,7 +1,9 @@
 """A property over randomly crafted steps (issue 31): a tensor stored in a random grid of chunks,
 then changed in random ways (a chunk dropped, extended over its neighbour or placed outside
 the tensor; the declared shape or dtype changed; an item holding another shape or dtype; an
-item whose record is deflated or whose zip entries overlap; an object item that inflates).
+item whose record is deflated or whose zip entries overlap; an object item that inflates;
+every item compressed (store._codec), one compressed item that expands far beyond its chunk,
+one that lies about what it holds or is stored with a transform muon-ckpt does not read).
 Every command (load, import, export, inspect) either gives exactly the stored values or raises
 CheckpointCorruptError (or, for a declared dtype other than the target's, the
 CheckpointMismatchError a load reports before reading), and none adds more than MEMORY_BOUND to the process's peak resident
@@ -28,12 +30,15 @@ from muon_ckpt import (
 from muon_ckpt.cli import main
 from muon_ckpt.interop._safetensors import SafetensorsFile
 from muon_ckpt.store import Storage
+from muon_ckpt.store.codec import DESCRIPTOR
 from tests._ckpt import TinyNet, make_muon, three_step_run
 from tests._crafted import (
     MiB,
     StepEditor,
     assert_verify_agrees,
     bomb_item,
+    compressed,
+    compressed_bomb,
     craft_step,
     peak_growth,
     saved,
@@ -57,7 +62,11 @@ CHANGES = (
     "deflated",
     "overlapping",
     "object_bomb",
+    "compressed",
+    "compressed_bomb",
+    "compressed_lie",
 )
+LIES = ("frame_size", "crc", "magic", "truncated", "dcp_zstd", "object")
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +91,20 @@ def _craft(rng: random.Random, ed: StepEditor, changes: list[str]) -> torch.Tens
     pieces = _grid(rng, v)
     size, dtype = list(v.shape), None
     raw: dict[int, bytes] = {}  # piece -> crafted item bytes
+    enc: dict[int, tuple[bytes, list[str]]] = {}  # piece -> crafted item and its transforms
+    pack = False  # every other item compressed, as a save with compression="zstd" does
     for change in changes:
         i = rng.randrange(len(pieces))
         (r, c), (h, w), t = pieces[i]
         if change == "drop" and len(pieces) > 1:
             pieces.pop(i)
-            raw = {}
+            raw, enc = {}, {}
+        elif change == "compressed":
+            pack = True
+        elif change == "compressed_bomb":
+            enc[i] = (compressed_bomb(INFLATED // (4 * MiB)), [DESCRIPTOR])
+        elif change == "compressed_lie":
+            enc[i] = _lie(rng, ed, saved(t))
         elif change == "extend" and r + h < v.shape[0]:
             pieces[i] = [[r, c], [h + 1, w], v[r : r + h + 1, c : c + w].clone()]
         elif change == "outside":
@@ -106,9 +123,40 @@ def _craft(rng: random.Random, ed: StepEditor, changes: list[str]) -> torch.Tens
             raw[i] = bomb_item(t, INFLATED if deflate else MiB, deflate=deflate, aliases=aliases)
         elif change == "object_bomb":
             ed.replace_item(LR, bomb_item(torch.tensor([0.02]), INFLATED, deflate=True))
-    items = [(o, s, raw.get(i) or saved(t)) for i, (o, s, t) in enumerate(pieces)]
+
+    def item(i: int, t: torch.Tensor) -> tuple[bytes, list[str] | None]:
+        if i in enc:
+            return enc[i]
+        data = raw.get(i) or saved(t)
+        return (compressed(data), [DESCRIPTOR]) if pack else (data, None)
+
+    items = [(o, s, *item(i, t)) for i, (o, s, t) in enumerate(pieces)]
     ed.set_chunks(KEY, items, size=size, dtype=dtype)
     return v
+
+
+def _lie(rng: random.Random, ed: StepEditor, data: bytes) -> tuple[bytes, list[str]]:
+    """A compressed item of ``data`` that is not what it says: its first frame declares a
+    byte more, its first frame's CRC32C is not that of its bytes, its header is not the
+    format's, it is cut short, it is DCP's own zstd transform (which muon-ckpt does not
+    read), or a compressed object item instead."""
+    lie = rng.choice(LIES)
+    item = bytearray(compressed(data))
+    if lie == "frame_size":
+        item[6] = (item[6] + 1) % 256
+    elif lie == "crc":
+        item[15] ^= 1  # (6 bytes of header, then the frame's raw, stored length and mode)
+    elif lie == "magic":
+        item[:4] = b"PK\x03\x04"
+    elif lie == "truncated":
+        del item[len(item) // 2 :]
+    elif lie == "dcp_zstd":
+        import zstandard
+
+        return zstandard.ZstdCompressor().compress(data), ["stream.zstd/1"]
+    else:
+        ed.replace_item(LR, compressed(saved(torch.tensor([0.02]))), [DESCRIPTOR])
+    return bytes(item), [DESCRIPTOR]
 
 
 def _run_commands(url: str, tmp: Any, capsys: Any) -> dict[str, Any]:
@@ -185,5 +233,7 @@ def test_every_command_loads_exactly_or_refuses_within_a_memory_bound(
             assert isinstance(got, refused), (name, changes, got)
         elif got is not None:
             assert torch.equal(got, want["v"]), (name, changes)
-    if not changes:
+    if set(changes) <= {"compressed"}:  # grids, plain or compressed: they load exactly
         assert not any(isinstance(got, Exception) for _, got in results.values()), results
+    if changes in (["compressed_bomb"], ["compressed_lie"]):
+        assert isinstance(results["load"][1], CheckpointCorruptError), results

@@ -15,7 +15,8 @@ from muon_ckpt import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
-from muon_ckpt.store import MANIFEST, Storage
+from muon_ckpt.store import MANIFEST, Storage, parse_step_dirname
+from tests._ckpt import biggest_data_file
 from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
 
 
@@ -107,11 +108,8 @@ def test_shape_mismatch_names_key_and_both_shapes(committed):
 
 
 def _a_shard(st: Storage, step_dir: str) -> tuple[str, bytes]:
-    name, data = max(
-        ((n, st.read_bytes(step_dir, n)) for n in st.listdir(step_dir) if n.endswith(".distcp")),
-        key=lambda nd: len(nd[1]),
-    )
-    return name, data
+    name = biggest_data_file(st, parse_step_dirname(step_dir) or 0)
+    return name, st.read_bytes(step_dir, name)
 
 
 def test_truncated_shard_is_corrupt_and_names_the_file(committed):

@@ -21,7 +21,14 @@ import torch
 from torch import nn
 
 from muon_ckpt import CheckpointManager
-from muon_ckpt.store import MANIFEST, Storage, parse_step_dirname
+from muon_ckpt.store import (
+    DATA,
+    MANIFEST,
+    Storage,
+    parse_data_dirname,
+    parse_step_dirname,
+    step_dirname,
+)
 from tests._dist import _context
 
 
@@ -61,15 +68,21 @@ def _progress(path: str) -> tuple[int, int]:
     return begun, saved
 
 
+def _orphans(st: Storage) -> set[str]:
+    """The data directories (``<url>/data/<step>-<id>``) of saves without a manifest: a
+    save mid-write (or one a kill cut short)."""
+    return {
+        name
+        for name in st.listdir(DATA)
+        if (step := parse_data_dirname(name)) is not None
+        and st.listdir(DATA, name)
+        and not st.exists(step_dirname(step), MANIFEST)
+    }
+
+
 def _writing_uncommitted(st: Storage) -> bool:
-    """A step directory holds data files but no manifest yet: a save is mid-write."""
-    for name in st.listdir():
-        if parse_step_dirname(name) is None:
-            continue
-        files = st.listdir(name)
-        if MANIFEST not in files and any(f.endswith(".distcp") for f in files):
-            return True
-    return False
+    """A save's data files are there but not its manifest yet: a save is mid-write."""
+    return bool(_orphans(st))
 
 
 def _kill_mid_save(
@@ -104,6 +117,7 @@ def _check_after_kill(url: str, opts: dict, begun: int, saved: int, async_save: 
     st = Storage(url, opts)
     dirs = {parse_step_dirname(n): n for n in st.listdir() if parse_step_dirname(n) is not None}
     uncommitted = {s for s, n in dirs.items() if not st.exists(n, MANIFEST)}
+    orphans = _orphans(st)
     model = _model()
     mgr = CheckpointManager(url, model=model, storage_options=opts)
     steps = mgr.steps()
@@ -122,8 +136,9 @@ def _check_after_kill(url: str, opts: dict, begun: int, saved: int, async_save: 
     assert mgr.save(begun + 1)
     left = [n for n in st.listdir() if parse_step_dirname(n) is not None]
     assert all(st.exists(n, MANIFEST) for n in left), f"leftovers not cleaned: {left}"
+    assert not _orphans(st) & orphans, f"data of crashed saves not cleaned: {orphans}"
     assert mgr.steps()[-1] == begun + 1
-    return bool(uncommitted)
+    return bool(uncommitted or orphans)
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

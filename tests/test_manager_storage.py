@@ -16,7 +16,8 @@ from muon_ckpt import (
     CheckpointExistsError,
     CheckpointManager,
 )
-from muon_ckpt.store import LEASE, MANIFEST, Storage
+from muon_ckpt.store import DATA, LEASE, MANIFEST, Storage
+from tests._ckpt import data_files
 from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
 
 
@@ -73,6 +74,9 @@ def test_manifest_lists_every_file_with_size_and_crc32c_per_chunk(storage_url):
     assert manifest["torch_version"] == torch.__version__
     assert manifest["muon_ckpt_version"] and manifest["time"].endswith("+00:00")
     on_disk = {k: v for k, v in st.walk_files("step-00000002").items() if k != MANIFEST}
+    assert set(on_disk) == {".metadata"} and manifest["format_version"] == 3
+    data = manifest["data"]  # the save's data directory, under <url>/data/
+    on_disk.update({f"../data/{data}/{k}": v for k, v in st.walk_files("data", data).items()})
     assert set(manifest["files"]) == set(on_disk)
     assert ".metadata" in on_disk and any(k.endswith(".distcp") for k in on_disk)
     for name, entry in manifest["files"].items():
@@ -86,7 +90,7 @@ def test_manifest_lists_every_file_with_size_and_crc32c_per_chunk(storage_url):
             f"{crc32c.crc32c(data[i : i + chunk]):08x}" for i in range(0, max(1, len(data)), chunk)
         )
         assert entry["crc32c"] == want, name
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3
 
 
 def test_interval_saves_only_due_steps_unless_forced(storage_url):
@@ -122,7 +126,8 @@ def test_keep_last_deletes_only_old_committed_steps_after_the_commit(storage_url
     st = Storage(url, opts)
     snaps = _save_states(url, opts, [1, 2, 3, 4], keep_last=2)
     assert _mgr(url, opts).steps() == [3, 4]
-    assert st.listdir() == [LEASE, "step-00000003", "step-00000004"]  # lease: one writer
+    assert st.listdir() == [DATA, LEASE, "step-00000003", "step-00000004"]  # lease: one writer
+    assert [n[:8] for n in st.listdir(DATA)] == ["00000003", "00000004"]  # theirs alone
     assert_same(_load(url, opts, step=3)[1], snaps[3])
     # keep_last=1 never deletes the newest (the one just committed).
     _save_states(url, opts, [5], keep_last=1)
@@ -134,7 +139,8 @@ def test_uncommitted_step_is_invisible_and_removed_by_the_next_save(storage_url)
     st = Storage(url, opts)
     snaps = _save_states(url, opts, [1, 2])
     st.rm("step-00000002", MANIFEST)  # what a save killed before its commit leaves behind
-    assert st.listdir() == [LEASE, "step-00000001", "step-00000002"]
+    assert st.listdir() == [DATA, LEASE, "step-00000001", "step-00000002"]
+    assert [n[:8] for n in st.listdir(DATA)] == ["00000001", "00000002"]
     assert _mgr(url, opts).steps() == [1]
     got, snap = _load(url, opts)
     assert got == 1
@@ -143,7 +149,8 @@ def test_uncommitted_step_is_invisible_and_removed_by_the_next_save(storage_url)
     mgr = _mgr(url, opts, model, opt, keep_last=5)
     assert mgr.load() == 1  # a restart after the crash
     mgr.save(3)
-    assert st.listdir() == [LEASE, "step-00000001", "step-00000003"]
+    assert st.listdir() == [DATA, LEASE, "step-00000001", "step-00000003"]
+    assert [n[:8] for n in st.listdir(DATA)] == ["00000001", "00000003"]  # step 2's data went
 
 
 def test_resume_from_another_run_until_this_run_has_a_step(storage_url):
@@ -271,7 +278,7 @@ def test_verify_size_loads_exactly_and_still_catches_a_truncated_file(storage_ur
     assert got == 2
     assert_same(snap, snaps[2])
     st = Storage(url, opts)
-    name = next(n for n in st.walk_files("step-00000002") if n.endswith(".distcp"))
+    name = next(iter(data_files(st, 2)))
     data = st.read_bytes("step-00000002", name)
     st.write_bytes(data[:-1], "step-00000002", name)
     with pytest.raises(CheckpointCorruptError, match=rf"{name}.*manifest says"):

@@ -13,17 +13,18 @@ import shutil
 import pytest
 import torch
 
+from muon_ckpt.store import Storage
+from tests._ckpt import biggest_data_file, data_files
 from tests._dist import run_on_ranks
 
 ROWS, COLS = 512, 256  # fp32: 512 KiB per matrix
 
 
 def _data_bytes(step_dir: str) -> int:
-    return sum(
-        os.path.getsize(os.path.join(step_dir, n))
-        for n in os.listdir(step_dir)
-        if n.endswith(".distcp")
-    )
+    """The bytes of the data files the step's manifest lists (its own directory holds none:
+    they are in the run's data)."""
+    root, name = os.path.split(step_dir)
+    return sum(data_files(Storage(root), int(name[-8:])).values())
 
 
 def _replicated(fill: float | None, mesh_shape: tuple[int, ...]) -> torch.nn.Module:
@@ -135,15 +136,11 @@ def test_by_default_ranks_on_one_host_read_a_local_checkpoint_themselves(saved_o
 def test_a_remote_checkpoint_is_read_once_by_default(s3_bucket):
     """On S3 (moto) the default reads each stored byte once: the owner streams its file,
     checking it, and sends the shared items; 2 ranks."""
-    import s3fs
-
     bucket, opts = s3_bucket
     url = f"s3://{bucket}/run"
     run_on_ranks(_body_save, 2, url, (2,), opts)
     got = run_on_ranks(_body_load, 2, url, (2,), "checksum", None, opts)
-    fs = s3fs.S3FileSystem(**opts)
-    step = f"{bucket}/run/step-00000001"
-    total = sum(fs.size(f) for f in fs.ls(step) if f.endswith(".distcp"))
+    total = sum(data_files(Storage(url, opts), 1).values())
     read = sum(g[0] for g in got)
     assert total <= read <= 1.05 * total, (read, total, [g[0] for g in got])
     assert all(g[3] == (3, True) for g in got)
@@ -187,12 +184,8 @@ def test_a_flipped_byte_in_a_shared_item_fails_every_rank_and_the_load_falls_bac
     falls back to the older step on every rank."""
     url = str(tmp_path / "run")
     shutil.copytree(saved_on_4, url)
-    step = os.path.join(url, "step-00000002")
-    name = max(
-        (n for n in os.listdir(step) if n.endswith(".distcp")),
-        key=lambda n: os.path.getsize(os.path.join(step, n)),
-    )
-    path = os.path.join(step, name)
+    path = Storage(url).path("step-00000002", biggest_data_file(Storage(url), 2))
+    name = os.path.basename(path)
     with open(path, "r+b") as f:
         at = os.path.getsize(path) // 2
         f.seek(at)

@@ -21,7 +21,15 @@ from muon_ckpt import (
     CheckpointMismatchError,
 )
 from muon_ckpt.store import Storage
-from tests._ckpt import TinyNet, make_muon, muon_state_sd, train, write_step
+from tests._ckpt import (
+    TinyNet,
+    biggest_data_file,
+    data_files,
+    make_muon,
+    muon_state_sd,
+    train,
+    write_step,
+)
 from tests._dist import run_on_ranks, run_script
 from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
 
@@ -72,10 +80,7 @@ def _flip_byte(st: Storage, step_dir: str, name: str) -> None:
 
 
 def _largest_shard(st: Storage, step_dir: str) -> str:
-    return max(
-        (n for n in st.listdir(step_dir) if n.endswith(".distcp")),
-        key=lambda n: st.size(step_dir, n),
-    )
+    return biggest_data_file(st, int(step_dir[-8:]))
 
 
 # ---------------------------------------------------------------------- all or nothing
@@ -152,7 +157,9 @@ def _body_one_rank_fails(rank, world_size, url):
     tiny_train(model, opt, 1, seed=2)
     mgr.save(2)
     if rank == 0:  # damage a file only rank 1 wrote; DCP fails the read on every rank
-        _flip_byte(Storage(url), "step-00000002", "__1_0.distcp")
+        st = Storage(url)
+        rank1 = next(n for n in data_files(st, 2) if n.endswith("/__1_0.distcp"))
+        _flip_byte(st, "step-00000002", rank1)
     mgr.load(step=1)  # also a collective barrier: the damage is done before anyone reads
     out = {}
     for case in ("corrupt", "apply"):

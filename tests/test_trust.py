@@ -28,7 +28,7 @@ from muon_ckpt import (
 from muon_ckpt.cli import main
 from muon_ckpt.store import MANIFEST, METADATA, Storage, step_dirname
 from muon_ckpt.store.dcp import parse_metadata
-from tests._ckpt import TinyNet, make_muon, muon_state_sd, three_step_run, train
+from tests._ckpt import TinyNet, data_files, make_muon, muon_state_sd, three_step_run, train
 
 BOUND_S = 20.0  # every command must finish within this (a FIFO used to block forever)
 
@@ -110,7 +110,7 @@ def test_crafted_s3_metadata_cannot_read_another_bucket(s3_bucket, s3_server):
     victim = f"{bucket}-victim"
     fs.mkdir(victim)
     try:
-        data_file = next(n for n in st.walk_files(step_dirname(3)) if n.endswith(".distcp"))
+        data_file = next(iter(data_files(st, 3)))
         fs.pipe(f"{victim}/secret/copy.distcp", st.read_bytes(step_dirname(3), data_file))
         _point_metadata_at(st, 3, f"/{victim}/secret/copy.distcp")
         for verify in ("crc32", "size"):
@@ -133,7 +133,7 @@ def test_metadata_paths_outside_the_step_are_refused_everywhere(
     without opening the outside file."""
     st = local_run["storage"]
     name = step_dirname(3)
-    real = next(n for n in st.walk_files(name) if n.endswith(".distcp"))
+    real = next(iter(data_files(st, 3)))
     outside = os.path.normpath(os.path.join(st.path(name), target))
     os.makedirs(os.path.dirname(outside), exist_ok=True)
     shutil.copy(st.path(name, real), outside)
@@ -257,10 +257,7 @@ def test_manifest_that_is_a_fifo_or_dev_zero_fails_fast(local_run, capsys, tmp_p
 def test_step_files_that_are_fifos_or_links_fail_fast(local_run, capsys, tmp_path, how):
     st = local_run["storage"]
     name = step_dirname(3)
-    if how == "metadata_dev_zero":
-        target = METADATA
-    else:
-        target = next(n for n in st.walk_files(name) if n.endswith(".distcp"))
+    target = METADATA if how == "metadata_dev_zero" else next(iter(data_files(st, 3)))
     (_zero_link if how.endswith("dev_zero") else _fifo)(st.path(name, target))
     # A crafted manifest agrees with the junk: a 0-byte file.
     _rewrite_manifest(
@@ -331,8 +328,10 @@ def test_junk_nine_digit_step_zero_does_not_hide_step_zero(tmp_path, capsys):
 
 # ------------------------------------------------------------------ symlinked steps
 def _symlinked_runs(tmp_path: Any) -> tuple[dict[str, Any], str]:
-    """Run A with steps 1-3; run B whose step 2 is a symlink to A's step 2."""
-    a = three_step_run(str(tmp_path / "a"), {})
+    """Run A with steps 1-3 (format 2: each step's files in its directory); run B whose step
+    2 is a symlink to A's step 2. (A step of format 3 names its data from the run's root:
+    linked into another run, its data is missing there.)"""
+    a = three_step_run(str(tmp_path / "a"), {}, dedup=False)
     b = str(tmp_path / "b")
     os.makedirs(b)
     os.symlink(a["storage"].path(step_dirname(2)), os.path.join(b, step_dirname(2)))

@@ -48,6 +48,7 @@ class Decision:
     dirname: str  # the step's directory (Catalog.dirname)
     line: str | None = None  # the line the step belongs to (its manifest's)
     optimizer: str | None = None  # the type of the optimizer that saved it (its manifest's)
+    gen: int | None = None  # its commit's generation, for a step of url (None: another source)
 
 
 def decide(
@@ -166,6 +167,7 @@ def _first_that_checks_out(
             where,
             line=None if from_resume else m.line,
             optimizer=m.extra.get("optimizer"),
+            gen=None if from_resume else m.gen,
         )
     raise CheckpointCorruptError(
         f"{catalog.storage.url}: no committed step loads cleanly; "

@@ -8,12 +8,15 @@ the file and the key (``StoredChunks.check``). An item the layout parser (``_ite
 recognise, and every non-tensor item, is loaded by ``torch.load(weights_only=True)`` only after
 ``_item_zip.unbounded_records`` finds every record stored, inside the item and apart from the
 others: torch.load's zip reader inflates deflated records and reads overlapping entries once
-each, which made a 300 KiB item allocate a gigabyte (``load_stored``).
+each, which made a 300 KiB item allocate a gigabyte (``load_stored``). A compressed item
+(``store._codec``) is expanded first, to at most its chunk's bytes and the zip's
+(``StoredChunks.decode``), and then read as any other.
 """
 
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +25,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from muon_ckpt._dcp import UntrustedItem
 from muon_ckpt.load._item_zip import unbounded_records
+from muon_ckpt.store.codec import ZIP_SLACK, BadEncoding, decode
 
 __all__ = ["StoredChunks", "UntrustedItem", "load_object", "load_stored"]
 
@@ -48,6 +52,28 @@ class StoredChunks:
             table = {tuple(c.offsets): (tuple(c.sizes), dtype) for c in chunks}
             self._by_fqn[fqn] = table
         return table.get(tuple(item.storage_index.offset or ()))
+
+    def encoded(self, item: ReadItem) -> bool:
+        """Whether the item ``item`` reads from is compressed (``store._codec``; the metadata's
+        check admits that encoding only, and only for tensors)."""
+        info = self._md.storage_data.get(item.storage_index)
+        return bool(getattr(info, "transform_descriptors", None))
+
+    def decode(self, item: ReadItem, data: Any, where: str) -> Any:
+        """``data`` (the stored bytes of ``item``'s item) as ``torch.save`` wrote them: itself,
+        or expanded when compressed, to at most its chunk's bytes and ``ZIP_SLACK``; else
+        UntrustedItem."""
+        if not self.encoded(item):
+            return data
+        chunk = self.declared(item)
+        key = item.storage_index.fqn
+        if chunk is None or chunk[1] is None:
+            raise UntrustedItem(f"{where}: the compressed item of {key[:200]!r} has no chunk")
+        bound = math.prod(chunk[0]) * chunk[1].itemsize + ZIP_SLACK
+        try:
+            return decode(data, bound, where, key)
+        except BadEncoding as e:
+            raise UntrustedItem(str(e)) from e
 
     def whole(self, item: ReadItem) -> bool:
         if item.type == LoadItemType.BYTE_IO:

@@ -41,9 +41,12 @@ def load_blob(
     planner: LoadPlanner,
     where: str,
     chunks: StoredChunks,
+    *,
+    decoded: bool = False,
 ) -> None:
     """``data``: the whole stored item that ``reqs`` read from (a bytes-like object, viewed in
-    place, only read); ``chunks``: what the metadata declares for it."""
+    place, only read), expanded here when compressed unless ``decoded`` (already, by a reading
+    thread); ``chunks``: what the metadata declares for it."""
     if isinstance(reqs, Capture):
         reqs.buf[:] = memoryview(data).cast("B")
         return
@@ -51,6 +54,8 @@ def load_blob(
         for req in reqs:
             load_object(data, req, planner.load_bytes, where)
         return
+    if not decoded:
+        data = chunks.decode(reqs[0], data, where)
     view = memoryview(data).cast("B")
     lay = parse_layout(lambda lo, hi: view[lo:hi], len(view))
     src = load_stored(data, reqs[0], chunks, where) if lay is None else _view(data, lay)
@@ -89,8 +94,12 @@ def fetch_items(
     chunked = entry is not None and entry.chunk_bytes is not None
     entry = entry if chunked else None
 
-    def in_part(reqs: list[ReadItem] | Capture) -> bool:
-        return isinstance(reqs, list) and not any(map(chunks.whole, reqs))
+    def in_part(reqs: list[ReadItem] | Capture) -> bool:  # (a compressed item: read whole)
+        return (
+            isinstance(reqs, list)
+            and not any(map(chunks.whole, reqs))
+            and not chunks.encoded(reqs[0])
+        )
 
     # One open file, items in file order. Each run of whole items without a gap between
     # them is read ahead (in requests of up to STREAM_BLOCK: one cat_file per item was 2.6x

@@ -22,7 +22,8 @@ Anything this module does not recognise (another pickle, several storages, a big
 is loaded the way DCP does it: the item's bytes through ``torch.load(weights_only=True)``, once
 its zip cannot expand beyond its own bytes (``_declared``: no compressed or overlapping records).
 A stored tensor must be the chunk the metadata declares (shape and dtype), whichever way it is
-read.
+read. A compressed item (``store._codec``) is read whole, expanded in the reading thread and
+loaded from memory (``_item_bytes.load_blob``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._tensors import tensor_bytes
 from muon_ckpt.load._chunk_spans import SpanReader
 from muon_ckpt.load._declared import StoredChunks, load_object, load_stored
+from muon_ckpt.load._item_bytes import load_blob
 from muon_ckpt.load._item_zip import EDGE, Layout, parse_layout
 from muon_ckpt.load._read_buffers import CHUNK, ReadBuffers
 from muon_ckpt.load._targets import commit_part, commit_slices, narrow, slice_spans
@@ -287,6 +289,11 @@ class FileLoad:
             data = self._whole_item(fd, offset, length)
             for req in reqs:
                 load_object(data, req, self._planner.load_bytes, self._where)
+            return
+        if self._chunks.encoded(reqs[0]):  # compressed: its stored bytes, expanded here
+            stored = self._whole_item(fd, offset, length)
+            data = self._chunks.decode(reqs[0], stored, self._where)
+            load_blob(data, reqs, self._planner, self._where, self._chunks, decoded=True)
             return
         edges = Edges(fd, offset, length, self._pread)
         lay = item_layout(edges)

@@ -130,7 +130,7 @@ class VerifyingReader(FileSystemReader):
     def owner(self, name: str) -> int:
         """The rank that checks file ``name`` whole: the rank that wrote it, modulo this world
         size (a file not named by rank: its place among the files, modulo world size)."""
-        m = _RANK_FILE_RE.match(name)
+        m = _RANK_FILE_RE.match(name.rsplit("/", 1)[-1])  # (a data file: ../data/<dir>/__r_k)
         if m:
             return int(m.group(1)) % self._world
         names = sorted(self._files if self._files is not None else {name})

@@ -1,7 +1,8 @@
 """Remote reads of ``VerifyingReader`` (object stores and other non-local fsspec filesystems).
 
 Every stored item is loaded from memory into its targets (``_item_bytes``: its zip records parsed,
-its tensor bytes viewed in place and copied), without a ``torch.load`` per item.
+its tensor bytes viewed in place and copied), without a ``torch.load`` per item; a compressed
+item is expanded by the thread that read it.
 With checksums (``stream=True``): a file this rank reads completely is read front to back by a
 worker thread, one stored item at a time, chaining the checksum; the calling thread loads each
 item as it arrives. A file needed only in part is read item by item with ranged reads, each
@@ -14,7 +15,6 @@ Without (``verify="size"``): ranged reads of the items this rank needs, one task
 from __future__ import annotations
 
 import os
-import posixpath
 import queue
 import threading
 from collections.abc import Generator
@@ -25,9 +25,9 @@ from typing import Any, Protocol
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._threads import run_all
 from muon_ckpt.load._corruption import prefer_corruption
-from muon_ckpt.load._declared import StoredChunks
+from muon_ckpt.load._declared import StoredChunks, UntrustedItem
 from muon_ckpt.load._item_bytes import Capture, fetch_items, load_blob
-from muon_ckpt.store import FileEntry, Storage, is_file_name
+from muon_ckpt.store import FileEntry, Storage, data_ref, is_file_name
 from muon_ckpt.store.checksums import Checksum
 from muon_ckpt.store.dcp import DelegatingFileSystem, dcp_filesystem
 
@@ -58,8 +58,8 @@ _Msg = tuple[str, int, "bytes | None", "BaseException | None"]
 class ServingFileSystem(DelegatingFileSystem):
     """DCP's filesystem for a remote step (``Storage`` underneath): every item is read by this
     package's readers, but should DCP read a file itself, it goes through ``step.open`` and
-    only for files directly inside the step directory (the metadata's paths were checked
-    when it was read; this is the second line)."""
+    only for files directly inside the step directory or of the run's data (the metadata's
+    paths were checked when it was read; this is the second line)."""
 
     def __init__(self, step: Storage) -> None:
         super().__init__(dcp_filesystem(step))
@@ -72,8 +72,9 @@ class ServingFileSystem(DelegatingFileSystem):
                 yield s
             return
         p = os.fspath(path)
-        name = posixpath.basename(p)
-        if posixpath.dirname(p).rstrip("/") != self.step.root.rstrip("/") or not is_file_name(name):
+        root = self.step.root.rstrip("/")
+        name = p[len(root) + 1 :] if p.startswith(root + "/") else ""
+        if not (is_file_name(name) or data_ref(name) is not None):
             raise CheckpointCorruptError(
                 f"{self.step.url}: refusing to read {p!r}, which is not a file of this "
                 "checkpoint's directory"
@@ -165,18 +166,28 @@ def _stream_files(
         try:
             got = r.checksum(name)
             entry = r.entry(name)
+            bad: UntrustedItem | None = None  # raised once the file's checksum matched
             with r.step.open(name, ahead=[(0, entry.size)] if entry is not None else None) as f:
                 for off in sorted(slices[name]):
                     if stop.is_set():
                         return
-                    data = f.read(lengths[(name, off)])
+                    data: Any = f.read(lengths[(name, off)])
                     r.count(len(data))
                     got.update(data)
+                    reqs = slices[name][off]
+                    if isinstance(reqs, list):  # a compressed item expands here, not below
+                        try:
+                            data = r.chunks.decode(reqs[0], data, r.where(name))
+                        except UntrustedItem as e:
+                            bad = bad or e
+                            continue
                     put((name, off, data, None))
                 tail = f.read(1)  # anything past the manifest's size
                 r.count(len(tail))
                 got.update(tail)
             r.check(name, got)
+            if bad is not None:
+                raise bad
             put((name, -1, None, None))
         except BaseException as e:
             put((name, -1, None, e))
@@ -201,7 +212,7 @@ def _stream_files(
                 continue
             prefer_corruption(
                 lambda n=name, o=off, d=data: load_blob(
-                    d, slices[n][o], planner, r.where(n), r.chunks
+                    d, slices[n][o], planner, r.where(n), r.chunks, decoded=True
                 ),
                 lambda n=name: file_verdict(n),
             )

@@ -19,6 +19,7 @@ from muon_ckpt._errors import CheckpointError
 from muon_ckpt.load._corruption import parsing, prefer_corruption
 from muon_ckpt.load._declared import StoredChunks, load_object, load_stored
 from muon_ckpt.load._item_bytes import read_into
+from muon_ckpt.load._item_zip import parse_layout
 from muon_ckpt.load._local_files import Edges, item_layout
 from muon_ckpt.load._planner import load_value
 from muon_ckpt.store import Resolved, Storage, VerifyResult
@@ -95,6 +96,15 @@ def _check(edges: Edges, item: ReadItem, chunks: StoredChunks, where: str) -> No
     """One item as ``FileLoad._load_item`` takes it, its tensor copied nowhere."""
     if item.type == LoadItemType.BYTE_IO:
         load_object(_whole(edges), item, lambda _item, value: load_value(value), where)
+        return
+    if chunks.encoded(item):  # compressed: expanded (bounded) and parsed as the load does
+        data = chunks.decode(item, _whole(edges), where)
+        view = memoryview(data)
+        lay = parse_layout(lambda lo, hi: view[lo:hi], len(view))
+        if lay is None:
+            load_stored(data, item, chunks, where)
+        else:
+            chunks.check(item, lay.size, lay.dtype, where)
         return
     lay = item_layout(edges)
     if lay is None:  # not a plain dense tensor: torch.load of the item, bounded first

@@ -33,6 +33,7 @@ import muon_ckpt._collective as coll
 import muon_ckpt._dcp as _dcp
 from muon_ckpt._config import ManagerConfig
 from muon_ckpt._errors import CheckpointError, handled, interrupt_in
+from muon_ckpt.save._dedup import DedupBase
 from muon_ckpt.save._deferred import DeferredCopies
 from muon_ckpt.save._snapshot import Snapshot
 from muon_ckpt.save._writer import ChecksumWriter, FileRecords
@@ -75,8 +76,16 @@ class WriteSpec:
     group: Any = None  # process group of the collectives (None: the default group)
     confirm: str = "checksum"  # how the storage's copy is confirmed before the commit (_confirm)
     gate: threading.Event | None = None  # tests: the write starts once this is set
+    # Format 3: the directory under <url>/data/ the data files go to (None: the step's own
+    # directory, format 2), and what the run holds that the save refers to when unchanged
+    data_dir: str | None = None
+    base: DedupBase | None = None
+    compress: bool = False  # tensors stored compressed (store.codec; format 4)
     timings: dict[str, float] = field(default_factory=dict)
     committed_at: float | None = None  # time.perf_counter() once the step was committed
+    next_base: DedupBase | None = None  # once committed with data_dir: the next save's base
+    written_bytes: int = 0  # bytes of the files this rank wrote
+    referred_bytes: int = 0  # bytes of the unchanged tensors it referred to instead
 
 
 def spec_for(
@@ -90,8 +99,11 @@ def spec_for(
     optimizer: str | None,
     group: Any,
     gate: threading.Event | None,
+    data_dir: str | None = None,
+    base: DedupBase | None = None,
 ) -> WriteSpec:
-    """The write of ``snap`` as the manager's options say (``gate``: tests only)."""
+    """The write of ``snap`` as the manager's options say (``gate``: tests only; ``data_dir``
+    and ``base``: see WriteSpec)."""
     return WriteSpec(
         catalog=catalog,
         step=step,
@@ -107,6 +119,9 @@ def spec_for(
         group=group,
         gate=gate if snap.background else None,
         deferred=snap.deferred,
+        data_dir=data_dir,
+        base=base,
+        compress=config.compression == "zstd",
     )
 
 
@@ -125,7 +140,15 @@ def write_and_commit(w: WriteSpec) -> None:
     t0 = time.perf_counter()
     records = FileRecords()
     dirname = write_dirname(step, w.plan.beside)
-    writer = ChecksumWriter(storage, dirname, records, w.io_threads)
+    writer = ChecksumWriter(
+        storage,
+        dirname,
+        records,
+        w.io_threads,
+        data_dir=w.data_dir,
+        base=w.base,
+        compress=w.compress,
+    )
     try:
         what = f"saving step {step} to {storage.url!r}"
         _dcp.save(w.sd, writer, StagedSavePlanner(w.staging), w.group, what)
@@ -143,7 +166,8 @@ def write_and_commit(w: WriteSpec) -> None:
             # public call lets it out; the other ranks' collectives time out, as for one)
         failed = e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")
     w.timings["confirm"] = time.perf_counter() - t1
-    gathered = coll.gather_to_rank0((records.files, failed), w.group)
+    refs = writer.dedup.refs  # files of earlier saves the step refers to (not confirmed again)
+    gathered = coll.gather_to_rank0(({**refs, **records.files}, failed), w.group)
 
     def commit() -> None:
         files: dict[str, FileEntry] = {}
@@ -154,14 +178,25 @@ def write_and_commit(w: WriteSpec) -> None:
         extra: dict[str, Any] = {"io_threads": w.io_threads, "keys": len(w.sd)}
         if w.optimizer is not None:
             extra["optimizer"] = w.optimizer
-        m = w.catalog.commit(step, w.world_size, files, extra, plan=w.plan, line=w.line)
+        m = w.catalog.commit(
+            step,
+            w.world_size,
+            files,
+            extra,
+            plan=w.plan,
+            line=w.line,
+            data=w.data_dir,
+            compressed=writer.compressed,
+        )
         _log.info(
-            "committed step %d to %s: %d files, %d bytes, written in %.2f s",
+            "committed step %d to %s: %d files, %d bytes, written in %.2f s (%d bytes new; "
+            "the rest unchanged since earlier steps)",
             step,
             storage.url_of(step_dirname(step)),
             len(m.files),
             m.total_bytes,
             t1 - t0,
+            m.written_bytes,
         )
 
     def tidy() -> None:
@@ -181,6 +216,18 @@ def write_and_commit(w: WriteSpec) -> None:
 
     coll.on_rank0(commit, w.group)
     t2 = w.committed_at = time.perf_counter()
+    w.written_bytes = sum(e.size for e in records.files.values())
+    w.referred_bytes = writer.dedup.referred_bytes
+    if writer.packed[0]:
+        _log.debug(
+            "step %d: this rank compressed %d bytes of tensors into %d (%.3fx)",
+            step,
+            writer.packed[0],
+            writer.packed[1],
+            writer.packed[0] / max(1, writer.packed[1]),
+        )
+    if w.data_dir is not None:
+        w.next_base = writer.dedup.base((step, w.plan.gen), records.files)
     if w.keep_last is not None or w.plan.retires or w.plan.drop:
         coll.on_rank0(tidy, w.group)
         w.timings["retention"] = time.perf_counter() - t2

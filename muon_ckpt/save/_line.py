@@ -1,6 +1,8 @@
 """What a manager remembers of its run's line between calls (the rules: ``store._lines``):
-whether it loaded (or found nothing to load) or saved, the line id its commits carry, and the
-steps its next commit retires: a rewind's newer steps, or another run's with ``new_run``."""
+whether it loaded (or found nothing to load) or saved, the line id its commits carry, the
+steps its next commit retires (a rewind's newer steps, or another run's with ``new_run``),
+and what this rank's next save may refer to instead of writing (``base``: the items of the
+step it loaded from ``url`` or last committed there; ``_dedup``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import muon_ckpt._collective as coll
+from muon_ckpt.save._dedup import DedupBase
 from muon_ckpt.store import Catalog, SavePlan
 
 __all__ = ["RunLine"]
@@ -23,6 +26,7 @@ class RunLine:
     resumed: bool = False
     line: str | None = None
     abandoned: list[tuple[int, int | None]] = field(default_factory=list)  # (step, gen)
+    base: DedupBase | None = None
 
     def begin(self, catalog: Catalog, step: int, overwrite: bool) -> tuple[SavePlan, str]:
         """Rank 0, before a save: ready ``step`` and decide what it retires (``Catalog.begin``);
@@ -33,6 +37,7 @@ class RunLine:
             resumed=self.resumed,
             new_run=self.new_run,
             abandon=self.abandoned,
+            refer_to=None if self.base is None else self.base.key,
         )
         url = catalog.storage.url
         if plan.replacing and not self.resumed:
@@ -56,21 +61,30 @@ class RunLine:
     def admit(self, catalog: Catalog, step: int) -> tuple[SavePlan, str]:
         """Rank 0, before a save of ``step`` to the memory tier only: the url's rules
         (``Catalog.admit``: the lease, another run's steps, a newer format, what it retires)
-        and the line id it carries, kept for the saves after it."""
+        and the line id it carries, kept for the saves after it. ``base`` is left as it is:
+        the memory step's bytes are not in the url, so the next url save refers only to the
+        url's last commit."""
         plan = catalog.admit(
             step, resumed=self.resumed, new_run=self.new_run, abandon=self.abandoned
         )
         self.line = self.line or uuid.uuid4().hex[:16]
         return plan, self.line
 
-    def saving(self, plan: SavePlan, line: str) -> None:
-        """Every rank, once the save began: until it commits, the next save retires them."""
+    def saving(self, plan: SavePlan, line: str) -> DedupBase | None:
+        """Every rank, once the save began: until it commits, the next save retires them.
+        Returns what the save may refer to: the base, while rank 0 found its step committed
+        (else it is forgotten: a step deleted meanwhile, by a prune or by hand)."""
         self.resumed, self.line = True, line
         self.abandoned = [*((s, g) for s, g in plan.retires), *((s, None) for s in plan.drop)]
+        if self.base is not None and plan.refer_to != self.base.key:
+            self.base = None
+        return self.base
 
-    def committed(self) -> None:
-        """The save committed: what it retired is retired."""
+    def committed(self, base: DedupBase | None) -> None:
+        """The save committed: what it retired is retired, and ``base`` (its items) is what
+        the next save may refer to."""
         self.abandoned = []
+        self.base = base
 
     def loaded(self, url: str, d: Any) -> None:
         """A load of decision ``d``: a plain resume continues the step's line; a rewind (newer
@@ -78,6 +92,9 @@ class RunLine:
         the newer steps."""
         self.resumed, self.abandoned = True, list(d.newer)
         self.line = d.line if not d.newer and not d.from_resume else None
+        # A step of url (not resume_from's, nor a memory tier's part) is what it holds.
+        gen = getattr(d, "gen", None)
+        self.base = None if gen is None else DedupBase.of_step(d.step, gen, d.files, d.metadata)
         if d.newer and coll.rank() == 0:
             _log.warning(
                 "%s: loaded step %d while newer steps %s exist; the first save of this run "
@@ -90,4 +107,4 @@ class RunLine:
 
     def fresh(self) -> None:
         """A load that found nothing: the next save starts the url's first line."""
-        self.resumed, self.line, self.abandoned = True, None, []
+        self.resumed, self.line, self.abandoned, self.base = True, None, [], None

@@ -20,7 +20,7 @@ from muon_ckpt.save._job import SaveJob, WriteSpec, spec_for
 from muon_ckpt.save._line import RunLine
 from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
 from muon_ckpt.state import optimizer_name
-from muon_ckpt.store import Catalog, SavePlan
+from muon_ckpt.store import Catalog, SavePlan, data_dirname
 
 __all__ = ["UrlSaves", "new_id"]
 
@@ -67,7 +67,7 @@ class UrlSaves:
         plan, line, save_id = coll.on_rank0(
             lambda: (*self.line.begin(self.catalog, step, overwrite), new_id()), group
         )
-        self.line.saving(plan, line)
+        base = self.line.saving(plan, line)
         t1 = time.perf_counter()
         self.sources.group = group
         # A memory save writes in the background: it needs host copies, as an async save.
@@ -84,6 +84,8 @@ class UrlSaves:
             optimizer=optimizer_name(self.sources.optimizer),
             group=self.calls.write_group,
             gate=self.gate,
+            data_dir=data_dirname(step, save_id) if self.config.dedup else None,
+            base=base if self.config.dedup else None,
         )
         spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
         if also is not None:  # (not gated: tests hold the url's write, watch the other land)
@@ -100,7 +102,7 @@ class UrlSaves:
         """In the caller's thread, once a save's job has ended (committed or not)."""
         release()
         if spec.committed_at is not None:
-            self.line.committed()
+            self.line.committed(spec.next_base)
         t = spec.timings
         t["total"] = sum(t.get(k, 0.0) for k in ("blocked", "dcp_save", "commit", "retention"))
         self.timings = dict(t)

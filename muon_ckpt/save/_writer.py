@@ -17,23 +17,35 @@ recorded per file, and ``write_data`` raises, so a partial step is never committ
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import posixpath
 import threading
 import time
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystemBase,
+    _split_by_size_and_type,
+    _StorageInfo,
+)
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from muon_ckpt._errors import CheckpointError
+from muon_ckpt._threads import run_all
+from muon_ckpt.save._dedup import MIN_REF_BYTES, DedupBase, DedupRecords, Stored, tensor_digest
 from muon_ckpt.save._writeback import start_writeback
-from muon_ckpt.store import FileEntry, Storage
+from muon_ckpt.save._zip_crc import torch_save_without_zip_crc
+from muon_ckpt.store import DATA, FileEntry, Storage, data_ref_name
 from muon_ckpt.store.checksums import Checksum
+from muon_ckpt.store.codec import DESCRIPTOR, MIN_COMPRESS_BYTES, Encoder, stride_of
 from muon_ckpt.store.dcp import DelegatingFileSystem, dcp_filesystem
 
 __all__ = ["ChecksumWriter", "FileRecords"]
@@ -43,62 +55,6 @@ _PARALLEL_CRC_BYTES = 4 << 20  # buffers at least this big: crc in a helper thre
 # of its rows then reads at most one chunk more before them, and the zip records around it
 # (small chunks of their own), not the neighbouring megabytes.
 _CUT_BYTES = 64 << 10
-
-
-_zip_crc_get = getattr(torch.serialization, "get_crc32_options", None)
-_zip_crc_set = getattr(torch.serialization, "set_crc32_options", None)
-_zip_crc_lock = threading.Lock()
-_zip_crc_users = 0
-_zip_crc_saved = True
-_zip_crc_thread_local: bool | None = None
-
-
-def _zip_crc_per_thread() -> bool:
-    """Whether torch keeps the crc32 switch per thread (torch 2.13 does; older builds share
-    one setting). Probed once: a helper thread flips it and this thread looks."""
-    global _zip_crc_thread_local
-    if _zip_crc_thread_local is None:
-        assert _zip_crc_get is not None and _zip_crc_set is not None
-        with _zip_crc_lock:
-            before = _zip_crc_get()
-            t = threading.Thread(target=lambda: _zip_crc_set(not before))
-            t.start()
-            t.join()
-            _zip_crc_thread_local = _zip_crc_get() == before
-            if not _zip_crc_thread_local:
-                _zip_crc_set(before)  # shared: undo the probe
-    return _zip_crc_thread_local
-
-
-@contextmanager
-def _torch_save_without_zip_crc() -> Generator[None, None, None]:
-    """torch.save in this thread skips its per-record crc32 for the duration. Where torch
-    shares one setting between threads, concurrent uses share one switch and the last one
-    out restores the caller's setting."""
-    global _zip_crc_users, _zip_crc_saved
-    if _zip_crc_get is None or _zip_crc_set is None:  # pragma: no cover - no switch in torch
-        yield
-        return
-    if _zip_crc_per_thread():
-        saved = _zip_crc_get()
-        _zip_crc_set(False)
-        try:
-            yield
-        finally:
-            _zip_crc_set(saved)
-        return
-    with _zip_crc_lock:
-        if _zip_crc_users == 0:
-            _zip_crc_saved = _zip_crc_get()
-            _zip_crc_set(False)
-        _zip_crc_users += 1
-    try:
-        yield
-    finally:
-        with _zip_crc_lock:
-            _zip_crc_users -= 1
-            if _zip_crc_users == 0:
-                _zip_crc_set(_zip_crc_saved)
 
 
 class FileRecords:
@@ -135,6 +91,11 @@ class FileRecords:
         with self._lock:
             if old in self.files:
                 self.files[new] = self.files.pop(old)
+
+    def digests(self, name: str, sha256: dict[int, str]) -> None:
+        """The digests of the tensors file ``name`` (written and closed) stores, by offset."""
+        with self._lock:
+            self.files[name].sha256 = dict(sorted(sha256.items()))
 
 
 class _CrcStream(io.RawIOBase):
@@ -202,15 +163,20 @@ class _CrcStream(io.RawIOBase):
 
 
 class _RecordingFileSystem(DelegatingFileSystem):
-    """Delegates to ``inner``; write streams are checksummed into ``records``."""
+    """Delegates to ``inner``; write streams are checksummed into ``records``, by their name
+    from the step directory ``step_path`` (``../data/<dir>/<file>`` for a data file)."""
 
-    def __init__(self, inner: FileSystemBase, records: FileRecords) -> None:
+    def __init__(self, inner: FileSystemBase, records: FileRecords, step_path: str) -> None:
         super().__init__(inner)
         self.records = records
+        self._step_path = step_path
+
+    def name(self, path: str | os.PathLike) -> str:
+        return posixpath.relpath(os.fspath(path), self._step_path)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
-        name = posixpath.basename(os.fspath(path))
+        name = self.name(path)
         try:
             with self.inner.create_stream(path, mode) as raw:
                 if "w" not in mode:
@@ -219,7 +185,7 @@ class _RecordingFileSystem(DelegatingFileSystem):
                 s = _CrcStream(raw, self.records, _local_fd(raw))
                 # In the writer thread that runs torch.save: the switch is per thread in
                 # recent torch, so setting it around write_data missed DCP's other threads.
-                with _torch_save_without_zip_crc():
+                with torch_save_without_zip_crc():
                     yield s
                 # DCP fsyncs (locally) after the last write; the file closes on leaving here.
                 tail_start = s.last_write_end
@@ -230,13 +196,11 @@ class _RecordingFileSystem(DelegatingFileSystem):
             raise
         # Recorded only once the inner stream closed cleanly (an object store's upload done).
         self.records.add_seconds("sync", time.perf_counter() - tail_start)
-        self.records.put(posixpath.basename(os.fspath(path)), s.sum.entry())
+        self.records.put(name, s.sum.entry())
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         self.inner.rename(path, new_path)
-        self.records.rename(
-            posixpath.basename(os.fspath(path)), posixpath.basename(os.fspath(new_path))
-        )
+        self.records.rename(self.name(path), self.name(new_path))
 
 
 def _local_fd(raw: Any) -> int | None:
@@ -250,10 +214,25 @@ def _local_fd(raw: Any) -> int | None:
 
 
 class ChecksumWriter(FileSystemWriter):
-    """DCP writer for one step directory of ``storage``; fills ``records`` while writing."""
+    """DCP writer for one step directory of ``storage``; fills ``records`` while writing.
+
+    ``data_dir``: the directory under ``<root>/data/`` the data files go to (format 3;
+    ``.metadata`` stays in the step directory and names them ``../data/<dir>/<file>``);
+    then a tensor that ``base`` holds unchanged is referred to, not written (``_dedup``),
+    and ``dedup`` records what the next save's base needs. ``compress``: tensors of at least
+    ``MIN_COMPRESS_BYTES`` are stored compressed (``store._codec``, format 4), by the writer
+    threads. Without either: DCP's own writer, every file in the step directory (format 2)."""
 
     def __init__(
-        self, storage: Storage, step_dir: str, records: FileRecords, io_threads: int
+        self,
+        storage: Storage,
+        step_dir: str,
+        records: FileRecords,
+        io_threads: int,
+        *,
+        data_dir: str | None = None,
+        base: DedupBase | None = None,
+        compress: bool = False,
     ) -> None:
         super().__init__(
             storage.path(step_dir),
@@ -263,14 +242,28 @@ class ChecksumWriter(FileSystemWriter):
             thread_count=io_threads,
             overwrite=True,
         )
-        self.fs = _RecordingFileSystem(dcp_filesystem(storage), records)
+        self.fs = _RecordingFileSystem(dcp_filesystem(storage), records, storage.path(step_dir))
         self.path = self.fs.init_path(storage.path(step_dir))
+        self.storage, self.step_dir = storage, step_dir
+        self.data_dir, self.base, self.compress = data_dir, base, compress
+        self.dedup = DedupRecords()
         self.write_seconds = 0.0  # wall time of write_data (all writer threads)
+        self._lock = threading.Lock()
+        self.packed = [0, 0]  # compressed tensors written: their bytes in, the bytes stored
+        self.compressed = False  # (rank 0, once finished) whether the step has such items
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        infos = (metadata.storage_data or {}).values()
+        self.compressed = any(getattr(i, "transform_descriptors", None) for i in infos)
 
     def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
         t0 = time.perf_counter()
-        fut = super().write_data(plan, planner)
-        results = fut.wait()  # DCP's writer returns a completed future
+        if self.data_dir is None and not self.compress:
+            fut = super().write_data(plan, planner)
+        else:
+            fut = self._write_own(plan, planner)
+        results = fut.wait()  # (a completed future)
         self.write_seconds = time.perf_counter() - t0
         errors = self.fs.records.errors
         written = {r.index for r in results or ()}
@@ -283,3 +276,126 @@ class ChecksumWriter(FileSystemWriter):
                 "is not committed and nothing committed was touched"
             ) from err
         return fut
+
+    def _write_own(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
+        """DCP's write of this rank's items (its split into ``thread_count`` files, each
+        item as ``torch.save`` writes it), into ``data_dir`` (else the step directory),
+        leaving out the tensors ``base`` holds unchanged; the files run on ``thread_count``
+        threads."""
+        if self.data_dir is not None:
+            self.storage.makedirs(DATA, self.data_dir)
+        prefix = plan.storage_data.prefix  # __<rank>_
+        buckets = _split_by_size_and_type(self.thread_count, plan.items)
+        jobs = [(f"{prefix}{k}{DEFAULT_SUFFIX}", b) for k, b in enumerate(buckets) if b]
+        results: list[WriteResult] = []
+
+        def one(job: tuple[str, list[Any]]) -> None:
+            fname, items = job
+            try:
+                got = self._write_file(fname, items, planner)
+            except Exception as e:  # as DCP's writer threads: its items are missing (below)
+                self.fs.records.fail(self._where(fname)[0], e)
+                return
+            with self._lock:
+                results.extend(got)
+
+        run_all(self.thread_count, one, jobs, name="-write")
+        fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        fut.set_result(results)
+        return fut
+
+    def _where(self, fname: str) -> tuple[str, str]:
+        """A data file's name from the step directory, and its path."""
+        if self.data_dir is None:
+            return fname, self.storage.path(self.step_dir, fname)
+        return data_ref_name(self.data_dir, fname), self.storage.path(DATA, self.data_dir, fname)
+
+    def _base_entry(self, name: str) -> FileEntry:
+        assert self.base is not None
+        return self.base.files[name]
+
+    def _write_file(self, fname: str, items: list[Any], planner: Any) -> list[WriteResult]:
+        """One data file: its non-tensor items, then its tensors, each written unless the
+        base holds it unchanged (then referred to). The file is made only when something
+        is written to it."""
+        name, path = self._where(fname)
+        dedup = self.data_dir is not None
+        results: list[WriteResult] = []
+        digests: dict[int, str] = {}
+        with ExitStack() as stack:
+            stream: Any = None
+
+            def out() -> Any:
+                nonlocal stream
+                if stream is None:
+                    stream = stack.enter_context(self.fs.create_stream(path, "wb"))
+                return stream
+
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    s = out()
+                    at = s.tell()
+                    s.write(planner.resolve_data(item).getbuffer())
+                    results.append(_result(item, name, at, s.tell() - at))
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    continue
+                t = planner.resolve_data(item).detach().cpu()  # (as DCP's writer takes it)
+                if t.untyped_storage().size() != t.nbytes:
+                    t = t.clone()  # torch.save writes the whole storage: only its bytes
+                prev = None if self.base is None else self.base.items.get(item.index)
+                big = dedup and t.nbytes >= MIN_REF_BYTES
+                digest = None
+                if big and prev is not None and prev.changed is not True:
+                    digest = tensor_digest(t)  # first: it may not need writing
+                    if digest == prev.sha256:
+                        held = dataclasses.replace(prev, changed=False)
+                        results.append(_result(item, *held.where()))
+                        self.dedup.referred(item.index, held, self._base_entry(held.name))
+                        continue
+                s = out()
+                at = s.tell()
+                how = (DESCRIPTOR,) if self.compress and t.nbytes >= MIN_COMPRESS_BYTES else ()
+                dst = Encoder(s, stride_of(t.element_size())) if how else s
+                if big and digest is None:
+                    # Nothing to refer to, or it changed at its last save (most likely again):
+                    # written while its digest (for the next save) is taken on another thread.
+                    digest = _save_hashing(t, dst)
+                else:
+                    torch.save(t, dst)
+                if isinstance(dst, Encoder):
+                    dst.finish()
+                    with self._lock:
+                        self.packed[0] += dst.raw
+                        self.packed[1] += dst.stored
+                stored = Stored(name, at, s.tell() - at, digest or "", None, how)
+                results.append(_result(item, *stored.where()))
+                if digest is not None:
+                    digests[at] = digest
+                    changed = None if prev is None else digest != prev.sha256
+                    self.dedup.stored(item.index, dataclasses.replace(stored, changed=changed))
+            if stream is not None and self.sync_files:
+                os.fsync(stream.fileno())
+        if digests:
+            self.fs.records.digests(name, digests)
+        return results
+
+
+def _save_hashing(t: torch.Tensor, stream: Any) -> str | None:
+    """``torch.save(t, stream)`` while ``tensor_digest(t)`` runs on a helper thread (both
+    release the GIL for large buffers); the digest, or None where it failed."""
+    box: list[str | None] = []
+    th = threading.Thread(target=lambda: box.append(tensor_digest(t)), name="muon_ckpt-sha")
+    th.start()
+    try:
+        torch.save(t, stream)
+    finally:
+        th.join()
+    return box[0] if box else None
+
+
+def _result(
+    item: Any, name: str, offset: int, length: int, how: tuple[str, ...] = ()
+) -> WriteResult:
+    info = _StorageInfo(name, offset, length, transform_descriptors=list(how) or None)
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=info)

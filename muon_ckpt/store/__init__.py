@@ -10,13 +10,18 @@ metadata, read safely, and filesystem).
 from muon_ckpt.store._catalog import Catalog, write_dirname
 from muon_ckpt.store._confirm import confirm_files
 from muon_ckpt.store._layout import (
+    DATA,
     MANIFEST,
     MAX_STEP,
     METADATA,
     FileEntry,
     Manifest,
     check_step,
+    data_dirname,
+    data_ref,
+    data_ref_name,
     is_file_name,
+    parse_data_dirname,
     parse_step_dirname,
     step_dirname,
 )
@@ -29,6 +34,7 @@ from muon_ckpt.store._steps import Status, StepInfo
 from muon_ckpt.store._storage import Storage, is_storage_failure
 
 __all__ = [
+    "DATA",
     "LEASE",
     "MANIFEST",
     "MAX_STEP",
@@ -44,6 +50,9 @@ __all__ = [
     "VerifyResult",
     "check_step",
     "confirm_files",
+    "data_dirname",
+    "data_ref",
+    "data_ref_name",
     "is_file_name",
     "is_storage_failure",
     "live_newer",
@@ -51,6 +60,7 @@ __all__ = [
     "open_regular",
     "open_run",
     "open_storage",
+    "parse_data_dirname",
     "parse_step_dirname",
     "prune",
     "resolve",

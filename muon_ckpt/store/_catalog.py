@@ -37,19 +37,23 @@ from muon_ckpt._errors import (
     CheckpointVersionError,
 )
 from muon_ckpt._version import __version__
-from muon_ckpt.store._checksum import Checksum
+from muon_ckpt.store._data import collect_data, listing
+from muon_ckpt.store._files import check_files
 from muon_ckpt.store._layout import (
+    COMPRESSED_FORMAT_VERSION,
     MANIFEST,
     METADATA,
+    PLAIN_FORMAT_VERSION,
+    SHARED_FORMAT_VERSION,
     STEP_PREFIX,
     FileEntry,
     Manifest,
+    data_ref,
     parse_step_dirname,
     step_dirname,
 )
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, Lease
 from muon_ckpt.store._lines import SavePlan, mark_superseded, plan_save
-from muon_ckpt.store._metadata import check_paths, check_ranges, parse_metadata
 from muon_ckpt.store._steps import (
     COMMITTED,
     CORRUPT,
@@ -62,7 +66,7 @@ from muon_ckpt.store._steps import (
 )
 from muon_ckpt.store._storage import Storage
 
-__all__ = ["Catalog", "check_files", "write_dirname"]
+__all__ = ["Catalog", "write_dirname"]
 
 _OVERWRITE = "overwrite-"  # prefix of the directory an overwrite is written to
 
@@ -196,12 +200,15 @@ class Catalog:
         resumed: bool = True,
         new_run: bool = False,
         abandon: list[tuple[int, int | None]] | None = None,
+        refer_to: tuple[int, int] | None = None,
     ) -> SavePlan:
         """Ready a save of ``step``: take the write lease; finish or remove the leftovers of
         crashed saves (an overwrite that was committed but not swapped in is finished first);
         decide what the save retires and refuse what it must not do (``_lines.plan_save``:
         a committed or corrupt step without ``overwrite``, another run's steps, a newer
-        format); remove uncommitted directories."""
+        format); remove uncommitted directories and the data no step refers to. ``refer_to``:
+        the commit ``(step, gen)`` whose files the save may refer to, kept in the plan while
+        it is committed and not retired."""
         self.lease.acquire()
         st = self.storage
         steps, _ = self._step_dirs()
@@ -217,10 +224,12 @@ class Catalog:
             resumed=resumed,
             new_run=new_run,
             abandon=list(abandon or ()),
+            refer_to=refer_to,
         )
         for s in infos:
             if s.status == UNCOMMITTED:
                 st.rm(s.dirname)
+        self.collect()
         return plan
 
     def admit(
@@ -268,27 +277,36 @@ class Catalog:
         *,
         plan: SavePlan,
         line: str | None = None,
+        data: str | None = None,
+        compressed: bool = False,
     ) -> Manifest:
-        """Check that every recorded file is there with its size and that this job still
-        holds the lease, then write the manifest (with ``plan``'s generation and retired
-        commits, and ``line``) and read it back; a step written beside the one it replaces
-        is then swapped in."""
+        """Check that every recorded file is there with its size (those of the run's data it
+        refers to included) and that this job still holds the lease, then write the manifest
+        (with ``plan``'s generation and retired commits, ``line``, and ``data``: the data
+        directory the save wrote to; ``compressed``: whether its metadata has compressed
+        items, format 4) and read it back; a step written beside the one it replaces is then
+        swapped in."""
         st, name = self.storage, write_dirname(step, plan.beside)
-        listed = st.walk_files(name)
+        listed = listing(st, (name,), set(files))
         for fname, entry in sorted(files.items()):
-            if listed.get(fname) != entry.size:
+            got = listed.get(fname, {}).get("size")
+            if got is None or int(got) != entry.size:
                 raise CheckpointCorruptError(
                     f"{st.url_of(name, fname)}: written with {entry.size} bytes but the "
-                    f"storage reports {listed.get(fname)}; step {step} is NOT committed"
+                    f"storage reports {got}; step {step} is NOT committed"
                 )
         if METADATA not in files:
             raise CheckpointCorruptError(
                 f"{st.url_of(name)}: DCP wrote no {METADATA}; step {step} is NOT committed"
             )
+        shared = any(data_ref(n) is not None for n in files)
+        version = SHARED_FORMAT_VERSION if shared else PLAIN_FORMAT_VERSION
         manifest = Manifest(
             step=step,
             world_size=world_size,
             files=dict(sorted(files.items())),
+            format_version=COMPRESSED_FORMAT_VERSION if compressed else version,
+            data=data,
             time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__,
             muon_ckpt_version=__version__,
@@ -379,13 +397,23 @@ class Catalog:
         for s in gone:
             self.delete(s)
         if keep_last is None:
+            self.collect()
             return gone, []
         steps = [i.step for i in infos if i.committed]
         keep = set(steps[-keep_last:]) | {just_saved}
         victims = [s for s in steps if s not in keep]
         for s in victims:
             self.delete(s)
+        self.collect()
         return gone, victims
+
+    def collect(self) -> list[str]:
+        """Delete the run's data files that no manifest of a step directory names (``_data``;
+        rank 0, under the write lease, when no save is writing). Returns what went."""
+        gone = collect_data(self.storage, self._step_dirs()[0])
+        if gone:
+            _log.info("%s: deleted data no step refers to: %s", self.storage.url, gone[:20])
+        return gone
 
 
 def _pick(infos: list[StepInfo]) -> StepInfo | None:
@@ -402,47 +430,3 @@ def _pick(infos: list[StepInfo]) -> StepInfo | None:
         if best is None or best.status != COMMITTED or (i.gen or 0) > (best.gen or 0):
             best = i
     return best
-
-
-def check_files(
-    storage: Storage, parts: tuple[str, ...], m: Manifest, tiles: bool = True
-) -> Metadata:
-    """Every file of manifest ``m`` present at its size; the DCP metadata checksummed and
-    parsed (``tiles``: chunks must tile each tensor). Raises CheckpointCorruptError naming
-    the first bad file."""
-    infos = storage.walk_info(*parts)
-    for fname, entry in sorted(m.files.items()):
-        info = infos.get(fname)
-        got = None if info is None else int(info.get("size") or 0)
-        if info is not None and (info.get("type") != "file" or info.get("islink")):
-            kind = "a symbolic link" if info.get("islink") else f"of type {info.get('type')}"
-            raise CheckpointCorruptError(
-                f"{storage.url_of(*parts, fname)}: is {kind}, not a regular file; a "
-                "checkpoint holds regular files only. Load another step or delete this one"
-            )
-        if got is None:
-            raise CheckpointCorruptError(
-                f"{storage.url_of(*parts, fname)}: listed in the manifest ({entry.size} bytes) "
-                "but missing; load another step or restore the file"
-            )
-        if got != entry.size:
-            raise CheckpointCorruptError(
-                f"{storage.url_of(*parts, fname)}: {got} bytes, the manifest says "
-                f"{entry.size} (truncated or overwritten); load another step or restore the file"
-            )
-    where = storage.url_of(*parts, METADATA)
-    md_entry = m.files.get(METADATA)
-    if md_entry is None:
-        raise CheckpointCorruptError(f"{storage.url_of(*parts, MANIFEST)}: lists no {METADATA}")
-    data = storage.read_bytes(*parts, METADATA, limit=md_entry.size)
-    got = Checksum.like(md_entry, where)
-    got.update(data)
-    if len(data) != md_entry.size or got.hexdigest() != md_entry.digest:
-        raise CheckpointCorruptError(
-            f"{where}: {md_entry.algorithm} {got.hexdigest()} ({len(data)} bytes), the "
-            f"manifest says {md_entry.digest} ({md_entry.size} bytes); load another step"
-        )
-    md = parse_metadata(data, where, tiles)
-    check_paths(md, set(m.files), where)
-    check_ranges(md, {n: e.size for n, e in m.files.items()}, where)
-    return md

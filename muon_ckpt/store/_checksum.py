@@ -127,8 +127,11 @@ class Checksum:
         return "".join(self._done + tail)
 
     def entry(self) -> FileEntry:
+        # A cut where the file ends (its last write was large: a compressed frame) ends the
+        # last chunk, as the end does: not recorded.
+        cuts = [c for c in self.cuts if c < self.size]
         return new_entry(
-            self.size, self.algorithm, self.hexdigest(), self.chunk_bytes, self.cuts or None
+            self.size, self.algorithm, self.hexdigest(), self.chunk_bytes, cuts or None
         )
 
 

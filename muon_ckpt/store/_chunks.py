@@ -6,9 +6,11 @@ chunk by chunk; rows that no chunk covers would carry whatever memory held (or t
 old values, in a load that reports success), rows two chunks cover would be written twice, and
 a declared shape no stored byte backs would make a 100 KiB step allocate gigabytes. So, before
 any read: every chunk lies inside its tensor, the chunks neither overlap nor leave a gap, each
-non-empty chunk has a stored item of at least its bytes, and no two items share bytes of a
-file. A tensor's declared bytes are then at most the bytes its items take in the files, which
-the manifest (or, for a plain DCP directory, the listing) bounds.
+non-empty chunk has a stored item of at least its bytes (a compressed item, ``_codec``: of
+at least ``1 / MAX_RATIO`` of them, the most it expands to), and no two items share bytes of
+a file. A tensor's declared bytes are then at most the bytes its items take in the files
+(``MAX_RATIO`` times, compressed), which the manifest (or, for a plain DCP directory, the
+listing) bounds.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt.store._codec import DESCRIPTOR, MAX_RATIO
 
 __all__ = ["check_held_chunks", "check_tensors", "tiling_problem"]
 
@@ -124,14 +127,23 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
         if not isinstance(meta, TensorStorageMetadata):
             raise _corrupt(where, str(key), f"is described by a {type(meta).__name__}")
         _check_tensor(key, meta, stored, where, tiles)
-    for info in items.values():
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointCorruptError(
-                f"{where}: an item of {str(info.relative_path)[:200]!r} is stored with the DCP "
-                f"storage transforms {info.transform_descriptors!r}, which muon-ckpt does not "
-                "read (what they expand to has no bound). Load it with "
-                "torch.distributed.checkpoint if you trust it"
+    for idx, info in items.items():
+        how = getattr(info, "transform_descriptors", None)
+        if not how:
+            continue
+        ours = isinstance(how, (list, tuple)) and list(how) == [DESCRIPTOR]
+        if ours and isinstance(md.state_dict_metadata.get(idx.fqn), TensorStorageMetadata):
+            continue
+        raise CheckpointCorruptError(
+            f"{where}: an item of {str(info.relative_path)[:200]!r} is stored with the DCP "
+            f"storage transforms {str(how)[:200]}, which muon-ckpt does not read "
+            + (
+                "for a non-tensor value. Load another step (muon-ckpt ls lists them)"
+                if ours
+                else "(what they expand to has no bound; it reads only its own "
+                f"[{DESCRIPTOR!r}]). Load it with torch.distributed.checkpoint if you trust it"
             )
+        )
 
 
 def _check_tensor(
@@ -164,12 +176,17 @@ def _check_tensor(
         if info is None:
             raise _corrupt(where, key, f"has no stored item for its chunk at {list(offsets)}")
         nbytes = math.prod(sizes) * itemsize
-        if type(info.length) is not int or info.length < nbytes:
+        most = MAX_RATIO if getattr(info, "transform_descriptors", None) else 1
+        if type(info.length) is not int or info.length * most < nbytes:
             raise _corrupt(
                 where,
                 key,
-                f"declares {nbytes} bytes for its chunk at {list(offsets)}, stored in an item "
-                f"of {info.length} bytes",
+                f"declares {nbytes} bytes for its chunk at {list(offsets)}, stored in "
+                + (
+                    f"a compressed item of {info.length} bytes (at most {most}x)"
+                    if most > 1
+                    else f"an item of {info.length} bytes"
+                ),
             )
 
 

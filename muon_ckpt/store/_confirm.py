@@ -26,6 +26,7 @@ from __future__ import annotations
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._threads import run_all
 from muon_ckpt.store._checksum import file_checksum
+from muon_ckpt.store._data import listing
 from muon_ckpt.store._layout import FileEntry
 from muon_ckpt.store._storage import Storage
 
@@ -49,7 +50,9 @@ def confirm_files(
     checksums of what was written) in ``dirname`` as written (``mode``: see the module)."""
     if mode == "off" or not files:
         return
-    listed = storage.walk_files(dirname)
+    listed = {
+        n: int(i.get("size") or 0) for n, i in listing(storage, (dirname,), set(files)).items()
+    }
     for name, entry in sorted(files.items()):
         if listed.get(name) != entry.size:
             raise _mismatch(

@@ -5,9 +5,14 @@ Layout::
     <url>/lease.json                the write lease: one writer per run (``_lease``)
     <url>/step-00000500/            one directory per step: ``step-`` and exactly 8 digits;
                                     any other name is ignored (``ls`` reports it)
-        .metadata, __0_0.distcp ... DCP files, written first
+        .metadata                   DCP's metadata, written first (format 2: with the data
+                                    files __0_0.distcp ... beside it)
         manifest.json               written LAST, by rank 0, after every rank finished:
                                     the commit marker. A step without it does not exist.
+    <url>/data/00000500-<16 hex>/   format 3: the data files the save of step 500 wrote
+        __0_0.distcp ...            (``.metadata`` names them ``../data/<dir>/<file>``);
+                                    later steps refer to the tensors in them that did not
+                                    change, and a file goes once no step refers to it
 
 Keys (DCP state-dict keys, by parameter FQN, never by position)::
 
@@ -33,7 +38,13 @@ STEP_PREFIX = "step-"
 MANIFEST = "manifest.json"
 METADATA = ".metadata"  # DCP's own metadata file, in every step directory
 FORMAT = "muon-ckpt"
-FORMAT_VERSION = 2  # 2: CRC32C (or crc32) per 1 MiB chunk; 1: one zlib crc32 per file
+# 3: data files in <url>/data/, shared by the steps that refer to them; 2: CRC32C (or crc32)
+# per 1 MiB chunk, every file in the step's directory; 1: one zlib crc32 per file
+FORMAT_VERSION = 4
+SHARED_FORMAT_VERSION = 3  # the first format whose steps refer to files in DATA
+COMPRESSED_FORMAT_VERSION = 4  # the first whose items may be compressed (store._codec)
+PLAIN_FORMAT_VERSION = 2  # what a step without such references is written as
+DATA = "data"  # <url>/data/: the data files of format-3 steps
 KEY_FORMAT_VERSION = 1
 
 MAX_STEP = 10**8 - 1  # 8 digits
@@ -59,6 +70,10 @@ _STEP_RE = re.compile(r"^step-(\d{8})$")
 # A file of a step: one plain name inside the step directory (DCP writes no subdirectories).
 _FILE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 _HEX_RE = re.compile(r"(?:[0-9a-f]{8})+")
+_DATA_DIR_RE = re.compile(r"^(\d{8})-[0-9a-f]{16}$")
+# How a step's manifest and .metadata name a file of the run's data: from the step directory.
+_DATA_REF_RE = re.compile(r"^\.\./data/(\d{8}-[0-9a-f]{16})/([^/]{1,255})$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def step_dirname(step: int) -> str:
@@ -78,6 +93,39 @@ def is_file_name(name: str) -> bool:
     """A name a checkpoint may refer to: one plain relative name inside its step directory
     (no ``/``, no ``..``, not absolute)."""
     return isinstance(name, str) and name not in (".", "..") and bool(_FILE_RE.match(name))
+
+
+def data_dirname(step: int, save_id: str) -> str:
+    """The directory under ``<url>/data/`` of the files the save of ``step`` with id
+    ``save_id`` (16 hex digits) writes."""
+    return f"{step:08d}-{save_id}"
+
+
+def parse_data_dirname(name: str) -> int | None:
+    """The step of a data directory's name (8 digits, ``-``, 16 hex digits), else None (a
+    name this version did not make: never deleted)."""
+    m = _DATA_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def data_ref(name: str) -> tuple[str, str] | None:
+    """(data directory, file name) of ``../data/<dir>/<file>``, the name a step gives a file
+    of the run's data; None for anything else."""
+    m = _DATA_REF_RE.match(name) if isinstance(name, str) else None
+    if m is None or not is_file_name(m.group(2)):
+        return None
+    return m.group(1), m.group(2)
+
+
+def data_ref_name(dirname: str, fname: str) -> str:
+    """The name a step gives file ``fname`` of data directory ``dirname``."""
+    return f"../{DATA}/{dirname}/{fname}"
+
+
+def is_stored_name(name: str) -> bool:
+    """A name a manifest may list: a plain file of the step directory, or a data file of
+    the run (``data_ref``). Nothing else: no other ``..``, no ``/``, no absolute path."""
+    return is_file_name(name) or data_ref(name) is not None
 
 
 def model_key(fqn: str) -> str:
@@ -111,6 +159,9 @@ class FileEntry:
     crc32c: str | None = None
     chunk_bytes: int | None = None
     cuts: list[int] | None = None  # offsets where a chunk ends early; the grid restarts there
+    # offset of a stored tensor -> SHA-256 of its dtype, shape and bytes (``save._dedup``):
+    # how a later save knows that a tensor is unchanged and refers to it instead of writing it
+    sha256: dict[int, str] | None = None
 
     def chunk_starts(self) -> list[int]:
         """Where each checksummed chunk begins (``[0]`` without chunks). Computed once per
@@ -146,7 +197,10 @@ class FileEntry:
         return self.crc32c if self.crc32c is not None else (self.crc32 or "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        d = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.sha256 is not None:  # JSON keys are strings, in order
+            d["sha256"] = {str(k): v for k, v in sorted(self.sha256.items())}
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FileEntry:
@@ -161,7 +215,8 @@ class FileEntry:
             raise ValueError(f"size {size} and chunk_bytes {chunk} must be >= 0 and >= 1")
         if cuts is not None and (chunk is None or any(not 0 < c < size for c in cuts)):
             raise ValueError(f"cuts must lie inside the file's {size} bytes, found {cuts[:5]}")
-        e = cls(size, chunk_bytes=chunk, cuts=cuts, **{sums[0]: digest})
+        sha = None if d.get("sha256") is None else _digests(d["sha256"], size)
+        e = cls(size, chunk_bytes=chunk, cuts=cuts, sha256=sha, **{sums[0]: digest})
         count = len(e.chunk_starts())
         if len(digest) != 8 * count:
             raise ValueError(
@@ -170,6 +225,20 @@ class FileEntry:
             )
         int(digest or "0", 16)  # hex only
         return e
+
+
+def _digests(v: Any, size: int) -> dict[int, str]:
+    """A file entry's ``sha256``: {offset inside the file: 64 hex digits}."""
+    if not isinstance(v, dict):
+        raise ValueError(f"sha256 must be a JSON object, found a {type(v).__name__}")
+    out = {}
+    for k, h in v.items():
+        if not (isinstance(k, str) and k.isdigit() and len(k) <= 19 and int(k) < size):
+            raise ValueError(f"sha256: {str(k)[:40]!r} is not an offset inside the file")
+        if not (isinstance(h, str) and _SHA256_RE.match(h)):
+            raise ValueError(f"sha256 at {k}: {str(h)[:80]!r} is not 64 hex digits")
+        out[int(k)] = h
+    return out
 
 
 @dataclass
@@ -181,7 +250,9 @@ class Manifest:
     torch_version: str
     muon_ckpt_version: str
     format: str = FORMAT
-    format_version: int = FORMAT_VERSION
+    # PLAIN_FORMAT_VERSION unless a file is in the run's data (``Catalog.commit`` says which):
+    # older readers still read the steps that do not need this version
+    format_version: int = PLAIN_FORMAT_VERSION
     key_format_version: int = KEY_FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
     # The run's history (``Catalog``): ``gen`` orders commits (one more than any commit in the
@@ -191,15 +262,30 @@ class Manifest:
     gen: int = 0
     line: str | None = None
     retires: list[tuple[int, int]] = field(default_factory=list)
+    # Format 3: the directory under <url>/data/ this save wrote its data files to (None: the
+    # step's data files are in its own directory, or it wrote none)
+    data: str | None = None
 
     def to_json(self) -> bytes:
         d = asdict(self)
         d["files"] = {k: v.to_dict() for k, v in self.files.items()}
+        if self.data is None:
+            del d["data"]
         return json.dumps(d, indent=1, sort_keys=True).encode()
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+    @property
+    def written_bytes(self) -> int:
+        """The bytes this step's save wrote: its files, less those it refers to in the data
+        of earlier saves."""
+        return sum(
+            f.size
+            for n, f in self.files.items()
+            if (ref := data_ref(n)) is None or ref[0] == self.data
+        )
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
@@ -230,6 +316,14 @@ class Manifest:
             line = d.get("line")
             if line is not None and not (isinstance(line, str) and _LINE_RE.fullmatch(line)):
                 raise ValueError(f"line {str(line)[:40]!r} is not an id of 1-64 letters/digits")
+            data = d.get("data")
+            if data is not None and not (isinstance(data, str) and _DATA_DIR_RE.match(data)):
+                raise ValueError(f"data {str(data)[:40]!r} is not a data directory's name")
+            shared = [n for n in files if data_ref(n) is not None]
+            if shared and version < SHARED_FORMAT_VERSION:
+                raise ValueError(
+                    f"format_version {version} lists files of the run's data ({shared[0]!r})"
+                )
             return cls(
                 step=step,
                 world_size=_bounded("world_size", d["world_size"], low=1),
@@ -244,6 +338,7 @@ class Manifest:
                 gen=_bounded("gen", d.get("gen", 0)),
                 line=line,
                 retires=retires,
+                data=data,
             )
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise _unreadable(where, e) from e
@@ -281,10 +376,11 @@ def _retired(r: Any) -> tuple[int, int]:
 
 
 def _file_entry(name: str, v: Any) -> FileEntry:
-    if not is_file_name(name) or name == MANIFEST:
+    if not is_stored_name(name) or name == MANIFEST:
         raise ValueError(
             f"it lists the file {name[:80]!r}: a checkpoint holds plain file names inside "
-            "its step directory only (no '/', '..' or absolute paths)"
+            "its step directory, and ../data/<8 digits>-<16 hex>/<file> for the run's data, "
+            "only (no other '/', '..' or absolute paths)"
         )
     _mapping(f"file {name!r}", v)
     for k in ("size", "chunk_bytes"):

@@ -40,6 +40,9 @@ class SavePlan:
     beside: bool  # write beside the step's directory, swapped in at the commit (an overwrite,
     # or a step being replaced)
     base: tuple[int, int, str | None] | None = None  # the newest live commit: (step, gen, line)
+    # The commit (step, gen) whose data the save may refer to (tensors unchanged since):
+    # committed and not retired by this save; None: the save writes every tensor
+    refer_to: tuple[int, int] | None = None
 
 
 def mark_superseded(infos: list[StepInfo]) -> None:
@@ -68,11 +71,14 @@ def plan_save(
     resumed: bool,
     new_run: bool,
     abandon: list[tuple[int, int | None]],
+    refer_to: tuple[int, int] | None = None,
 ) -> SavePlan:
     """Decide a save of ``step`` over the scan ``infos`` of ``url``. ``resumed``: the
     manager loaded (or found nothing to load) or saved before; ``abandon``: the steps newer
     than the one it loaded (``(step, gen)``, gen None for a CORRUPT one), which this save
-    retires. Raises CheckpointVersionError or CheckpointExistsError, writing nothing."""
+    retires; ``refer_to``: the commit ``(step, gen)`` whose data the save may refer to, kept
+    in the plan while it is committed and not retired. Raises CheckpointVersionError or
+    CheckpointExistsError, writing nothing."""
     newer = [i.step for i in infos if i.status == NEWER]
     if newer:
         raise CheckpointVersionError(
@@ -113,7 +119,14 @@ def plan_save(
     beside = overwrite or (have is not None and have.status != UNCOMMITTED)
     base = (live[-1].step, live[-1].gen or 0, live[-1].line) if live else None
     retired = sorted(set(retires + carried))
-    return SavePlan(gen, retired, sorted(set(drop)), replacing, beside, base)
+    referable = (
+        refer_to is not None
+        and refer_to not in retired
+        and any(i.status == COMMITTED and (i.step, i.gen or 0) == refer_to for i in infos)
+    )
+    return SavePlan(
+        gen, retired, sorted(set(drop)), replacing, beside, base, refer_to if referable else None
+    )
 
 
 def _foreign(url: str, step: int, live: list[StepInfo]) -> str:

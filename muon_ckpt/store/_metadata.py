@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt.store._chunks import check_tensors
-from muon_ckpt.store._layout import MANIFEST, METADATA, is_file_name
+from muon_ckpt.store._layout import MANIFEST, METADATA, data_ref, is_file_name
 
 __all__ = ["bytes_keys", "check_paths", "check_ranges", "parse_metadata", "tensor_entries"]
 
@@ -80,12 +80,14 @@ def parse_metadata(data: bytes, where: str, tiles: bool = True) -> Metadata:
 
 def check_paths(md: Metadata, allowed: set[str] | None, where: str) -> None:
     """Every file the metadata points DCP at must be a plain name inside the checkpoint's
-    directory and, with a manifest, one it lists (``allowed``): a crafted ``.metadata`` must
-    not send a load, export or import to ``../x``, ``/other/bucket/x`` or an unlisted,
-    unchecksummed file."""
+    directory or, in a step of format 3, a file of the run's data (``../data/<dir>/<file>``),
+    and, with a manifest, one it lists (``allowed``): a crafted ``.metadata`` must not send a
+    load, export or import to ``../x``, ``/other/bucket/x`` or an unlisted, unchecksummed
+    file."""
     for info in (md.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
-        ok = is_file_name(name) and name not in (MANIFEST, METADATA)
+        plain = is_file_name(name) and name not in (MANIFEST, METADATA)
+        ok = plain or (allowed is not None and data_ref(name) is not None)
         if ok and allowed is not None and name not in allowed:
             raise CheckpointCorruptError(
                 f"{where}: refers to the file {name!r}, which the manifest does not list; the "

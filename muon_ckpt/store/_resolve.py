@@ -12,14 +12,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointNotFoundError
 from muon_ckpt._progress import progress_bar
-from muon_ckpt.store._catalog import Catalog, check_files
+from muon_ckpt.store._catalog import Catalog
 from muon_ckpt.store._checksum import file_checksum
+from muon_ckpt.store._data import listing
+from muon_ckpt.store._files import check_files
 from muon_ckpt.store._layout import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
     METADATA,
     FileEntry,
     Manifest,
+    data_ref,
     parse_step_dirname,
 )
 from muon_ckpt.store._lease import PRUNE, PRUNE_LEASE_SECONDS, Lease
@@ -183,9 +186,10 @@ def _gone(r: Resolved) -> bool:
 def _check_files(r: Resolved, m: Manifest, progress: bool | None) -> VerifyResult:
     """Presence, size and checksums of every file manifest ``m`` of ``r`` lists."""
     st, res = r.storage, VerifyResult()
-    infos = st.walk_info(*r.parts)
+    infos = listing(st, r.parts, set(m.files))
     present = {n: int(i.get("size") or 0) for n, i in infos.items()}
-    res.unexpected = sorted(set(present) - set(m.files) - {MANIFEST})
+    own = {n for n in present if data_ref(n) is None}  # (a data directory is shared)
+    res.unexpected = sorted(own - set(m.files) - {MANIFEST})
     total = sum(e.size for e in m.files.values())
     with progress_bar(total, f"verify step {r.step}", enabled=progress) as bar:
         for name, entry in sorted(m.files.items()):
@@ -259,6 +263,8 @@ def prune(storage: Storage, keep: int, *, dry_run: bool = False) -> PruneResult:
             done = ", ".join(map(str, plan.deleted[:k])) or "none"
             lease.acquire(f"pruning (steps deleted so far: {done})")  # renewed, still ours
             cat.delete(s)
+        lease.acquire(f"pruning (steps deleted: {', '.join(map(str, plan.deleted))})")
+        cat.collect()  # the data only the deleted steps referred to
     finally:
         lease.release()
     return plan

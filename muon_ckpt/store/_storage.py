@@ -129,8 +129,14 @@ class Storage:
             raise storage_error(e, f"{what} {self.url_of(*parts)}") from e
 
     def path(self, *parts: str) -> str:
-        """Filesystem path under the root (posix joins only)."""
-        return posixpath.join(self.root, *parts)
+        """Filesystem path under the root (posix joins only). A ``..`` in ``parts`` (a step's
+        name for a file of the run's data, ``../data/<dir>/<file>``) is resolved here, in the
+        text: object stores keep ``..`` in a key, and locally the step directory may be a
+        symbolic link (then ``..`` is the run's root, never the link target's parent)."""
+        p = posixpath.join(self.root, *parts)
+        if any(".." in part.split("/") for part in parts):
+            p = posixpath.normpath(p)
+        return p
 
     def url_of(self, *parts: str) -> str:
         """A full URL (with scheme) for ``parts`` under the root, for messages and readers."""

@@ -1,0 +1,130 @@
+"""Unchanged tensors are not written again: a save refers to where the run holds them.
+
+"Unchanged" is decided by the bytes, never by how the tensor was reached: ``requires_grad``,
+the autograd version counter (blind to writes through ``.data``) and a 32-bit checksum all
+let a changed tensor pass as unchanged. A stored tensor item is identified by its DCP index
+(key and chunk offsets) and the SHA-256 of its dtype, shape and bytes (``tensor_digest``),
+recorded in the manifest entry of the file that stores it (``FileEntry.sha256``, by offset).
+A save refers to a stored item only when the item of the same index in its base (the step
+the run continues from: the last one this manager committed, or the one it loaded) has the
+same digest; otherwise it writes the tensor. SHA-256 (``hashlib``, which releases the GIL)
+runs in the writer threads, on the snapshot's host copies, at about 1.8 GiB/s per thread
+with SHA extensions (docs/benchmarks.md): a save that finds nothing unchanged pays that
+next to its write; one that finds a tensor unchanged skips its write, its CRC and its
+read-back.
+
+Tensors under ``MIN_REF_BYTES`` and non-tensor values are always written: a reference would
+save less than the manifest's record of it.
+
+Order: a tensor the base holds is hashed before it is written, unless it changed at the save
+that recorded it (then it most likely changed again); that one, and a tensor the base does
+not hold (the first save, a new key, another sharding), is written while its digest, for the
+next save, is taken on another thread. So a save where everything changes does not wait for
+the hash before each write, and a tensor that stops changing is written once more than
+needed, then referred to from the save after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from muon_ckpt.store import FileEntry, data_ref
+
+__all__ = ["MIN_REF_BYTES", "DedupBase", "DedupRecords", "Stored", "tensor_digest"]
+
+MIN_REF_BYTES = 16 << 10
+
+
+def tensor_digest(t: torch.Tensor) -> str | None:
+    """SHA-256 (hex) of ``t``'s dtype, shape and bytes in row-major order; None for a tensor
+    whose bytes have no plain view (quantized, sparse, not on the CPU): always written."""
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
+        return None
+    c = t.detach().resolve_conj().resolve_neg().contiguous()
+    try:
+        raw = c.reshape(-1).view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):  # a dtype numpy cannot view as bytes
+        return None
+    h = hashlib.sha256(f"{c.dtype}|{tuple(c.shape)}|".encode())
+    h.update(raw.data)  # (large buffers: the GIL is released)
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """Where a tensor item is stored: ``name`` (``../data/<dir>/<file>``), its bytes there,
+    and the digest of the tensor it holds; ``changed``: whether it differed from its base at
+    the save that recorded it (None: not known, e.g. after a load); ``how``: its DCP
+    storage transforms (``store.codec.DESCRIPTOR`` when compressed)."""
+
+    name: str
+    offset: int
+    length: int
+    sha256: str
+    changed: bool | None = None
+    how: tuple[str, ...] = ()
+
+    def where(self) -> tuple[str, int, int, tuple[str, ...]]:
+        """What DCP's metadata says of the item: file, offset, length, transforms."""
+        return self.name, self.offset, self.length, self.how
+
+
+@dataclasses.dataclass
+class DedupBase:
+    """What the run holds, for one rank's next save: the stored items of commit ``key``
+    ((step, gen)) by DCP index, and the manifest entries of their files."""
+
+    key: tuple[int, int]
+    items: dict[MetadataIndex, Stored]
+    files: dict[str, FileEntry]
+
+    @classmethod
+    def of_step(cls, step: int, gen: int, files: dict[str, FileEntry], metadata: Any) -> DedupBase:
+        """The base of a committed step (a load's decision): its tensor items whose file's
+        entry records their digest (format 3; a step of format 2 has none)."""
+        items = {}
+        for index, info in (metadata.storage_data or {}).items():
+            name = info.relative_path
+            entry = files.get(name)
+            if entry is None or entry.sha256 is None or data_ref(name) is None:
+                continue
+            digest = entry.sha256.get(info.offset)
+            if digest is not None:
+                how = tuple(info.transform_descriptors or ())
+                items[index] = Stored(name, info.offset, info.length, digest, None, how)
+        used = {s.name for s in items.values()}
+        return cls((step, gen), items, {n: files[n] for n in used})
+
+
+class DedupRecords:
+    """What one rank's writer threads record for the next save's base (thread-safe): every
+    tensor item with a digest, written or referred to, and the entries of the files referred
+    to."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.items: dict[MetadataIndex, Stored] = {}
+        self.refs: dict[str, FileEntry] = {}  # files of earlier saves this step refers to
+        self.referred_bytes = 0  # bytes of items not written because they were unchanged
+
+    def stored(self, index: MetadataIndex, s: Stored) -> None:
+        with self._lock:
+            self.items[index] = s
+
+    def referred(self, index: MetadataIndex, s: Stored, entry: FileEntry) -> None:
+        with self._lock:
+            self.items[index] = s
+            self.refs[s.name] = entry
+            self.referred_bytes += s.length
+
+    def base(self, key: tuple[int, int], own: dict[str, FileEntry]) -> DedupBase:
+        """The base for the next save, once this one committed as ``key``; ``own``: the
+        entries of the files it wrote (with their digests)."""
+        files = {**self.refs, **{n: e for n, e in own.items() if data_ref(n) is not None}}
+        return DedupBase(key, dict(self.items), files)

@@ -1,0 +1,81 @@
+"""The run's data (format 3): the data files under ``<url>/data/`` that steps refer to.
+
+A save writes its data files to ``data/<step>-<save id>/`` and names every data file its
+step needs in its ``.metadata`` and manifest as ``../data/<dir>/<file>``: the files it wrote
+and the files of earlier saves that hold the tensors it did not write again (unchanged since).
+So the manifests alone say which files are live: a data file is live while a manifest in a
+step directory names it. ``collect`` deletes the others. It runs on rank 0 under the write
+lease, at points where no save of the run is writing (``Catalog.begin``, ``Catalog.tidy``,
+``prune``), so the only data files no manifest names are those of saves that crashed and
+those of deleted steps that no kept step refers to. A crash anywhere in it (or in the step
+deletions before it) leaves every manifest that was there, and so every file they name.
+
+A step directory deleted by hand takes none of the data with it: the steps that refer to
+its data still load, and ``collect`` deletes what only it named. A data file deleted by hand
+makes every step that names it corrupt (missing, at load and ``verify``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointVersionError
+from muon_ckpt.store._layout import DATA, data_ref, data_ref_name, parse_data_dirname
+from muon_ckpt.store._steps import read_manifest
+from muon_ckpt.store._storage import Storage
+
+__all__ = ["collect_data", "listing"]
+
+
+def listing(storage: Storage, parts: tuple[str, ...], names: set[str]) -> dict[str, dict[str, Any]]:
+    """fsspec info (``size``, ``type``, ...) of the files ``names`` (a manifest's: plain names
+    of the step directory ``parts``, and ``../data/<dir>/<file>``), by name, from one listing
+    of the step directory and one of each data directory named; a name not listed is absent."""
+    out: dict[str, dict[str, Any]] = {}
+    dirs = sorted({ref[0] for n in names if (ref := data_ref(n)) is not None})
+    if len(dirs) < len(names) or not names:
+        out.update(storage.walk_info(*parts))
+    for d in dirs:
+        for fname, info in storage.walk_info(*parts, "..", DATA, d).items():
+            out[data_ref_name(d, fname)] = info
+    return out
+
+
+def collect_data(storage: Storage, step_dirs: dict[int, list[str]]) -> list[str]:
+    """Delete the data files under ``<root>/data/`` that no manifest in ``step_dirs`` (step ->
+    its directories) names, and the data directories left empty. Nothing while a step of a
+    newer format is there; a step whose manifest is invalid keeps the data directories of its
+    step number (what it refers to is not known); a name this version does not make is never
+    deleted. Returns what went."""
+    dirs = storage.list_dirs(DATA)
+    if not dirs:
+        return []
+    live: set[str] = set()
+    keep: set[int] = set()
+    for step, names in step_dirs.items():
+        for name in names:
+            try:
+                m = read_manifest(storage, name, step)
+            except FileNotFoundError:
+                continue
+            except CheckpointVersionError:
+                return []
+            except CheckpointCorruptError:
+                keep.add(step)
+                continue
+            live.update(n for n in m.files if data_ref(n) is not None)
+    gone = []
+    for name, is_dir in dirs.items():
+        step = parse_data_dirname(name)
+        if not is_dir or step is None or step in keep:
+            continue
+        files = storage.walk_files(DATA, name)
+        dead = sorted(f for f in files if data_ref_name(name, f) not in live)
+        if len(dead) == len(files):
+            storage.rm(DATA, name)
+            gone.append(name)
+            continue
+        for f in dead:
+            storage.rm(DATA, name, f)
+            gone.append(f"{name}/{f}")
+    return gone

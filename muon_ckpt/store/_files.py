@@ -1,0 +1,60 @@
+"""A step's files against its manifest: each there at its size and a regular file, and the DCP
+metadata checksummed, parsed and checked (``_metadata``) before anything else is read.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt.store._checksum import Checksum
+from muon_ckpt.store._data import listing
+from muon_ckpt.store._layout import MANIFEST, METADATA, Manifest
+from muon_ckpt.store._metadata import check_paths, check_ranges, parse_metadata
+from muon_ckpt.store._storage import Storage
+
+__all__ = ["check_files"]
+
+
+def check_files(
+    storage: Storage, parts: tuple[str, ...], m: Manifest, tiles: bool = True
+) -> Metadata:
+    """Every file of manifest ``m`` present at its size; the DCP metadata checksummed and
+    parsed (``tiles``: chunks must tile each tensor). Raises CheckpointCorruptError naming
+    the first bad file."""
+    infos = listing(storage, parts, set(m.files))
+    for fname, entry in sorted(m.files.items()):
+        info = infos.get(fname)
+        got = None if info is None else int(info.get("size") or 0)
+        if info is not None and (info.get("type") != "file" or info.get("islink")):
+            kind = "a symbolic link" if info.get("islink") else f"of type {info.get('type')}"
+            raise CheckpointCorruptError(
+                f"{storage.url_of(*parts, fname)}: is {kind}, not a regular file; a "
+                "checkpoint holds regular files only. Load another step or delete this one"
+            )
+        if got is None:
+            raise CheckpointCorruptError(
+                f"{storage.url_of(*parts, fname)}: listed in the manifest ({entry.size} bytes) "
+                "but missing; load another step or restore the file"
+            )
+        if got != entry.size:
+            raise CheckpointCorruptError(
+                f"{storage.url_of(*parts, fname)}: {got} bytes, the manifest says "
+                f"{entry.size} (truncated or overwritten); load another step or restore the file"
+            )
+    where = storage.url_of(*parts, METADATA)
+    md_entry = m.files.get(METADATA)
+    if md_entry is None:
+        raise CheckpointCorruptError(f"{storage.url_of(*parts, MANIFEST)}: lists no {METADATA}")
+    data = storage.read_bytes(*parts, METADATA, limit=md_entry.size)
+    got = Checksum.like(md_entry, where)
+    got.update(data)
+    if len(data) != md_entry.size or got.hexdigest() != md_entry.digest:
+        raise CheckpointCorruptError(
+            f"{where}: {md_entry.algorithm} {got.hexdigest()} ({len(data)} bytes), the "
+            f"manifest says {md_entry.digest} ({md_entry.size} bytes); load another step"
+        )
+    md = parse_metadata(data, where, tiles)
+    check_paths(md, set(m.files), where)
+    check_ranges(md, {n: e.size for n, e in m.files.items()}, where)
+    return md
