@@ -31,6 +31,8 @@ BAD = {
     "confirm": ["never", False],
     "read_once": [1, "yes"],
     "new_run": [1, None],
+    "dedup": [1, None],
+    "compression": ["lz4", "", 1, True],
     "memory": [{"interval": 1}, 10],
 }
 MEMORY_BAD = {
