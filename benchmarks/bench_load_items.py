@@ -29,8 +29,10 @@ import torch
 
 from benchmarks._timing import pick_device, time_interleaved
 from benchmarks.bench_checkpoint import build_state
+from benchmarks.bench_resume import data_files
 from muon_ckpt import CheckpointManager
 from muon_ckpt._config import read_threads
+from muon_ckpt.store import Storage
 
 MiB = 1 << 20
 
@@ -91,8 +93,7 @@ def main() -> None:
         }
         with CheckpointManager(url, model=model, optimizer=opt) as saver:
             saver.save(1, force=True)
-        step = os.path.join(url, "step-00000001")
-        files = [os.path.join(step, f) for f in sorted(os.listdir(step)) if f.endswith(".distcp")]
+        files = sorted(p for p, _ in data_files(Storage(url), "step-00000001"))
         nbytes = sum(os.path.getsize(f) for f in files)
         fns: dict[str, Callable[[], object]] = {
             f"plain reads, {k * len(files)} streams": lambda f=files, k=k: plain_reads(f, k)

@@ -21,7 +21,6 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import tempfile
@@ -29,6 +28,8 @@ import time
 
 import torch
 
+from benchmarks.bench_resume import data_files
+from muon_ckpt.store import Storage
 from tests._dist import run_on_ranks
 
 SIDE = 2048
@@ -101,10 +102,7 @@ def _replicated(args: argparse.Namespace) -> None:
     url = tempfile.mkdtemp(prefix="muon_ckpt_replicated_")
     try:
         run_on_ranks(_save_plain, 4, url, n, timeout=1800)
-        step = f"{url}/step-00000001"
-        stored = sum(
-            os.path.getsize(f"{step}/{f}") for f in os.listdir(step) if f.endswith(".distcp")
-        )
+        stored = sum(n for _, n in data_files(Storage(url), "step-00000001"))
         cases = [(1, False), (4, True), (4, False)]
         rounds: dict[tuple[int, bool], list[list[tuple]]] = {c: [] for c in cases}
         for r in range(args.repeat):

@@ -68,6 +68,8 @@ from muon_ckpt import CheckpointManager
 from muon_ckpt._config import read_threads
 from muon_ckpt.state import FlatState
 from muon_ckpt.store import Storage
+from muon_ckpt.store._layout import DATA, data_ref
+from muon_ckpt.store._steps import read_manifest
 from offload import pinned_empty
 from tests._pagecache import evict
 
@@ -80,12 +82,15 @@ LAYOUTS = {"one": 1, "many": 64}  # io_threads of the save: files of the step
 
 # ---------------------------------------------------------------------- the physical path
 def data_files(st: Storage, step_dir: str) -> list[tuple[str, int]]:
-    """(path or URL, size) of the step's data files (DCP's ``.distcp``), largest first."""
+    """(path or URL, size) of the step's data files (DCP's ``.distcp``), largest first: the
+    files its manifest names, in its own directory or (format 3) in the run's ``data/``."""
     out = []
-    for name in st.child(step_dir).listdir():
-        if name.endswith(".distcp"):
-            path = st.path(step_dir, name) if st.is_local else st.url_of(step_dir, name)
-            out.append((path, st.child(step_dir).size(name)))
+    for name, entry in read_manifest(st, step_dir, None).files.items():
+        if not name.endswith(".distcp"):
+            continue
+        ref = data_ref(name)
+        parts = (DATA, *ref) if ref is not None else (step_dir, name)
+        out.append((st.path(*parts) if st.is_local else st.url_of(*parts), entry.size))
     return sorted(out, key=lambda f: -f[1])
 
 

@@ -126,6 +126,7 @@ def body_failed_load(rank, world_size, url, late_backup=False, held_backup=False
 
     from muon_ckpt import CheckpointCorruptError, CheckpointManager
     from muon_ckpt.store import Storage
+    from tests._ckpt import biggest_data_file
 
     mesh = init_device_mesh("cuda", (world_size,))
     model, opt = _build(mesh, 0)
@@ -135,10 +136,7 @@ def body_failed_load(rank, world_size, url, late_backup=False, held_backup=False
         opt.step()
     mgr.save(3, force=True)
     st = Storage(url)
-    name = max(
-        (n for n in st.listdir("step-00000003") if n.endswith(".distcp")),
-        key=lambda n: st.size("step-00000003", n),
-    )
+    name = biggest_data_file(st, 3)  # format 3: a file of <url>/data/, named from the step
     data = bytearray(st.read_bytes("step-00000003", name))
     data[len(data) // 2] ^= 0xFF
     st.write_bytes(bytes(data), "step-00000003", name)
