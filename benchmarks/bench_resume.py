@@ -455,9 +455,10 @@ def report(
         print("\nper phase, seconds (one load each; threads_*: summed over the reading threads):")
         for cache in caches:
             for lay in layouts:
-                one = got[(lay, cache, "warm", "load")][0]["phases"]
-                cells = ", ".join(f"{k} {v:.3f}" for k, v in one.items())
-                print(f"  {lay} {cache} warm: {cells}")
+                for proc in ("fresh", "warm"):
+                    one = got[(lay, cache, proc, "load")][0]
+                    cells = ", ".join(f"{k} {v:.3f}" for k, v in one["phases"].items())
+                    print(f"  {lay} {cache} {proc}: timed {one['seconds']:.3f}, {cells}")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from muon_ckpt._tensors import local_tensor, overlapping
+from muon_ckpt._tensors import copy_into, local_tensor, overlapping
 from muon_ckpt.state._staging import HostStaging
 
 __all__ = ["Rollback"]
@@ -157,7 +157,7 @@ class Rollback:
             if pending is None:
                 return
             live, copy_ = pending
-            copy_.copy_(live)
+            copy_into(copy_, live)  # on this thread: one memmove for host tensors
             with self._pairs_lock:
                 self._pairs.append((live, copy_))
             del self._pending[key]  # only once copied: a failed copy is tried again
