@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
+from muon_ckpt._tensors import copy_into
 from muon_ckpt.load._item_zip import Layout
 
 __all__ = ["Span", "commit_part", "commit_slices", "narrow", "slice_spans"]
@@ -22,7 +23,7 @@ def commit_part(planner: LoadPlanner, req: ReadItem, src: torch.Tensor, where: s
             f"{where}: item {req.storage_index.fqn} at {list(req.storage_offsets)} "
             f"has shape {list(src.size())}, the tensor it loads into {list(target.size())}"
         )
-    target.copy_(src)
+    copy_into(target, src)  # a reading thread: one memmove where it can be
     planner.commit_tensor(req, target)
 
 

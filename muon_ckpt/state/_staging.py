@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from muon_ckpt._tensors import local_tensor
+from muon_ckpt._tensors import copy_into, local_tensor
 from offload import pinned_empty
 
 __all__ = ["HostStaging"]
@@ -170,7 +170,7 @@ class HostStaging:
         copy is done (or failed: ``wait`` raises it)."""
         try:
             for key, src, dst in later:
-                dst.copy_(src)
+                copy_into(dst, src)  # one thread: the training step runs beside it
                 self._copied[key].set()
         except BaseException as e:
             self._copy_error = e
