@@ -6,6 +6,7 @@ import copy
 import ctypes
 from typing import Any
 
+import torch
 from torch import Tensor
 
 __all__ = ["copy_into", "host_copy", "local_tensor", "overlapping", "tensor_bytes"]
@@ -34,6 +35,8 @@ def copy_into(dst: Tensor, src: Tensor) -> None:
     if (
         dst.device.type == "cpu"
         and src.device.type == "cpu"
+        and dst.layout == src.layout == torch.strided
+        and not (dst.is_quantized or src.is_quantized)
         and dst.dtype == src.dtype
         and dst.shape == src.shape
         and dst.is_contiguous()

@@ -28,10 +28,14 @@ def _cases():
         torch.randn(8, dtype=torch.complex64).conj().imag,
     )
     yield "empty", torch.empty(0), torch.empty(0)
+    sparse = torch.randn(6, 6, generator=g).relu().to_sparse()
+    yield "sparse", torch.empty(6, 6).to_sparse(), sparse
     yield "scalar", torch.empty(()), torch.tensor(3.5)
 
 
 def _bits(t):
+    if t.layout != torch.strided:
+        t = t.to_dense()
     t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
     return t.view(torch.uint8) if t.numel() else t
 
