@@ -27,28 +27,35 @@ def tensor_bytes(t: Tensor) -> memoryview:
 
 
 def copy_into(dst: Tensor, src: Tensor) -> None:
-    """``dst.copy_(src)``; between contiguous CPU tensors of one dtype and shape, one
-    ``memmove`` on the calling thread with the interpreter lock released. ``copy_`` there
-    runs torch's intra-op thread pool from every calling thread: the reading threads of a
-    load, each copying on its own, ran a pool each on the same cores (a hot 1 GiB load on
-    2 cores spent more time in the pools' spinning than in the copies)."""
-    if (
-        dst.device.type == "cpu"
-        and src.device.type == "cpu"
-        and dst.layout == src.layout == torch.strided
-        and not (dst.is_quantized or src.is_quantized)
-        and dst.dtype == src.dtype
-        and dst.shape == src.shape
-        and dst.is_contiguous()
-        and src.is_contiguous()
-        and not dst.is_conj()
-        and not src.is_conj()
-        and not src.is_neg()
-    ):
+    """``dst.copy_(src)``; between plain contiguous CPU tensors of one dtype and shape, one
+    ``memmove`` on the calling thread with the interpreter lock released, ``dst``'s version
+    counter bumped as ``copy_`` bumps it (autograd refuses a backward through a value a load
+    overwrote). ``copy_`` there runs torch's intra-op thread pool from every calling thread:
+    the reading threads of a load, each copying on its own, ran a pool each on the same cores
+    (a hot 1 GiB load on 2 cores spent more time in the pools' spinning than in the
+    copies)."""
+    if _plain_cpu(dst) and _plain_cpu(src) and dst.dtype == src.dtype and dst.shape == src.shape:
         if (n := dst.numel() * dst.element_size()) > 0:
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+            if not dst.is_inference():
+                torch.autograd.graph.increment_version(dst)
         return
     dst.copy_(src)
+
+
+def _plain_cpu(t: Tensor) -> bool:
+    """A plain (not a wrapper subclass: a DTensor's ``data_ptr`` is 0), dense, contiguous CPU
+    tensor whose bytes are its values (no conjugate or negative bit)."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        and (t.numel() == 0 or t.data_ptr() != 0)
+    )
 
 
 def host_copy(v: Any) -> Any:
