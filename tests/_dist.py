@@ -182,20 +182,26 @@ def run_then_kill(
     *args: Any,
     timeout: float = 180.0,
     kill_after: float | None = None,
+    kill_when: Callable[[], bool] | None = None,
 ) -> list[Any] | None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks as ``run_on_ranks`` does;
     once every rank's ``fn`` has returned, SIGKILL them all: no ``close()``, no exit hooks, no
     process-group teardown (a crashed job). Returns what each ``fn`` returned; a rank that
     failed is raised as by ``run_on_ranks``. With ``kill_after``, they are killed that many
-    seconds after they started, wherever they are (then None is returned)."""
+    seconds after they started, wherever they are; with ``kill_when``, as soon as it returns
+    True (a progress marker the ranks write: a loaded host only delays it), or after
+    ``timeout``, which then fails. Either way None is returned."""
     procs, results, stack_files = _spawn(_child_then_wait, fn, world_size, args, timeout)
     outs: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + (timeout if kill_after is None else kill_after)
+    poll = 1.0 if kill_when is None else 0.05
     try:
         while len(outs) + len(failures) < world_size and time.monotonic() < deadline:
+            if kill_when is not None and kill_when():
+                break
             try:
-                rank, ok, payload = results.get(timeout=1.0)
+                rank, ok, payload = results.get(timeout=poll)
             except queue.Empty:
                 continue
             if ok:
@@ -208,12 +214,18 @@ def run_then_kill(
             if p.is_alive():
                 os.kill(p.pid, 9)
             p.join()
+    killed = kill_after is not None or kill_when is not None
     try:
-        if kill_after is None or failures:
+        if kill_when is not None and not failures and not kill_when():
+            raise AssertionError(
+                f"{fn.__name__}: the ranks never reached the point to kill them at "
+                f"within {timeout:.0f} s"
+            )
+        if not killed or failures:
             _raise_failures(fn, world_size, outs, failures, stack_files, timeout)
     finally:
         shutil.rmtree(os.path.dirname(stack_files[0]), ignore_errors=True)
-    return None if kill_after is not None else [outs[r] for r in range(world_size)]
+    return None if killed else [outs[r] for r in range(world_size)]
 
 
 def _child_then_wait(fn, rank, world_size, port, args, results, stack_file, timeout):

@@ -271,6 +271,8 @@ def _memory_only(url, root, rank, model, opt, **kw):
 
 
 def body_save_forever(rank, world_size, url, root, progress):
+    """Load, then save step after step until killed; each save returned is a line in
+    ``progress + ".saved"`` (the parent kills after a random number of them)."""
     model, opt = _fresh()
     opt.init_state()
     mgr = _memory_only(url, root, rank, model, opt, async_save=True)
@@ -292,6 +294,8 @@ def body_save_forever(rank, world_size, url, root, progress):
                     if torch.is_tensor(v):
                         v.fill_(step)
         mgr.save(step)
+        with open(progress + ".saved", "a") as f:
+            f.write(f"rank {rank} saved {step}\n")
 
 
 def body_load_once(rank, world_size, url, root):
@@ -318,8 +322,21 @@ def test_sigkills_while_writing_and_replicating_never_load_a_torn_step(tmp_path)
     with CheckpointManager(url, model=model, optimizer=opt) as mgr:
         mgr.save(0)
     rng = random.Random(7)
+
+    def saves_returned() -> int:
+        try:
+            with open(progress + ".saved") as f:
+                return len(f.read().splitlines())
+        except FileNotFoundError:
+            return 0
+
     for _ in range(10):
-        run_then_kill(body_save_forever, 2, url, root, progress, kill_after=rng.uniform(3, 6))
+        # Killed after a random number of save() calls returned (the next ones in flight:
+        # parts written and replicated), never after a time a loaded host may not reach.
+        target = saves_returned() + rng.randint(2, 12)
+        run_then_kill(
+            body_save_forever, 2, url, root, progress, kill_when=lambda: saves_returned() >= target
+        )
     got = run_on_ranks(body_load_once, 2, url, root)
     with open(progress) as f:
         lines = f.read().splitlines()
