@@ -335,7 +335,12 @@ def test_sigkills_while_writing_and_replicating_never_load_a_torn_step(tmp_path)
         # parts written and replicated), never after a time a loaded host may not reach.
         target = saves_returned() + rng.randint(2, 12)
         run_then_kill(
-            body_save_forever, 2, url, root, progress, kill_when=lambda: saves_returned() >= target
+            body_save_forever,
+            2,
+            url,
+            root,
+            progress,
+            kill_when=lambda t=target: saves_returned() >= t,
         )
     got = run_on_ranks(body_load_once, 2, url, root)
     with open(progress) as f:
