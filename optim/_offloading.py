@@ -36,6 +36,9 @@ class CPUOffloadMixin:
     _pool_key: tuple | None
     _plan_key: tuple | None
     _get_plan: Callable[[], Plan]
+    # (ahead, behind) of a step's pipeline: chunk k+1 comes in and k-1 goes out while k
+    # computes. A class attribute, so a benchmark can weigh (1, 0) against it.
+    _offload_window = (1, 1)
 
     def _offload_slots(self) -> list[tuple[Tensor, str, Any]]:
         """(param, state key, pool bucket) of every state the pool parks: a Muon matrix's
@@ -62,7 +65,8 @@ class CPUOffloadMixin:
         chunks (the first of them comes in while the last Muon chunk computes)."""
         order = [("muon", ci) for ci in range(len(plan.chunks))]
         order += [("adamw", gi, c) for gi, c, _ in self._adamw_chunks()]
-        return self._cpu_offload_pool.pipeline(order)
+        ahead, behind = self._offload_window
+        return self._cpu_offload_pool.pipeline(order, ahead=ahead, behind=behind)
 
     def _state_buckets(self) -> dict[int, tuple[Tensor, Any, Tensor, str]]:
         """Map id(state tensor) -> (tensor, pool bucket, param, state key) for every
