@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_muon.py --device cuda [--iters 20] [--profile]
     python3 benchmarks/bench_muon.py --device cpu --small [--without-bf16-units]
-    python3 benchmarks/bench_muon.py --device cpu --tiny --variants torch ours offload
+    python3 benchmarks/bench_muon.py --device cpu --tiny --variants torch ours offload ns-batches
 
 Cases: 16 uniform 4096^2 fp32 matrices, and a GPT-like set of 104 (the attention and MLP matrices
 of a 12-layer d=1024 model plus 32 small ones); ``--small``: 16 x 256^2 and the GPT-like set at
@@ -166,23 +166,23 @@ def bench_case(
     make: dict[str, Callable[[], Callable[[], object]]] = {
         "torch": lambda: torch.optim.Muon(params(), adjust_lr_fn="match_rms_adamw", **HP).step,
         "ours": lambda: ours()[0],
-        "other dtype": lambda: ours(other)[0],
-        "other method": lambda: ours(ns_method=other_method)[0],
+        "other-dtype": lambda: ours(other)[0],
+        "other-method": lambda: ours(ns_method=other_method)[0],
         "offload": lambda: ours(offload=True)[0],
         "compiled": lambda: ours(compiled=True)[0],
     }
     batches = [[mats[i] for i in u] for u in _units(ours()[1])]
     ns: dict[str, Callable[[], object]] = {
-        "ns one by one": lambda: [zeropower_via_newtonschulz(m, dtype=dt) for m in mats],
-        "ns batches": lambda: [newton_schulz(b, dtype=dt, method=method) for b in batches],
-        "ns batches, other method": lambda: [
+        "ns-one-by-one": lambda: [zeropower_via_newtonschulz(m, dtype=dt) for m in mats],
+        "ns-batches": lambda: [newton_schulz(b, dtype=dt, method=method) for b in batches],
+        "ns-batches-other": lambda: [
             newton_schulz(b, dtype=dt, method=other_method) for b in batches
         ],
     }
     fns = {k: f() for k, f in make.items() if k in variants}
     fns.update({k: eager(f) for k, f in ns.items() if k in variants})
-    if device.type == "cuda" and "ns graphs" in variants:
-        fns["ns graphs"] = _graphed(batches)
+    if device.type == "cuda" and "ns-graphs" in variants:
+        fns["ns-graphs"] = _graphed(batches)
     before = _graphs()
     ms = {k: v * 1e3 for k, v in time_interleaved(fns, device, iters).items()}
     set_ns_compile(False)
@@ -210,24 +210,24 @@ def profile_case(name: str, shapes, device: torch.device) -> None:
 COLUMNS = [
     ("torch.optim.Muon", "torch"),
     ("ours ({auto}, {method}: auto)", "ours"),
-    ("ours, {other} NS", "other dtype"),
-    ("ours, {other_method} NS", "other method"),
+    ("ours, {other} NS", "other-dtype"),
+    ("ours, {other_method} NS", "other-method"),
     ("ours, offload on", "offload"),
     ("ours, compiled NS", "compiled"),
-    ("NS only, one by one", "ns one by one"),
-    ("NS only, our batches", "ns batches"),
-    ("NS only, our batches, {other_method}", "ns batches, other method"),
-    ("NS only, batches as CUDA graphs", "ns graphs"),
+    ("NS only, one by one", "ns-one-by-one"),
+    ("NS only, our batches", "ns-batches"),
+    ("NS only, our batches, {other_method}", "ns-batches-other"),
+    ("NS only, batches as CUDA graphs", "ns-graphs"),
 ]
 RATIOS = [
     ("ours / torch", ("ours", "torch")),
     ("offload on / off", ("offload", "ours")),
-    ("{other} / {auto} NS", ("other dtype", "ours")),
-    ("{other_method} / {method} NS (step)", ("other method", "ours")),
-    ("{other_method} / {method} NS (NS only)", ("ns batches, other method", "ns batches")),
+    ("{other} / {auto} NS", ("other-dtype", "ours")),
+    ("{other_method} / {method} NS (step)", ("other-method", "ours")),
+    ("{other_method} / {method} NS (NS only)", ("ns-batches-other", "ns-batches")),
     ("compiled / eager", ("compiled", "ours")),
-    ("NS: batches / one by one", ("ns batches", "ns one by one")),
-    ("NS: graphs / eager batches", ("ns graphs", "ns batches")),
+    ("NS: batches / one by one", ("ns-batches", "ns-one-by-one")),
+    ("NS: graphs / eager batches", ("ns-graphs", "ns-batches")),
 ]
 
 

@@ -17,7 +17,7 @@ RUNS = {
     "muon": (
         [
             "bench_muon", "--device", "cpu", "--tiny", "--iters", "1", "--profile", "--variants",
-            "torch", "ours", "other method", "offload", "ns batches", "ns batches, other method",
+            "torch", "ours", "other-method", "offload", "ns-batches", "ns-batches-other",
         ],
         "| case | ours / torch | offload on / off |",
     ),

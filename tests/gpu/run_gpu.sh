@@ -40,14 +40,15 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 # BENCH picks benchmarks (default: muon offload checkpoint async resume memory); the figures
 # of docs/benchmarks.md one command each: muon offload deferred every-step tier-restore resume.
-# ASYNC_ARGS, RESUME_ARGS, MEMORY_ARGS: more options for bench_async_save, bench_resume and
-# bench_memory_tier (e.g. RESUME_ARGS="--rounds 1"), last on the line, so that they win.
+# MUON_ARGS, ASYNC_ARGS, RESUME_ARGS, MEMORY_ARGS: more options for bench_muon,
+# bench_async_save, bench_resume and bench_memory_tier (e.g. RESUME_ARGS="--rounds 1"), last
+# on the line, so that they win.
 want() { [[ " ${BENCH:-muon offload checkpoint async resume memory} " == *" $1 "* ]]; }
 ckpt=${CKPT_DIR:-/tmp/muon-ckpt-bench}
 gpt=${GPT_CASE:-12x2048x4096}  # LAYERSxDIMxBATCH: forward and backward most of a step
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   if want muon; then  # ours / torch.optim.Muon, Gram / standard NS, compiled NS, a profile
-    step python3 benchmarks/bench_muon.py --device cuda --profile
+    step python3 benchmarks/bench_muon.py --device cuda --profile ${MUON_ARGS:-}
     if [ "$ngpu" -gt 1 ]; then  # Muon scaling over 1, 2, 4, 8 GPUs (as many as there are)
       for n in 1 2 4 8; do
         [ "$n" -le "$ngpu" ] && step torchrun --nproc-per-node="$n" benchmarks/bench_muon_scaling.py --csv "$out/scaling.csv" --offload --ckpt-dir "$ckpt-ranks$n"
