@@ -21,8 +21,11 @@ bytes when it is not the group's current one.
 
 On CUDA the copies run on two side streams (host-to-device and device-to-host, which the
 hardware runs concurrently) and are ordered with events; every synchronisation point says why
-it is there. On a CPU-only machine the same bookkeeping runs with plain synchronous copies, so
-the logic is exercised without a GPU.
+it is there. A reload allocates on the h2d stream, and that block is freed only once h2d waits
+for the copy that reads it out, so the allocator hands it to the next reload at once and the
+host never waits. ``pipeline(order)`` (``_pipeline.py``) moves a step's buckets in order, at
+most three of them holding device memory. On a CPU-only machine the same bookkeeping runs with
+plain synchronous copies, so the logic is exercised without a GPU.
 
 The pool knows nothing of optimizers: it holds tensors, buckets and buffers.
 """
