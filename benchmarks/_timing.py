@@ -16,21 +16,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_it(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn`` in seconds, synchronising the device around each call."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def time_interleaved(
     fns: dict[str, Callable[[], object]], device: torch.device, iters: int, warmup: int = 2
 ) -> dict[str, float]:

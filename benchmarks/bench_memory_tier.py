@@ -63,7 +63,7 @@ def _sharded_state(size_gib: float, device: torch.device, world: int) -> tuple[A
 
     from optim.muon import Muon
 
-    side = 2048
+    side = 2048 if size_gib >= 0.25 else 128  # (tiny sizes: a smoke run)
     n = max(1, round(size_gib * GiB / 2 / (side * side * 4)))
     mesh = None
     if world > 1:
@@ -231,17 +231,22 @@ def restore(args: argparse.Namespace) -> None:
         s3fs.S3FileSystem(**opts).mkdir(bucket)
         base = f"s3://{bucket}/run"
     copies = 1 + (args.world > args.node_size)  # own parts, and replicas from another node
-    args.size_gib = fit_size_gib(args.size_gib, copies, [args.memory_root], "memory tier")
-    if args.url != "moto":
-        args.size_gib = fit_size_gib(args.size_gib, 1, [tmp], "storage (the url's step)")
     try:
-        if args.world == 1:
-            _restore_rank(0, 1, args, base, opts)
-            return
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(args.world, port, args, base, opts), nprocs=args.world)
+        for size in args.size_gib:  # each size in a run of its own
+            one = argparse.Namespace(**vars(args))
+            one.size_gib = fit_size_gib(size, copies, [args.memory_root], "memory tier")
+            if args.url != "moto":
+                one.size_gib = fit_size_gib(one.size_gib, 1, [tmp], "storage (the url's step)")
+            where = f"{base}-{size:g}" if args.url == "moto" else os.path.join(tmp, f"{size:g}")
+            if args.world == 1:
+                _restore_rank(0, 1, one, where, opts)
+            else:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                mp.spawn(_spawned, args=(args.world, port, one, where, opts), nprocs=args.world)
+            shutil.rmtree(where, ignore_errors=True)  # the next size needs the space
+            shutil.rmtree(args.memory_root, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(args.memory_root, ignore_errors=True)
@@ -290,17 +295,20 @@ def overhead(args: argparse.Namespace) -> None:
         shutil.rmtree(mem, ignore_errors=True)
 
 
+def _p99(xs: list[float]) -> float:
+    """The 99th percentile (nearest rank)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, -(-99 * len(xs) // 100) - 1))]
+
+
 def _overhead_line(args, model, opt, grads, step, state, mode, k, tmp, mem) -> None:
-    """One line of ``overhead``: steps without memory saves, then with one every ``k``."""
+    """One line of ``overhead``: steps without memory saves, then with one every ``k``; each
+    step timed as the loop feels it (the step, then ``save()``)."""
     from muon_ckpt import CheckpointManager, MemoryOptions
 
     device = torch.device(args.device)
     sync(device)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step(model, opt, grads, device)
-    sync(device)
-    base = (time.perf_counter() - t0) / args.steps
+    base = [step(model, opt, grads, device) for _ in range(args.steps)]
     url = os.path.join(tmp, f"run-{uuid.uuid4().hex[:8]}")
     with CheckpointManager(
         url,
@@ -315,22 +323,25 @@ def _overhead_line(args, model, opt, grads, step, state, mode, k, tmp, mem) -> N
         mgr.wait()
         tier = mgr._memory.tier if mgr._memory is not None else None
         skipped = tier.skipped if tier is not None else 0
-        blocked = 0.0
+        times, blocked = [], 0.0
         sync(device)
-        t0 = time.perf_counter()
         for s in range(1, args.steps + 1):
-            step(model, opt, grads, device)
+            took = step(model, opt, grads, device)
             t1 = time.perf_counter()
             mgr.save(s)
             blocked += time.perf_counter() - t1
+            times.append(took + time.perf_counter() - t1)
         sync(device)
-        took = (time.perf_counter() - t0) / args.steps
         mgr.wait()
         skipped = (tier.skipped if tier is not None else 0) - skipped
+    med, bmed = statistics.median(times), statistics.median(base)
+    took = sum(times) / len(times)
     print(
-        f"  {mode:8} memory every {k:3} steps: {took * 1e3:7.1f} ms a step ({base * 1e3:.1f} "
-        f"without), {took / base:5.3f}x; save() blocks {blocked / args.steps * 1e3:5.1f} ms a "
-        f"step; {skipped} skipped (previous still running); ~{state / (k * took):.2f} GiB/s "
+        f"  {mode:8} memory every {k:3} steps: median {med * 1e3:7.1f} ms a step "
+        f"({bmed * 1e3:.1f} without) = {med / bmed:5.3f}x, p99 {_p99(times) * 1e3:.1f} ms "
+        f"({_p99(base) * 1e3:.1f}) = {_p99(times) / _p99(base):5.3f}x; mean {took / (sum(base) / len(base)):5.3f}x; "
+        f"save() blocks {blocked / args.steps * 1e3:5.1f} ms a step; dropped {skipped} of "
+        f"{args.steps // k} saves (the previous still running); ~{state / (k * took):.2f} GiB/s "
         "of host bandwidth"
     )
     shutil.rmtree(url, ignore_errors=True)
@@ -340,7 +351,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("what", nargs="?", choices=["restore", "overhead"], default="restore")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--size-gib", type=float, default=0.5)
+    ap.add_argument("--size-gib", type=float, nargs="+", default=[0.5], help="restore: sizes")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--node-size", type=int, default=2)
     ap.add_argument("--url", default=None, help="'moto': the url on a local moto S3 server")

@@ -1,27 +1,49 @@
-"""CPU offload of optimizer states: step time on vs off, copy speed vs the pinned peak.
+"""CPU offload of optimizer states: what a step feels of it, and what it saves, in one run.
 
-    python benchmarks/bench_offload.py [--device cuda] [--chunk-size 8] [--iters 10]
+    python -m benchmarks.bench_offload --device cuda [--iters 20] [--profile]
+    python -m benchmarks.bench_offload --device cpu --tiny
 
-For 16 x 4096^2 matrices in fp32 and in bf16 (momentum has the param's dtype) it prints:
-- Muon step time with offload off and on, and their ratio (target <= 1.10);
-- the pool's achieved host-to-device and device-to-host GB/s moving all states, against the
-  pinned-memory peak measured in the same run with one 2 GiB copy (target >= 80%);
-- optimizer-state bytes held on the device between steps (target 0), and the drop in
-  torch.cuda.memory_allocated() that offload gives.
+Two sets of fp32 matrices trained with Muon (``chunk_size`` 8, ``ns_dtype`` and ``ns_method``
+"auto"): ``uniform``, 16 x 4096^2, and ``gpt``, bench_muon.py's GPT-like 104 matrices
+(12 layers, d = 1024). Each set is built three times (the same values): offload off, offload
+on (the step's pipeline window: chunk k+1 in and k-1 out while k computes) and offload on with
+no chunk kept going out (``window (1, 0)``: chunk k+1 comes in only once k-1 is out), all
+timed in the same interleaved rounds (medians). Per set it prints:
+
+- step time with offload on / off (targets: gpt <= 1.05x, uniform <= 1.00x);
+- peak GPU memory of a step (``max_memory_allocated``): the state held between steps plus
+  what the step allocates, offload on against off, against the target
+  on <= off - (state - 2 chunks), with the largest three-chunk window of the pipeline's order
+  (what the pool may hold at once) and what the pool itself recorded (``max_device_nbytes``);
+- for ``uniform``, the pool's own host-to-device and device-to-host GB/s moving all states,
+  against one 2 GiB pinned copy each way measured in the same run.
+
+``--profile``: for each set, which stream waited for what in the offload-on step and the
+offload-off one (``benchmarks/_profile.py``): the table a missed target's note needs.
+
+Each set is sized to the GPU's free memory (fewer matrices, saying so, when three copies of
+the params, the grads and one state do not fit with a fifth to spare).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._timing import pick_device, sync, time_it
+from benchmarks._profile import stream_table
+from benchmarks._timing import pick_device, sync, time_interleaved
+from benchmarks.bench_muon import fit_shapes, gpt_like_shapes
 from optim import Muon, set_ns_compile
+
+MiB = 1 << 20
+WINDOWS = {"on": (1, 1), "on (1,0)": (1, 0)}
+TARGET = {"uniform": 1.00, "gpt": 1.05}
 
 
 def pinned_peak(device: torch.device, nbytes: int) -> tuple[float, float]:
@@ -30,107 +52,164 @@ def pinned_peak(device: torch.device, nbytes: int) -> tuple[float, float]:
         return float("nan"), float("nan")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    h2d = time_it(lambda: dev.copy_(host, non_blocking=True), device, 5)
-    d2h = time_it(lambda: host.copy_(dev, non_blocking=True), device, 5)
-    return nbytes / h2d / 1e9, nbytes / d2h / 1e9
+    rates = []
+    for dst, src in ((dev, host), (host, dev)):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        sync(device)
+        rates.append(3 * nbytes / (time.perf_counter() - t0) / 1e9)
+    return rates[0], rates[1]
 
 
-def run(dtype: torch.dtype, device, n: int, dim: int, chunk_size: int, iters: int) -> dict:
+def _build(shapes, device, offload: bool, window=(1, 1)):
     g = torch.Generator().manual_seed(0)
-    init = [torch.randn(dim, dim, generator=g).to(device, dtype) for _ in range(n)]
-    grads = [torch.randn(dim, dim, generator=g).to(device, dtype) for _ in range(n)]
-    out = {}
-    for offload in (False, True):
-        ps = [torch.nn.Parameter(t.clone()) for t in init]
-        for p, gr in zip(ps, grads):
+    ps = [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes]
+    grads = [torch.randn(s, generator=g).to(device) for s in shapes]
+    opt = Muon([{"params": ps, "lr": 0.02, "weight_decay": 0.01}], chunk_size=8)
+    opt._offload_window = window
+
+    def step() -> None:
+        for p, gr in zip(ps, grads, strict=True):
             p.grad = gr
-        opt = Muon([{"params": ps, "lr": 0.02, "weight_decay": 0.01}], chunk_size=chunk_size)
-        opt.step()  # creates the states
-        if offload:
-            opt.turn_on_cpu_offload()
-        sync(device)
-        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        out[f"step_{offload}"] = time_it(opt.step, device, iters)
-        sync(device)
-        out[f"alloc_{offload}"] = (
-            torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        ) - base
-        if offload:
-            pool = opt._cpu_offload_pool
-            out["state_bytes_on_device"] = pool.device_nbytes()
-            out["state_bytes"] = sum(pool._storage_nbytes.values())
+        opt.step()
 
-            def reload_all(pool=pool):
-                pool.reload()
-                pool.wait_reload()
+    step()  # states exist
+    if offload:
+        opt.turn_on_cpu_offload()
+    return opt, step
 
-            # Reload and offload timed separately; each leaves the pool as it found it.
-            sync(device)
-            out["h2d_s"] = _time_half(reload_all, pool.offload, device, iters)
-            out["d2h_s"] = _time_half(pool.offload, reload_all, device, iters, offloaded=False)
-            out["allocated_with_offload"] = (
-                torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            )
-        else:
-            out["allocated_without_offload"] = (
-                torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            )
-        del opt, ps
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+
+def _chunk_bytes(opt: Muon) -> list[int]:
+    return [
+        sum(it.param.numel() * it.param.element_size() for it in c) for c in opt._get_plan().chunks
+    ]
+
+
+def _peak(step, device) -> int:
+    """What the step allocated beyond what was allocated before it (bytes)."""
+    if device.type != "cuda":
+        return 0
+    sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    sync(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def run_set(name: str, shapes, device, iters: int, profile: bool) -> dict:
+    built = {"off": _build(shapes, device, False)}
+    for label, window in WINDOWS.items():
+        built[label] = _build(shapes, device, True, window)
+    times = time_interleaved({k: s for k, (_, s) in built.items()}, device, iters)
+    chunks = _chunk_bytes(built["off"][0])
+    state = sum(chunks)
+    out = {"name": name, "n": len(shapes), "ms": {k: v * 1e3 for k, v in times.items()}}
+    out["state"], out["chunk"] = state, max(chunks)
+    out["three"] = max(sum(chunks[j : j + 3]) for j in range(max(1, len(chunks) - 2)))
+    # Peak of a step = the state held between steps (off: all of it; on: none) + what it adds.
+    out["peak"] = {
+        k: _peak(s, device) + (state if k == "off" else 0) for k, (_, s) in built.items()
+    }
+    for label in WINDOWS:
+        pool = built[label][0]._cpu_offload_pool
+        pool.reset_max_device_nbytes()
+        built[label][1]()
+        out.setdefault("pool_max", {})[label] = pool.max_device_nbytes()
+        if device.type != "cuda":  # no allocator to ask: the pool's own count stands in
+            out["peak"][label] = out["pool_max"][label]
+    if name == "uniform":
+        out["h2d"], out["d2h"] = _pool_rates(built["on"][0], device, max(3, iters // 4))
+    if profile:
+        for label in ("on", "off"):
+            print(f"\n{name}, offload {label}: which stream waited for what")
+            print("\n".join(stream_table(built[label][1], device)))
     return out
 
 
-def _time_half(measured, restore, device, iters, offloaded=True):
-    import statistics
-    import time
-
-    times = []
+def _pool_rates(opt: Muon, device, iters: int) -> tuple[float, float]:
+    """GB/s of the pool moving every state in and out (one bucket at a time, all queued)."""
+    pool = opt._cpu_offload_pool
+    nbytes = sum(pool._storage_nbytes.values())
+    h2d = d2h = 0.0
     for _ in range(iters):
-        if not offloaded:
-            restore()  # bring states home first so that `measured` (offload) has work
-            sync(device)
         sync(device)
         t0 = time.perf_counter()
-        measured()
+        pool.reload()
+        pool.wait_reload()
         sync(device)
-        times.append(time.perf_counter() - t0)
-        if offloaded:
-            restore()
-            sync(device)
-    return statistics.median(times)
+        t1 = time.perf_counter()
+        pool.offload()
+        sync(device)
+        h2d, d2h = h2d + t1 - t0, d2h + time.perf_counter() - t1
+    return nbytes * iters / h2d / 1e9, nbytes * iters / d2h / 1e9
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:.0f}" if abs(n) >= 10 * MiB else f"{n / MiB:.3g}"
+
+
+def report(rows: list[dict], peaks: tuple[float, float]) -> None:
+    print(
+        "\n| set | off ms | on ms | on / off (target) | on (1,0) ms | / off | peak MiB off | "
+        "on | saved | target saved (state - 2 chunks) | 3-chunk window | pool held |"
+    )
+    print("| --- |" + " ---: |" * 11)
+    for r in rows:
+        ms, pk = r["ms"], r["peak"]
+        ratio, tgt = ms["on"] / ms["off"], TARGET.get(r["name"], 1.0)
+        saved, want = pk["off"] - pk["on"], r["state"] - 2 * r["chunk"]
+        verdict = "met" if ratio <= tgt else f"missed by {ratio - tgt:.3f}"
+        mem = "met" if saved >= want else f"missed by {_mib(want - saved)} MiB"
+        print(
+            f"| {r['name']}, {r['n']} matrices | {ms['off']:.2f} | {ms['on']:.2f} | "
+            f"**{ratio:.3f}x** (<= {tgt:.2f}: {verdict}) | {ms['on (1,0)']:.2f} | "
+            f"{ms['on (1,0)'] / ms['off']:.3f}x | {_mib(pk['off'])} | {_mib(pk['on'])} | "
+            f"{_mib(saved)} | {_mib(want)} ({mem}) | {_mib(r['three'])} | "
+            f"{_mib(r['pool_max']['on'])} / {_mib(r['pool_max']['on (1,0)'])} |"
+        )
+    for r in rows:
+        if "h2d" in r:
+            print(
+                f"\npool copies ({r['name']}, {_mib(r['state'])} MiB): H2D {r['h2d']:.1f} GB/s "
+                f"({100 * r['h2d'] / peaks[0]:.0f}% of one 2 GiB pinned copy, {peaks[0]:.1f}), "
+                f"D2H {r['d2h']:.1f} GB/s ({100 * r['d2h'] / peaks[1]:.0f}% of {peaks[1]:.1f})"
+            )
+    print(
+        "\npeak: state held between steps + what the step allocates (max_memory_allocated; on a "
+        "CPU the pool's own count); saved: off - on; 3-chunk window: the most state three consecutive chunks hold; "
+        "pool held: max_device_nbytes of the pool during a step, window (1,1) / (1,0)"
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--chunk-size", type=int, default=8)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--n", type=int, default=16)
-    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sets", nargs="+", choices=["uniform", "gpt"], default=["uniform", "gpt"])
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run)")
+    ap.add_argument("--profile", action="store_true", help="which stream waited for what")
     args = ap.parse_args()
     device = pick_device(args.device)
-    set_ns_compile(device.type == "cuda")
-    h2d_peak, d2h_peak = pinned_peak(device, 2 * 2**30)
+    set_ns_compile(False)
+    sets = {
+        "uniform": [(32, 32)] * 4 if args.tiny else [(4096, 4096)] * 16,
+        "gpt": gpt_like_shapes(2, 16, False) if args.tiny else gpt_like_shapes(),
+    }
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    peaks = pinned_peak(device, (64 * MiB) if args.tiny else 2 << 30)
     print(
-        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}"
+        f"device: {name}, torch {torch.__version__}, fp32 params, chunk_size 8, medians of {args.iters}"
     )
-    print(f"pinned peak (2 GiB copy): H2D {h2d_peak:.1f} GB/s, D2H {d2h_peak:.1f} GB/s")
-    print(f"{args.n} x {args.dim}^2, chunk_size={args.chunk_size}")
-    print(
-        f"{'dtype':<9} {'off ms':>8} {'on ms':>8} {'on/off':>7} {'H2D GB/s':>9} {'%peak':>6} {'D2H GB/s':>9} {'%peak':>6} {'state MiB':>9} {'on GPU B':>9} {'alloc saved MiB':>15}"
-    )
-    for dtype in (torch.float32, torch.bfloat16):
-        r = run(dtype, device, args.n, args.dim, args.chunk_size, args.iters)
-        h2d = r["state_bytes"] / r["h2d_s"] / 1e9
-        d2h = r["state_bytes"] / r["d2h_s"] / 1e9
-        saved = (r["allocated_without_offload"] - r["allocated_with_offload"]) / 2**20
-        print(
-            f"{str(dtype).split('.')[-1]:<9} {r['step_False'] * 1e3:>8.2f} {r['step_True'] * 1e3:>8.2f} "
-            f"{r['step_True'] / r['step_False']:>6.3f}x {h2d:>9.1f} {100 * h2d / h2d_peak:>5.0f}% "
-            f"{d2h:>9.1f} {100 * d2h / d2h_peak:>5.0f}% {r['state_bytes'] / 2**20:>9.0f} "
-            f"{r['state_bytes_on_device']:>9d} {saved:>15.0f}"
-        )
+    rows = []
+    for s in args.sets:
+        shapes = fit_shapes(sets[s], device, copies=8, what=f"bench_offload {s}")
+        rows.append(run_set(s, shapes, device, args.iters, args.profile))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report(rows, peaks)
 
 
 if __name__ == "__main__":

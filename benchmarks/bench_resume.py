@@ -22,7 +22,9 @@ included, are allocated inside it); ``warm``: the same read once untimed first, 
 read); ``cold``: every file of the step is fsynced and evicted with
 ``posix_fadvise(POSIX_FADV_DONTNEED)`` right before the timed read, and ``mincore`` checks
 that none of its pages is resident (the benchmark stops if the kernel ignored the advice).
-Each case runs ``--rounds`` times (the order rotating); medians are printed with their ratio
+``--caches`` and ``--processes`` pick among these (default all), ``--layouts`` and
+``--methods`` among the others. Each case runs ``--rounds`` times (the order rotating);
+medians are printed with their ratio
 to ``physical`` of the same layout, cache and process state, and ``load`` against ``dcp``.
 The per-phase split of one hot and one cold ``load`` follows (``last_load_timings``: the
 ``threads_*`` phases are seconds summed over the reading threads).
@@ -40,6 +42,8 @@ Usage::
     python -m benchmarks.bench_resume --device cuda --size-gib 4 --dir /nvme/bench
     python -m benchmarks.bench_resume --device cpu --size-gib 1
     python -m benchmarks.bench_resume --device cpu --size-gib 0.5 --url moto
+    python -m benchmarks.bench_resume --device cuda --size-gib 4 --layouts many \
+        --methods physical load --processes fresh --rounds 3      # the GPU targets' figure
 """
 
 from __future__ import annotations
@@ -324,6 +328,8 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--caches", nargs="+", choices=["hot", "cold"], default=["hot", "cold"])
+    ap.add_argument("--processes", nargs="+", choices=["fresh", "warm"], default=["fresh", "warm"])
     ap.add_argument(
         "--async-save",
         action="store_true",
@@ -347,7 +353,7 @@ def main() -> None:
     else:
         tmp = args.dir or tempfile.mkdtemp(prefix="muon_ckpt_resume_")
         url = os.path.join(tmp, f"resume-{uuid.uuid4().hex[:6]}")
-        caches = ["hot", "cold"]
+        caches = list(args.caches)
         args.size_gib = fit_size_gib(
             args.size_gib, len(args.layouts), [tmp], "bench_resume (one step per layout)"
         )
@@ -364,7 +370,7 @@ def main() -> None:
             (lay, cache, proc, m)
             for lay in args.layouts
             for cache in caches
-            for proc in ("fresh", "warm")
+            for proc in args.processes
             for m in args.methods
         ]
         got: dict[tuple[str, ...], list[dict[str, Any]]] = {c: [] for c in cases}
@@ -384,7 +390,7 @@ def main() -> None:
                     "async_save": args.async_save,
                 }
                 got[c].append(_spawn(spec))
-        report(got, args.layouts, caches, args.methods)
+        report(got, args.layouts, caches, args.methods, args.processes)
     finally:
         if server is not None:
             server.stop()
@@ -408,15 +414,16 @@ def report(
     layouts: list[str],
     caches: list[str],
     methods: list[str],
+    processes: list[str],
 ) -> None:
     def med(c: tuple[str, ...]) -> float:
         return statistics.median(r["seconds"] for r in got[c])
 
     print(f"\n{'layout':7} {'cache':5} {'process':7} " + " ".join(f"{m:>17}" for m in methods))
     for lay in layouts:
-        nbytes = next(iter(got[(lay, caches[0], "fresh", methods[0])]))["bytes"]
+        nbytes = next(iter(got[(lay, caches[0], processes[0], methods[0])]))["bytes"]
         for cache in caches:
-            for proc in ("fresh", "warm"):
+            for proc in processes:
                 ref = med((lay, cache, proc, "physical")) if "physical" in methods else None
                 cells = []
                 for m in methods:
@@ -432,7 +439,7 @@ def report(
     if "load" in methods and "dcp" in methods:
         for lay in layouts:
             for cache in caches:
-                for proc in ("fresh", "warm"):
+                for proc in processes:
                     k = (lay, cache, proc)
                     print(
                         f"raw dcp.load time / load() time, {lay} {cache} {proc}: "
@@ -443,7 +450,7 @@ def report(
         print("\nthe first step after the read / the next one, ms (medians; step_seconds):")
         for lay in layouts:
             for cache in caches:
-                for proc in ("fresh", "warm"):
+                for proc in processes:
                     cells = []
                     for m in stepped:
                         rs = got[(lay, cache, proc, m)]
@@ -455,7 +462,7 @@ def report(
         print("\nper phase, seconds (one load each; threads_*: summed over the reading threads):")
         for cache in caches:
             for lay in layouts:
-                for proc in ("fresh", "warm"):
+                for proc in processes:
                     one = got[(lay, cache, proc, "load")][0]
                     cells = ", ".join(f"{k} {v:.3f}" for k, v in one["phases"].items())
                     print(f"  {lay} {cache} {proc}: timed {one['seconds']:.3f}, {cells}")

@@ -59,12 +59,14 @@ class Segment:
     flat: Tensor | None = None  # flat device buffer; the entries are views into it
     bound: bool = True  # False: cold entries, not views of ``flat`` until the first reload
     host: Tensor | None = None  # the CPU buffer holding the bytes, if not the group's cpu_flat
+    on_h2d: bool = False  # ``flat``'s storage was allocated on the host-to-device stream
 
 
 @dataclass
 class Bucket:
     segments: dict[Key, Segment] = field(default_factory=dict)
     offloaded: bool = False
+    held: bool = False  # offloaded, but its device storage is not released yet (a pipeline's)
     h2d_done: dict = field(default_factory=dict)  # device -> CUDA event of the last reload
     d2h_done: dict = field(default_factory=dict)  # device -> CUDA event of the last offload
 
@@ -119,6 +121,15 @@ class Layout:
     def forget(self) -> None:
         """Drop every bucket; the CPU buffers stay allocated for reuse."""
         self.buckets.clear()
+
+    def device_bytes(self) -> int:
+        """Bytes of device storage the buckets hold (resident, or offloaded and not released)."""
+        return sum(
+            seg.numel * seg.key[0].itemsize
+            for b in self.buckets.values()
+            if not b.offloaded or b.held
+            for seg in b.segments.values()
+        )
 
     def pinned(self, key: Key, numel: int) -> Tensor:
         return pinned_empty(numel, key[0], pin=self.pin and key[1].type == "cuda", device=key[1])

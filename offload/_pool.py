@@ -21,21 +21,25 @@ bytes when it is not the group's current one.
 
 On CUDA the copies run on two side streams (host-to-device and device-to-host, which the
 hardware runs concurrently) and are ordered with events; every synchronisation point says why
-it is there. On a CPU-only machine the same bookkeeping runs with plain synchronous copies, so
-the logic is exercised without a GPU.
+it is there. A reload allocates on the h2d stream, and that block is freed only once h2d waits
+for the copy that reads it out, so the allocator hands it to the next reload at once and the
+host never waits. ``pipeline(order)`` (``_pipeline.py``) moves a step's buckets in order, at
+most three of them holding device memory. On a CPU-only machine the same bookkeeping runs with
+plain synchronous copies, so the logic is exercised without a GPU.
 
 The pool knows nothing of optimizers: it holds tensors, buckets and buffers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import Tensor
 
 from offload._host import FrozenViews, HostViews
 from offload._layout import Bucket, Entry, Group, Key, Layout, Segment
+from offload._pipeline import OffloadPipeline
 
 __all__ = ["CPUOffloadPool", "FrozenViews"]
 
@@ -68,6 +72,8 @@ class CPUOffloadPool:
         self._storage_nbytes: dict[int, int] = {}  # id(tracked tensor) -> its bytes
         self._initialized = False  # True once the tracked tensors are laid out
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._held_bytes = 0  # device bytes the laid-out buckets hold (``device_nbytes``)
+        self._max_held = 0  # its high-water mark since ``reset_max_device_nbytes``
 
     @property
     def _groups(self) -> dict[Key, Group]:
@@ -149,6 +155,7 @@ class CPUOffloadPool:
         self._managed.clear()
         self._storage_nbytes.clear()
         self._layout.forget()
+        self._held_bytes = 0
         self._initialized = False
 
     # ------------------------------------------------------------------ layout
@@ -156,6 +163,8 @@ class CPUOffloadPool:
         if self._initialized:
             return
         self._layout.build(self._managed.values())
+        self._held_bytes = self._layout.device_bytes()
+        self._max_held = max(self._max_held, self._held_bytes)
         self._initialized = True
 
     # ------------------------------------------------------------------ streams
@@ -177,32 +186,8 @@ class CPUOffloadPool:
     def offload(self, bucket: Hashable | None = None) -> None:
         """Copy the bucket's tensors to the CPU and free their device storage."""
         for b in self._select(bucket):
-            if b.offloaded:
-                continue
-            for key, seg in b.segments.items():
-                seg.host = None  # offloads always write the group's current buffer
-                cpu = self._layout.host_range(seg)
-                nbytes = seg.numel * seg.flat.element_size()
-                if key[1].type == "cuda":
-                    _, d2h = self._side_streams(key[1])
-                    # Sync: the copy must read the values the compute stream has written so
-                    # far (e.g. this step's momentum update), so d2h waits for that stream.
-                    d2h.wait_stream(torch.cuda.current_stream(key[1]))
-                    with torch.cuda.stream(d2h):
-                        cpu.copy_(seg.flat, non_blocking=True)
-                        done = torch.cuda.Event()
-                        done.record(d2h)
-                    b.d2h_done[key[1]] = done
-                    # Sync: the caching allocator must not hand this block to anyone else
-                    # before d2h has finished reading it.
-                    seg.flat.record_stream(d2h)
-                else:
-                    cpu.copy_(seg.flat)
-                if nbytes:
-                    seg.flat.untyped_storage().resize_(0)
-                    for e in seg.entries:
-                        e.park()
-            b.offloaded = True
+            self._offload_bucket(b)
+            self._release(b)
 
     def reload(self, bucket: Hashable | None = None) -> None:
         """Re-allocate the bucket's device storage and start copying its data back.
@@ -211,34 +196,128 @@ class CPUOffloadPool:
         stream reads the tensors.
         """
         for b in self._select(bucket):
-            if not b.offloaded:
-                continue
-            for key, seg in b.segments.items():
-                cpu = self._layout.host_range(seg)
-                nbytes = seg.numel * seg.flat.element_size()
+            self._reload_bucket(b)
+
+    def wait_reload(self, bucket: Hashable | None = None) -> None:
+        """Make the current stream wait until the bucket's reload has landed; the tensors may
+        then be used on it like any others (and freed whenever their owner drops them)."""
+        for b in self._select(bucket):
+            self._wait_bucket(b, shared=True)
+
+    def pipeline(
+        self, order: Sequence[Hashable], *, ahead: int = 1, behind: int = 1
+    ) -> OffloadPipeline:
+        """A pass of the buckets ``order`` names, one after another, through the device,
+        with at most ``ahead`` of them coming in and ``behind`` going out beside the one in use
+        (``OffloadPipeline``)."""
+        self._ensure_initialized()
+        return OffloadPipeline(self, list(order), ahead, behind)
+
+    def _bucket(self, label: Hashable) -> Bucket | None:
+        self._ensure_initialized()
+        return self._layout.buckets.get(label)
+
+    def _offload_bucket(self, b: Bucket) -> None:
+        """Start copying the bucket to the CPU and park its tensors; its device storage is
+        held until ``_release``."""
+        if b.offloaded:
+            return
+        for key, seg in b.segments.items():
+            seg.host = None  # offloads always write the group's current buffer
+            cpu = self._layout.host_range(seg)
+            if key[1].type == "cuda":
+                _, d2h = self._side_streams(key[1])
+                # Sync: the copy must read the values the compute stream has written so far
+                # (e.g. this step's momentum update), so d2h waits for that stream ...
+                d2h.wait_stream(torch.cuda.current_stream(key[1]))
+                landing = b.h2d_done.pop(key[1], None)
+                if landing is not None:
+                    # ... and for a reload of these bytes that nobody waited for.
+                    d2h.wait_event(landing)
+                with torch.cuda.stream(d2h):
+                    cpu.copy_(seg.flat, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(d2h)
+                b.d2h_done[key[1]] = done
+            else:
+                cpu.copy_(seg.flat)
+            if seg.numel:
                 for e in seg.entries:
-                    e.unpark()
-                if key[1].type == "cuda":
-                    h2d, _ = self._side_streams(key[1])
-                    prev = b.d2h_done.pop(key[1], None)
-                    with torch.cuda.stream(h2d):
-                        if prev is not None:
-                            # Sync: the CPU range must hold the last offload's bytes before
-                            # they are read back.
-                            h2d.wait_event(prev)
-                        # Allocated on h2d, so the allocator hands out a block that is free
-                        # for h2d; the compute stream's queued work need not drain first.
-                        seg.flat.untyped_storage().resize_(nbytes)
-                        self._bind(seg)
-                        seg.flat.copy_(cpu, non_blocking=True)
-                        done = torch.cuda.Event()
-                        done.record(h2d)
-                    b.h2d_done[key[1]] = done
+                    e.park()
+        b.offloaded = True
+        b.held = True
+
+    def _release(self, b: Bucket) -> None:
+        """Free the device storage of an offloaded bucket (once its copies are ordered)."""
+        if not b.held:
+            return
+        for key, seg in b.segments.items():
+            if not seg.numel:
+                continue
+            if key[1].type == "cuda":
+                h2d, d2h = self._side_streams(key[1])
+                if seg.on_h2d:
+                    # Sync: the block was allocated on h2d, so the allocator hands it only to
+                    # later h2d allocations; h2d waits here for the D2H that reads it (which
+                    # waited for the compute that wrote it), so their copies land after it.
+                    h2d.wait_event(b.d2h_done[key[1]])
                 else:
+                    # Sync: allocated on another stream: the allocator must not hand the block
+                    # to anyone else before d2h has finished reading it.
+                    seg.flat.record_stream(d2h)
+            seg.flat.untyped_storage().resize_(0)
+            self._held_bytes -= seg.numel * seg.flat.element_size()
+        b.held = False
+
+    def _reload_bucket(self, b: Bucket) -> None:
+        if not b.offloaded:
+            return
+        self._release(b)
+        for key, seg in b.segments.items():
+            cpu = self._layout.host_range(seg)
+            nbytes = seg.numel * seg.flat.element_size()
+            for e in seg.entries:
+                e.unpark()
+            if key[1].type == "cuda":
+                h2d, _ = self._side_streams(key[1])
+                prev = b.d2h_done.pop(key[1], None)
+                with torch.cuda.stream(h2d):
+                    if prev is not None:
+                        # Sync: the CPU range must hold the last offload's bytes before
+                        # they are read back.
+                        h2d.wait_event(prev)
+                    # Allocated on h2d, so the allocator hands out a block that is free for
+                    # h2d (``_release`` orders every free of one); the compute stream's
+                    # queued work need not drain first.
                     seg.flat.untyped_storage().resize_(nbytes)
+                    seg.on_h2d = True
                     self._bind(seg)
-                    seg.flat.copy_(cpu)
-            b.offloaded = False
+                    seg.flat.copy_(cpu, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(h2d)
+                b.h2d_done[key[1]] = done
+            else:
+                seg.flat.untyped_storage().resize_(nbytes)
+                self._bind(seg)
+                seg.flat.copy_(cpu)
+            self._held_bytes += nbytes
+        b.offloaded = False
+        self._max_held = max(self._max_held, self._held_bytes)
+
+    def _wait_bucket(self, b: Bucket, *, shared: bool) -> None:
+        """Make the current stream wait for the bucket's reload. ``shared``: the tensors may
+        be freed by anyone after uses on that stream (not only by ``_release``)."""
+        for dev, evt in list(b.h2d_done.items()):
+            stream = torch.cuda.current_stream(dev)
+            # Sync: compute reads the tensors only after the H2D copy is complete.
+            stream.wait_event(evt)
+            if shared:
+                for seg in b.segments.values():
+                    if seg.key[1] == dev:
+                        # Sync: the block was allocated on h2d and is now used by the compute
+                        # stream; a free other than ``_release`` must wait for that use too.
+                        seg.flat.record_stream(stream)
+            del b.h2d_done[dev]
 
     @staticmethod
     def _bind(seg: Segment) -> None:
@@ -248,20 +327,6 @@ class CPUOffloadPool:
                 e.local.set_(seg.flat.untyped_storage(), e.offset, e.local.shape)
                 e.cold = False
             seg.bound = True
-
-    def wait_reload(self, bucket: Hashable | None = None) -> None:
-        """Make the current stream wait until the bucket's reload has landed."""
-        for b in self._select(bucket):
-            for dev, evt in list(b.h2d_done.items()):
-                stream = torch.cuda.current_stream(dev)
-                # Sync: compute reads the tensors only after the H2D copy is complete.
-                stream.wait_event(evt)
-                for seg in b.segments.values():
-                    if seg.key[1] == dev:
-                        # Sync: the block was allocated on h2d and is now used by the compute
-                        # stream; a later free must wait for that use too.
-                        seg.flat.record_stream(stream)
-                del b.h2d_done[dev]
 
     def synchronize(self) -> None:
         """Block the host until every copy this pool issued has finished."""
@@ -320,14 +385,20 @@ class CPUOffloadPool:
 
     # ------------------------------------------------------------------ introspection
     def device_nbytes(self) -> int:
-        """Bytes of tracked tensors currently resident on their devices."""
-        total = 0
-        for b in self._layout.buckets.values():
-            if not b.offloaded:
-                total += sum(s.numel * s.flat.element_size() for s in b.segments.values())
-        if not self._initialized:
-            total += sum(n for i, n in self._storage_nbytes.items() if not self._managed[i].cold)
-        return total
+        """Bytes of device storage the tracked tensors hold now: resident ones, and (inside a
+        pipeline) offloaded ones whose storage is not released yet."""
+        if self._initialized:
+            return self._held_bytes
+        return sum(n for i, n in self._storage_nbytes.items() if not self._managed[i].cold)
+
+    def max_device_nbytes(self) -> int:
+        """The most ``device_nbytes()`` has been since the pool was made or
+        ``reset_max_device_nbytes()`` (as ``torch.cuda.max_memory_allocated`` for the
+        allocator): what a pipeline kept on the device at once."""
+        return max(self._max_held, self.device_nbytes())
+
+    def reset_max_device_nbytes(self) -> None:
+        self._max_held = self.device_nbytes()
 
     def cpu_nbytes(self) -> int:
         """Bytes held by the flat CPU buffers (allocated once, reused; a second buffer per

@@ -16,6 +16,13 @@ from optim._plan import grad_like_param, local
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def adamw_chunks(params: list[Tensor], chunk_size: int) -> list[list[Tensor]]:
+    """A group's params cut into chunks of ``chunk_size``, in order: the units in which a step
+    updates them and CPU offload moves their moments (one bucket each). Elementwise math, so
+    the chunks give the bits of one update of them all."""
+    return [params[i : i + chunk_size] for i in range(0, len(params), chunk_size)]
+
+
 def adamw_step(params: list[Tensor], group: dict, state: dict) -> None:
     """One AdamW step for ``params`` (all have a grad and an initialised state)."""
     lr = float(group["lr"])

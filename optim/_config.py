@@ -9,7 +9,7 @@ from typing import Any
 
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from optim._ns_dtype import NS_DTYPE_CHOICES
+from optim._ns_dtype import NS_DTYPE_CHOICES, NS_METHOD_CHOICES
 
 ADJUST_LR_FNS = ("match_rms_adamw", "original")
 
@@ -20,6 +20,7 @@ GROUP_DEFAULTS: dict[str, Any] = {
     "nesterov": True,
     "ns_steps": 5,
     "ns_dtype": "auto",
+    "ns_method": "auto",
     "none_grad": False,
     "use_muon": True,
     "adamw_betas": (0.9, 0.95),
@@ -97,6 +98,7 @@ def check_group(group: dict, gi: int) -> None:
     if not isinstance(ns, int) or isinstance(ns, bool) or not 1 <= ns < 100:
         raise ValueError(f"{where}: ns_steps must be an int in [1, 100), got {ns!r}")
     check_ns_dtype(group["ns_dtype"], gi)
+    check_ns_method(group["ns_method"], gi)
     betas = group["adamw_betas"]
     if (
         not isinstance(betas, (tuple, list))
@@ -152,6 +154,15 @@ def check_ns_dtype(value: Any, gi: int) -> None:
         raise ValueError(
             f"{_where(gi)}: ns_dtype must be one of {NS_DTYPE_CHOICES} (the dtype Newton-Schulz "
             f"runs in; 'auto': bf16 where the device has fast bf16 matrix units), got {value!r}"
+        )
+
+
+def check_ns_method(value: Any, gi: int) -> None:
+    if not isinstance(value, str) or value not in NS_METHOD_CHOICES:
+        raise ValueError(
+            f"{_where(gi)}: ns_method must be one of {NS_METHOD_CHOICES} ('gram': the Gram "
+            "iteration for matrices whose aspect ratio exceeds 2, 'standard': torch.optim.Muon's "
+            f"iteration; 'auto': gram on CUDA and in fp32), got {value!r}"
         )
 
 

@@ -127,7 +127,8 @@ def _orthogonalise(items: list[Item], fulls: dict[int, Tensor]) -> dict[int, Ten
     out: dict[int, Tensor] = {}
     for idx in by_unit.values():
         first = items[idx[0]]
-        res = newton_schulz([fulls[i] for i in idx], first.group["ns_steps"], first.ns_dtype)
+        steps, method = first.group["ns_steps"], first.method
+        res = newton_schulz([fulls[i] for i in idx], steps, first.ns_dtype, method)
         out.update(zip(idx, res))
     return out
 

@@ -1,4 +1,6 @@
-"""The dtype Newton-Schulz runs in: bfloat16 where the device multiplies it fast, else float32.
+"""How Newton-Schulz runs: its dtype (``ns_dtype``: bfloat16 where the device multiplies it
+fast, else float32) and its method (``ns_method``: the Gram iteration for wide matrices where
+it is the faster one, else the standard one).
 
 A bf16 matrix product is ~4x faster than fp32 on a CPU with AVX512-BF16 or AMX (and on a
 CUDA GPU with bf16 tensor cores), but ~40x SLOWER on a CPU without them, where torch falls back
@@ -15,10 +17,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["NS_DTYPES", "NS_DTYPE_CHOICES", "auto_ns_dtype", "fast_bf16_reason", "resolve_ns_dtype"]
+__all__ = [
+    "NS_DTYPES",
+    "NS_DTYPE_CHOICES",
+    "NS_METHODS",
+    "NS_METHOD_CHOICES",
+    "auto_ns_dtype",
+    "auto_ns_method",
+    "fast_bf16_reason",
+    "resolve_ns_dtype",
+    "resolve_ns_method",
+]
 
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 NS_DTYPE_CHOICES = ("auto", *NS_DTYPES)
+NS_METHODS = ("standard", "gram")
+NS_METHOD_CHOICES = ("auto", *NS_METHODS)
 
 _log = logging.getLogger("optim.muon")
 
@@ -92,3 +106,18 @@ def resolve_ns_dtype(group: dict[str, Any]) -> None:
     """Replace a param group's ``ns_dtype="auto"`` by what it means on its params' device."""
     if group["ns_dtype"] == "auto" and group["params"]:
         group["ns_dtype"] = auto_ns_dtype(group["params"][0].device)
+
+
+def auto_ns_method(device: torch.device, ns_dtype: str) -> str:
+    """What ``ns_method="auto"`` means for a group of ``ns_dtype`` on ``device``: ``"gram"``
+    (the Gram iteration for matrices whose aspect ratio exceeds 2) on CUDA, and on other
+    devices in fp32; ``"standard"`` for bf16 off CUDA, where the Gram iteration would compute
+    in float16, which CPUs without float16 matrix units multiply slowly."""
+    return "gram" if device.type == "cuda" or ns_dtype == "fp32" else "standard"
+
+
+def resolve_ns_method(group: dict[str, Any]) -> None:
+    """Replace a param group's ``ns_method="auto"`` by what it means for its (resolved)
+    ``ns_dtype`` on its params' device; call after ``resolve_ns_dtype``."""
+    if group["ns_method"] == "auto" and group["params"] and group["ns_dtype"] != "auto":
+        group["ns_method"] = auto_ns_method(group["params"][0].device, group["ns_dtype"])

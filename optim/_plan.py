@@ -19,7 +19,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from optim._ns_dtype import NS_DTYPES
+from optim._ns_dtype import NS_DTYPES, NS_METHODS
+from optim.newton_schulz import uses_gram
 
 
 @dataclass
@@ -36,6 +37,16 @@ class Item:
     owner: int = 0
     chunk: int = 0
     unit: int = 0  # items of one unit run through one batched Newton-Schulz
+
+    @property
+    def method(self) -> str:
+        """Its group's Newton-Schulz method (``ns_method``, resolved)."""
+        return self.group["ns_method"]
+
+    @property
+    def gram(self) -> bool:
+        """Whether Newton-Schulz takes the Gram iteration on it (``uses_gram``)."""
+        return uses_gram(*self.matrix_dims(), self.method)
 
     def piece_numel(self, r: int) -> int:
         return math.prod(self.pieces[r])
@@ -90,7 +101,7 @@ def _unit_cost(unit: list[Item]) -> float:
 
 def _form_units(items: list[Item]) -> list[list[Item]]:
     """Batches of same-shape matrices. Depends only on the params' order, shapes, dtypes,
-    ns_steps and ns_dtype (never on the world size or placements), so one process and N ranks run the
+    ns_steps, ns_dtype and Newton-Schulz method (never on the world size or placements), so one process and N ranks run the
     very same batched Newton-Schulz calls: the N-ranks == 1-process invariant survives."""
     open_units: dict[tuple, list[Item]] = {}
     units: list[list[Item]] = []
@@ -101,6 +112,7 @@ def _form_units(items: list[Item]) -> list[list[Item]]:
             it.param.dtype,
             it.group["ns_steps"],
             it.ns_dtype,
+            it.gram,
             isinstance(it.param, DTensor),
         )
         u = open_units.get(key)
@@ -157,7 +169,8 @@ def _measure_pieces(
 
     Each rank's shard length along the shard dim is gathered once per plan: the geometry is
     read off the real shards rather than re-derived from a chunking rule. Each rank's
-    Newton-Schulz dtype of the item comes with it: the owner's would otherwise decide."""
+    Newton-Schulz dtype and method of the item come with it: the owner's would otherwise
+    decide."""
     if not exchanged:
         return None
     device = exchanged[0].param.to_local().device
@@ -167,6 +180,7 @@ def _measure_pieces(
             [
                 it.param.to_local().shape[it.shard_dim] if it.shard_dim is not None else 0,
                 codes.index(it.ns_dtype),
+                NS_METHODS.index(it.method),
             ]
             for it in exchanged
         ],
@@ -179,6 +193,7 @@ def _measure_pieces(
     lens = [[row[0] for row in rank_rows] for rank_rows in got]
     for j, it in enumerate(exchanged):
         _check_same_ns_dtype(it, [list(NS_DTYPES)[got[r][j][1]] for r in range(world)])
+        _check_same_ns_method(it, [NS_METHODS[got[r][j][2]] for r in range(world)])
         if it.shard_dim is None:
             it.pieces = [it.gshape] * world
             continue
@@ -203,6 +218,16 @@ def _check_same_ns_dtype(it: Item, per_rank: list[str]) -> None:
             f"{tuple(it.gshape)}: ns_dtype {per_rank} on ranks 0..{len(per_rank) - 1} "
             "('auto' picks per host: bf16 where it has fast bf16 matrix units); pass the same "
             "ns_dtype='bf16' or 'fp32' on every rank"
+        )
+
+
+def _check_same_ns_method(it: Item, per_rank: list[str]) -> None:
+    if len(set(per_rank)) > 1:
+        raise RuntimeError(
+            f"the ranks disagree on the Newton-Schulz method of a param of shape "
+            f"{tuple(it.gshape)}: ns_method {per_rank} on ranks 0..{len(per_rank) - 1} "
+            "('auto' picks per device and ns_dtype); pass the same ns_method='gram' or "
+            "'standard' on every rank"
         )
 
 

@@ -17,10 +17,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 import optim._config as _config
-from offload import CPUOffloadPool, FrozenViews
+from offload import CPUOffloadPool
 from optim._adamw import adamw_step
 from optim._muon_step import muon_step
-from optim._ns_dtype import resolve_ns_dtype
+from optim._ns_dtype import resolve_ns_dtype, resolve_ns_method
+from optim._offloading import CPUOffloadMixin
 from optim._plan import Plan, build_plan
 
 __all__ = ["Muon"]
@@ -37,7 +38,7 @@ _LOAD_MSG = (
 )
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(CPUOffloadMixin, torch.optim.Optimizer):
     """Distributed Muon with AdamW for non-matrix params and optional CPU offload of states.
 
     Args:
@@ -51,6 +52,9 @@ class Muon(torch.optim.Optimizer):
             in; a group's ``"auto"`` becomes ``"bf16"`` or ``"fp32"`` when it is added (bf16
             on CUDA and on CPUs with AMX or AVX512-BF16), so that the group, its ``repr`` and
             a checkpoint of it name the dtype the run computes in, and a resumed run keeps it.
+            ``ns_method`` (``"auto"``, ``"standard"``, ``"gram"``): ``"gram"`` runs the Gram
+            iteration on matrices whose aspect ratio exceeds 2; ``"auto"`` becomes ``"gram"``
+            on CUDA and in fp32, else ``"standard"``, recorded as ``ns_dtype`` is.
     """
 
     def __init__(
@@ -96,16 +100,20 @@ class Muon(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         resolve_ns_dtype(group)
+        resolve_ns_method(group)
         self._plan = None
 
     def _get_plan(self) -> Plan:
         for gi, g in enumerate(self.param_groups):  # (set since: a scheduler, a load)
             _config.check_ns_dtype(g["ns_dtype"], gi)
+            _config.check_ns_method(g["ns_method"], gi)
             resolve_ns_dtype(g)
+            resolve_ns_method(g)
         # Items hold their group dict: a new dict (load_state_dict replaces them all) or a new
-        # ns_steps or ns_dtype (they shape the batches) means a new plan.
+        # ns_steps, ns_dtype or ns_method (they shape the batches) means a new plan.
+        hp = ("use_muon", "ns_steps", "ns_dtype", "ns_method")
         key = tuple(
-            (id(g), g["use_muon"], g["ns_steps"], g["ns_dtype"], tuple(id(p) for p in g["params"]))
+            (id(g), *(g[k] for k in hp), tuple(id(p) for p in g["params"]))
             for g in self.param_groups
         )
         if self._plan is None or key != self._plan_key:
@@ -160,125 +168,6 @@ class Muon(torch.optim.Optimizer):
             self._sync_pool()
             self._cpu_offload_pool.offload()
 
-    def _offload_slots(self) -> list[tuple[Tensor, str, Any]]:
-        """(param, state key, pool bucket) of every state the pool parks: a Muon matrix's
-        momentum in the bucket of its pipeline chunk, AdamW moments in one bucket per group."""
-        out: list[tuple[Tensor, str, Any]] = [
-            (it.param, "momentum_buffer", ("muon", it.chunk)) for it in self._get_plan().items
-        ]
-        for gi, g in enumerate(self.param_groups):
-            if not g["use_muon"]:
-                out += [(p, k, ("adamw", gi)) for p in g["params"] for k in ("moment1", "moment2")]
-        return out
-
-    def _state_buckets(self) -> dict[int, tuple[Tensor, Any, Tensor, str]]:
-        """Map id(state tensor) -> (tensor, pool bucket, param, state key) for every
-        offloadable state."""
-        out: dict[int, tuple[Tensor, Any, Tensor, str]] = {}
-        for p, key, bucket in self._offload_slots():
-            t = self.state.get(p, {}).get(key)
-            if t is not None:
-                out[id(t)] = (t, bucket, p, key)
-        return out
-
-    def _pool_key_of(self, want: dict[int, Any]) -> tuple:
-        return (self._plan_key, tuple(sorted(want)))
-
-    def _sync_pool(self) -> None:
-        """Make the pool track exactly the current states, bucketed by the current plan."""
-        want = self._state_buckets()
-        key = self._pool_key_of(want)
-        if key == self._pool_key:
-            return
-        pool = self._cpu_offload_pool
-        pool.clear()
-        labels = self._labels()
-        for t, bucket, p, name in want.values():
-            what, read = self._label(labels[id(p)], name)
-            pool.track(t, bucket, what=what, read=read)
-        self._pool_key = key
-
-    def _labels(self) -> dict[int, str]:
-        """id(param) -> how errors name it: its FQN (the group's ``names``) or its place."""
-        out = {}
-        for gi, g in enumerate(self.param_groups):
-            names = g.get("names")
-            for i, p in enumerate(g["params"]):
-                where = f"#{i} of param group {gi} (shape {tuple(p.shape)})"
-                out[id(p)] = repr(names[i]) if names else where
-        return out
-
-    @staticmethod
-    def _label(param: str, key: str) -> tuple[str, str]:
-        """What an offloaded state is called in errors, and where its value is read."""
-        return f"Muon state {key!r} of param {param}", f"optimizer.cpu_state(param)[{key!r}]"
-
-    # ------------------------------------------------------------------ offload toggle
-    @property
-    def cpu_offload(self) -> bool:
-        """True while optimizer states are parked in CPU memory between steps."""
-        return self._cpu_offload
-
-    @torch.no_grad()
-    def turn_on_cpu_offload(self) -> None:
-        """Park all states in (pinned) CPU memory now and after every step. Idempotent."""
-        if self._cpu_offload:
-            return
-        self._sync_pool()
-        self._cpu_offload_pool.offload()
-        self._cpu_offload = True
-
-    @torch.no_grad()
-    def turn_off_cpu_offload(self) -> None:
-        """Bring all states back to their devices and keep them there. Idempotent."""
-        if not self._cpu_offload:
-            return
-        self._cpu_offload_pool.reload()
-        self._cpu_offload_pool.synchronize()
-        self._cpu_offload = False
-
-    # ------------------------------------------------------------------ offloaded snapshots
-    def cpu_state_views(self) -> dict[int, Tensor]:
-        """With CPU offload on: ``id(state tensor) ->`` the CPU tensor (a view of the pinned
-        buffer; a DTensor for a DTensor state) that holds its value between steps.
-
-        Writing into a view sets that state: the next step reloads it from there. Reading
-        one gives the state as of the last step. Valid until the next ``step()`` or toggle;
-        call it between steps. This is how a checkpoint is loaded into (or, while training
-        waits, saved from) an offloading optimizer without bringing its states to the GPU.
-        """
-        self._check_offload_on("cpu_state_views")
-        return self._cpu_offload_pool.host_views()
-
-    def cpu_state(self, param: Tensor) -> dict[str, Tensor]:
-        """The state of ``param`` to read or write between steps, offload on or off: with
-        offload on, each offloaded state as the CPU tensor that holds its value (a view of the
-        pinned buffer: writing it sets the value the next step uses; valid until the next
-        ``step()`` or toggle), other entries (AdamW's ``step``) as they are; with offload off,
-        ``optimizer.state[param]`` itself."""
-        state = self.state.get(param, {})
-        if not self._cpu_offload:
-            return dict(state)
-        views = self.cpu_state_views()
-        return {k: views.get(id(v), v) for k, v in state.items()}
-
-    def freeze_cpu_state(self) -> FrozenViews:
-        """With CPU offload on: the values of every offloaded state now, as CPU views that keep
-        these values until ``.release()``, while training goes on (steps write the states to a
-        second pinned buffer, allocated by the first call and reused). Nothing is copied.
-        Call it between steps, and ``release()`` from the same thread once done reading."""
-        self._check_offload_on("freeze_cpu_state")
-        return self._cpu_offload_pool.freeze()
-
-    def _check_offload_on(self, what: str) -> None:
-        if not self._cpu_offload:
-            raise RuntimeError(
-                f"Muon.{what}() needs CPU offload on (turn_on_cpu_offload()); with offload off "
-                "the states are ordinary device tensors in optimizer.state"
-            )
-        self._sync_pool()  # states created or replaced since the last step are tracked ...
-        self._cpu_offload_pool.offload()  # ... and parked (a no-op for parked buckets)
-
     # ------------------------------------------------------------------ checkpoint guards
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state dict (positional, as torch.optim defines it).
@@ -311,8 +200,10 @@ class Muon(torch.optim.Optimizer):
         before = {id(t) for st in self.state.values() for t in st.values()}
         super().load_state_dict(state_dict)
         for g in self.param_groups:
-            # A state dict from before ns_dtype existed: Newton-Schulz ran in bf16 then.
+            # A state dict from before ns_dtype existed: Newton-Schulz ran in bf16 then; from
+            # before ns_method: the Gram iteration ran in fp32 (on wide matrices), never in bf16.
             g.setdefault("ns_dtype", "bf16")
+            g.setdefault("ns_method", "gram" if g["ns_dtype"] == "fp32" else "standard")
         after = {id(t) for st in self.state.values() for t in st.values()}
         if after != before:
             # New state tensors replaced tracked ones: the pool re-learns them at turn-on.
@@ -389,48 +280,34 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         plan = self._get_plan()
         active = self._active(plan)
-        created = False
         for g in self.param_groups:
             for p in g["params"]:
                 if id(p) in active:
-                    created |= self._init_param_state(p, g["use_muon"])
-        offload = self._cpu_offload
-        pool = self._cpu_offload_pool
-        if offload:
+                    self._init_param_state(p, g["use_muon"])
+        if self._cpu_offload:
             self._sync_pool()  # cheap unless states were created or the plan changed
-            # Prefetch AdamW moments now: they copy in while the Muon chunks compute.
-            for gi, g in enumerate(self.param_groups):
-                if not g["use_muon"]:
-                    pool.reload(("adamw", gi))
-
-        def before_chunk(ci: int) -> None:
-            pool.reload(("muon", ci))
-            pool.reload(("muon", ci + 1))  # prefetch the next chunk's momentum
-            pool.wait_reload(("muon", ci))
-
-        def after_momentum(ci: int) -> None:
-            pool.offload(("muon", ci))  # momentum is final for this step: park it
-
-        muon_step(
-            plan,
-            active,
-            self.state,
-            self.adjust_lr_fn,
-            self.warmup_step,
-            before_chunk if offload else None,
-            after_momentum if offload else None,
-        )
-
-        for gi, g in enumerate(self.param_groups):
-            if g["use_muon"]:
-                continue
-            ps = [p for p in g["params"] if id(p) in active]
-            if offload:
-                pool.wait_reload(("adamw", gi))
-            if ps:
-                adamw_step(ps, g, self.state)
-            if offload:
-                pool.offload(("adamw", gi))
+        pipe = self._offload_pipeline(plan) if self._cpu_offload else None
+        try:
+            muon_step(
+                plan,
+                active,
+                self.state,
+                self.adjust_lr_fn,
+                self.warmup_step,
+                (lambda ci: pipe.enter(("muon", ci))) if pipe else None,
+                (lambda ci: pipe.leave(("muon", ci))) if pipe else None,  # momentum is final
+            )
+            for gi, c, chunk in self._adamw_chunks():
+                if pipe:
+                    pipe.enter(("adamw", gi, c))
+                ps = [p for p in chunk if id(p) in active]
+                if ps:
+                    adamw_step(ps, self.param_groups[gi], self.state)
+                if pipe:
+                    pipe.leave(("adamw", gi, c))
+        finally:
+            if pipe:
+                pipe.close()
 
         for g in self.param_groups:
             if g["none_grad"]:

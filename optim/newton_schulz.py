@@ -2,25 +2,30 @@
 
 ``zeropower_via_newtonschulz(G)`` returns an approximation of ``U V^T`` for ``G = U S V^T``
 with the quintic iteration of torch.optim.Muon (coefficients 3.4445, -4.7750, 2.0315), run in
-bfloat16 (torch's choice) or float32 (``dtype=``; Muon's ``ns_dtype``). In float32, a matrix at
-least twice as wide as tall iterates on its small Gram matrix instead (same polynomial, fewer
-flops; see ``_iterate_gram``). ``set_ns_compile(True)`` routes calls through ``torch.compile`` (off by default: on an
-H200 it gained nothing on 16 x 4096^2 and lost on many small shapes, where each compiled call's
-guards cost more than the kernels it fuses; compiled and eager agree within bf16 rounding).
+bfloat16 (torch's choice) or float32 (``dtype=``; Muon's ``ns_dtype``). With ``method="gram"``
+a matrix whose aspect ratio exceeds ``GRAM_ASPECT`` iterates on its small Gram matrix instead
+(same polynomial, fewer flops; see ``_iterate_gram``), in float32 for float32 and in float16
+for bfloat16. ``set_ns_compile(True)`` routes calls through ``torch.compile``: one graph per
+input shape and arguments, compiled once (``_compiled_for``); off by default, as on an H200 it
+gained nothing on 16 x 4096^2 and lost on many small shapes.
 """
 
 from __future__ import annotations
 
 import math
+import types
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
+    "GRAM_ASPECT",
     "get_ns_compile",
     "newton_schulz",
     "set_ns_compile",
+    "uses_gram",
     "zeropower_via_newtonschulz",
 ]
 
@@ -28,7 +33,6 @@ DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _EPS = 1e-7
 
 _use_compile = False
-_compiled = None
 
 
 def set_ns_compile(enabled: bool) -> None:
@@ -56,29 +60,52 @@ def _iterate(x: Tensor, ns_steps: int, coefficients: tuple[float, float, float],
     return x
 
 
-# Aspect ratio (long side / short side) from which float32 takes the Gram iteration: for an
-# aspect ratio r it costs 4r + 14 products of short-side cubes against 10r + 5 (1.14x fewer
-# flops at r = 2, 1.5x at r = 4; measured on a CPU: 1.13x and 1.5x faster).
-GRAM_MIN_ASPECT = 2
+# The Gram iteration runs where the aspect ratio (long side / short side) exceeds this: for a
+# ratio r it costs 4r + 14 products of short-side cubes against 10r + 5 (1.14x fewer flops at
+# r = 2, 1.5x at r = 4; fp32 on a CPU: 1.13x and 1.5x faster), and at r <= 2 the gain is
+# within what its extra launches cost on a GPU.
+GRAM_ASPECT = 2
+
+# What the Gram iteration computes in, per Newton-Schulz dtype: float16 for bfloat16 (the same
+# tensor-core speed, 8x finer rounding; its range holds every value the normalised iteration
+# makes, see ``_iterate_gram``).
+_GRAM_COMPUTE = {torch.bfloat16: torch.float16}
+
+
+def uses_gram(rows: int, cols: int, method: str) -> bool:
+    """Whether ``method`` ("standard" or "gram") runs the Gram iteration on a rows x cols
+    matrix: "gram" where its aspect ratio exceeds ``GRAM_ASPECT``."""
+    return method == "gram" and max(rows, cols) > GRAM_ASPECT * min(rows, cols)
 
 
 def _iterate_gram(
-    x: Tensor, ns_steps: int, coefficients: tuple[float, float, float], eps: float
+    x: Tensor,
+    ns_steps: int,
+    coefficients: tuple[float, float, float],
+    eps: float,
+    dtype: torch.dtype,
 ) -> Tensor:
     """The same quintic iteration as ``_iterate`` (rows <= cols), carried out on the rows x rows
     Gram matrix R = X X^T: each step X <- Z X with Z = aI + bR + cR^2, so the steps collect
-    into Q = Z_k ... Z_0 and R <- Z R Z, and X is multiplied once at the end.
+    into Q = Z_k ... Z_0 and R <- Z R Z, and X is multiplied once at the end. Returns ``dtype``.
 
-    Half-way the product is folded into X and R formed afresh from it (a restart): R and QX
-    otherwise drift apart by rounding, which the iteration amplifies. In float32 this keeps
-    the result as close to a float64 iteration as ``_iterate``'s (rel. error ~5e-6 on
-    gradient-like spectra); in bfloat16 it is 2-3x less accurate than ``_iterate``, so bf16
-    never takes this path."""
+    X is normalised in float32 (an input of any range), then the iteration runs in
+    ``_GRAM_COMPUTE[dtype]`` (else ``dtype``). Normalised, every eigenvalue of R lies in
+    [0, 1], of Z in [a + b + c, a] = [0.70, 3.44], and of Q (at most ``ns_steps // 2 + 1``
+    factors) below 3.44^3 = 41: float16's 65504 holds them all.
+
+    Half-way the product is folded into X and R formed afresh from it (a restart, as the
+    published Gram iterations do): R and QX otherwise drift apart by rounding, which the
+    iteration amplifies. With it, float32 stays as close to a float64 iteration as
+    ``_iterate`` (rel. error ~5e-6 on gradient-like spectra), and float16 is 3-10x closer to it
+    than ``_iterate`` in bfloat16 (measured from 64 x 64 to 256 x 2048, gaussian, gradient-like
+    and heavy-tailed)."""
     a, b, c = coefficients
     mm = torch.mm if x.ndim == 2 else torch.bmm
     addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
+    x = x.float()
     norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)
-    x = x / norm.clamp(min=eps)
+    x = (x / norm.clamp(min=eps)).to(_GRAM_COMPUTE.get(dtype, dtype))
     restart = (ns_steps + 1) // 2
     r = mm(x, x.mT)
     q: Tensor | None = None
@@ -91,7 +118,7 @@ def _iterate_gram(
         q = z if q is None else mm(z, q)
         if k + 1 < ns_steps and k + 1 != restart:  # (the next R is needed)
             r = mm(z, mm(r, z))
-    return x if q is None else mm(q, x)
+    return (x if q is None else mm(q, x)).to(dtype)
 
 
 def zeropower_via_newtonschulz(
@@ -100,37 +127,74 @@ def zeropower_via_newtonschulz(
     coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
     eps: float = _EPS,
     dtype: torch.dtype = torch.bfloat16,
+    method: str = "standard",
 ) -> Tensor:
     """Newton-Schulz on a 2-D matrix, or on a batch ``(B, rows, cols)`` of same-shape
-    matrices, computed in ``dtype`` (bfloat16: torch.optim.Muon's iteration); returns
-    ``dtype`` of the input's shape."""
-    x = grad.to(dtype)
-    short, long = sorted(grad.shape[-2:])
-    iterate = (
-        _iterate_gram if dtype == torch.float32 and long >= GRAM_MIN_ASPECT * short else _iterate
+    matrices, computed in ``dtype`` (bfloat16: torch.optim.Muon's iteration) by ``method``
+    (``uses_gram``); returns ``dtype`` of the input's shape."""
+    tall = grad.size(-2) > grad.size(-1)
+    if uses_gram(grad.size(-2), grad.size(-1), method):
+        x = grad.mT if tall else grad
+        out = _iterate_gram(x, ns_steps, coefficients, eps, dtype)
+    else:
+        x = grad.to(dtype)
+        out = _iterate(x.mT if tall else x, ns_steps, coefficients, eps)
+    return out.mT if tall else out
+
+
+# Compiled Newton-Schulz, one entry per (shape, dtype, device, ns_steps, method) and global
+# state (grad mode is always off inside; TF32, threads, ... as the caller set them):
+# each a function of its own code object, so dynamo keeps one cache per entry and never meets
+# its recompile limit (8 per code object), which would leave every further shape eager.
+_compiled: dict[tuple, list[tuple[object, Callable[..., Tensor]]]] = {}
+
+
+def _global_state() -> object | None:
+    """Dynamo's guard on the global state (grad mode, autocast, TF32, threads, ...) as it is
+    now; its ``check()`` tells whether the state is still the same. None where torch lacks it."""
+    guards = getattr(torch._C, "_dynamo", None)
+    cls = getattr(getattr(guards, "guards", None), "GlobalStateGuard", None)
+    return cls() if cls is not None else None
+
+
+def _compiled_for(x: Tensor, ns_steps: int, dtype: torch.dtype, method: str):
+    key = (tuple(x.shape), x.dtype, x.device, ns_steps, dtype, method)
+    entries = _compiled.setdefault(key, [])
+    for state, fn in entries:
+        if state is None or state.check():  # type: ignore[attr-defined]
+            return fn
+    f = zeropower_via_newtonschulz
+    fresh = types.FunctionType(
+        f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__
     )
-    if grad.size(-2) > grad.size(-1):
-        return iterate(x.mT, ns_steps, coefficients, eps).mT
-    return iterate(x, ns_steps, coefficients, eps)
+    fn = torch.compile(fresh, dynamic=False, fullgraph=True)
+    entries.append((_global_state(), fn))
+    return fn
 
 
 def newton_schulz(
-    grads: list[Tensor], ns_steps: int = 5, dtype: torch.dtype = torch.bfloat16
+    grads: list[Tensor],
+    ns_steps: int = 5,
+    dtype: torch.dtype = torch.bfloat16,
+    method: str = "standard",
 ) -> list[Tensor]:
     """Orthogonalise same-shape tensors (>= 2-D, each viewed as ``(shape[0], -1)``) in
-    ``dtype``, eager or compiled; returns ``dtype`` tensors of the input shapes. One tensor
-    runs the 2-D iteration (no stacking copy); several run one batched iteration."""
-    global _compiled
+    ``dtype`` by ``method``, eager or compiled, always without autograd; returns ``dtype``
+    tensors of the input shapes. One tensor runs the 2-D iteration (no stacking copy); several
+    run one batched iteration."""
     shape = grads[0].shape
-    fn = zeropower_via_newtonschulz
-    if _use_compile:
-        if _compiled is None:
-            _compiled = torch.compile(zeropower_via_newtonschulz, dynamic=False)
-        fn = _compiled
     rows, cols = shape[0], math.prod(shape[1:])  # (not -1: a matrix may have no rows)
     if rows * cols == 0:  # nothing to orthogonalise (torch.optim.Muon steps these too)
         return [torch.zeros(shape, dtype=dtype, device=g.device) for g in grads]
+    # No autograd (its mode is part of what a compiled graph is specialised for, so a call
+    # with grad enabled would otherwise compile again).
+    with torch.no_grad():
+        if len(grads) == 1:
+            x = grads[0].reshape(rows, cols)
+        else:
+            x = torch.stack([g.reshape(rows, cols) for g in grads])
+        fn = _compiled_for(x, ns_steps, dtype, method) if _use_compile else None
+        out = (fn or zeropower_via_newtonschulz)(x, ns_steps, dtype=dtype, method=method)
     if len(grads) == 1:
-        return [fn(grads[0].reshape(rows, cols), ns_steps, dtype=dtype).reshape(shape)]
-    batch = torch.stack([g.reshape(rows, cols) for g in grads])
-    return [o.reshape(shape) for o in fn(batch, ns_steps, dtype=dtype).unbind(0)]
+        return [out.reshape(shape)]
+    return [o.reshape(shape) for o in out.unbind(0)]

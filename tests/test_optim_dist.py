@@ -34,6 +34,7 @@ def _make(
     adamw_names,
     nesterov=True,
     ns_dtypes=("auto",),
+    ns_method="auto",
     **kw,
 ):
     from optim.muon import Muon
@@ -56,7 +57,15 @@ def _make(
     for dt in dict.fromkeys(ns_dtypes):
         idx = [i for i in range(len(mp)) if ns_dtypes[i % len(ns_dtypes)] == dt]
         names_dt = [names[i] for i in idx]
-        groups.append({"params": [mp[i] for i in idx], "names": names_dt, "ns_dtype": dt, **hp})
+        groups.append(
+            {
+                "params": [mp[i] for i in idx],
+                "names": names_dt,
+                "ns_dtype": dt,
+                "ns_method": ns_method,
+                **hp,
+            }
+        )
     groups.append(
         {"params": ap, "names": adamw_names, "use_muon": False, "lr": 1e-3, "weight_decay": 0.1}
     )
@@ -76,6 +85,7 @@ def body_n_ranks_equal_single_process(
     foreach_max=None,
     nesterov=True,
     ns_dtypes=("auto",),
+    ns_method="auto",
 ):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -108,12 +118,15 @@ def body_n_ranks_equal_single_process(
         "warmup_step": warmup_step,
         "nesterov": nesterov,
         "ns_dtypes": ns_dtypes,
+        "ns_method": ns_method,
     }
     ref, rmp, rap = _make(mfull, None, None, mnames, afull, None, anames, **kw)
     opt, dmp, dap = _make(mfull, mesh, mpl, mnames, afull, apl, anames, **kw)
     if len(set(ns_dtypes)) > 1:  # some chunk carries bf16 and fp32 matrices: it travels as fp32
         chunks = opt._get_plan().chunks
         assert any(len({it.ns_dtype for it in c if it.exchanged}) > 1 for c in chunks)
+    if ns_method == "gram":  # some matrices take the Gram iteration, some not
+        assert len({it.gram for it in opt._get_plan().items}) == 2
     if offload:
         opt.turn_on_cpu_offload()
     for gm, ga in grads:
@@ -165,6 +178,13 @@ def test_n_ranks_with_offload_bitwise_equal_single_process():
     assert results == [[]] * 3, results
 
 
+def test_n_ranks_with_offload_pipelined_one_param_a_chunk_bitwise_equal_single_process():
+    # chunk_size=1: every Muon matrix and every AdamW param is a bucket of its own, so the
+    # offload pipeline moves states in and out around every chunk, the AdamW ones included.
+    results = run_on_ranks(body_n_ranks_equal_single_process, 2, 1, 1, True)
+    assert results == [[]] * 2, results
+
+
 @pytest.mark.parametrize(
     ("world_size", "offload", "ns_dtypes"),
     [(2, False, ("fp32",)), (3, True, ("fp32", "bf16"))],
@@ -178,7 +198,16 @@ def test_n_ranks_bitwise_equal_single_process_in_each_ns_dtype(world_size, offlo
     assert results == [[]] * world_size, results
 
 
-def body_ranks_disagree_on_ns_dtype(rank, world_size):
+@pytest.mark.parametrize("offload", [False, True], ids=["offload-off", "offload-on"])
+def test_n_ranks_bitwise_equal_single_process_with_the_gram_iteration_forced(offload):
+    # bf16 and fp32 groups both forced to 'gram' (bf16 computes it in float16), on the CPU.
+    results = run_on_ranks(
+        body_n_ranks_equal_single_process, 3, 2, 1, offload, None, True, ("bf16", "fp32"), "gram"
+    )
+    assert results == [[]] * 3, results
+
+
+def body_ranks_disagree_on_ns_dtype(rank, world_size, key="ns_dtype", values=("bf16", "fp32")):
     from torch.distributed.device_mesh import init_device_mesh
 
     dev = dist_device()
@@ -186,7 +215,7 @@ def body_ranks_disagree_on_ns_dtype(rank, world_size):
     w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4).to(dev), mesh, [Shard(0)]))
     w.grad = distribute_tensor(torch.randn(8, 4).to(dev), mesh, [Shard(0)])
     try:
-        Muon([{"params": [w], "ns_dtype": ("bf16", "fp32")[rank]}]).step()
+        Muon([{"params": [w], "ns_dtype": "fp32", key: values[rank]}]).step()
     except RuntimeError as e:
         return str(e)
     return None
@@ -198,6 +227,18 @@ def test_ranks_that_disagree_on_ns_dtype_are_refused_on_every_rank():
         "the ranks disagree on the Newton-Schulz dtype of a param of shape (8, 4): ns_dtype "
         "['bf16', 'fp32'] on ranks 0..1 ('auto' picks per host: bf16 where it has fast bf16 "
         "matrix units); pass the same ns_dtype='bf16' or 'fp32' on every rank"
+    )
+    assert msgs == [want, want]
+
+
+def test_ranks_that_disagree_on_ns_method_are_refused_on_every_rank():
+    msgs = run_on_ranks(
+        body_ranks_disagree_on_ns_dtype, 2, "ns_method", ("gram", "standard"), timeout=60
+    )
+    want = (
+        "the ranks disagree on the Newton-Schulz method of a param of shape (8, 4): ns_method "
+        "['gram', 'standard'] on ranks 0..1 ('auto' picks per device and ns_dtype); pass the "
+        "same ns_method='gram' or 'standard' on every rank"
     )
     assert msgs == [want, want]
 

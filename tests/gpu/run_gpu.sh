@@ -4,9 +4,10 @@
 # 1. the seed offload test, unchanged but for the import path, under torchrun;
 # 2. the CUDA-only tests (tests/gpu/test_*_gpu.py) and the optimizer/offload test suite
 #    (world size 1 on NCCL; larger ones fall back to gloo unless that many GPUs are present);
-# 3. the benchmarks: Muon, offload, save/load throughput (CKPT_GIB, CKPT_DIR: size and local
-#    dir), the asynchronous save (ASYNC_CASES; blocking and deferred snapshots) and the
-#    resume (bench_resume: hot and cold, fresh and warm process, against the physical path).
+# 3. the benchmarks (BENCH picks them; docs/gpu.md lists which figure each gives): Muon,
+#    offload, save/load throughput (CKPT_GIB, CKPT_DIR: size and local dir), the asynchronous
+#    save (ASYNC_CASES; blocking and deferred snapshots), the deferred snapshot alone, a memory
+#    snapshot every step, the memory tier's restore, and the resume against the physical path.
 set -uo pipefail
 out=${1:-${OUT:-/tmp}}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -29,7 +30,7 @@ step() {
 }
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step torchrun --nproc-per-node="$ngpu" tests/gpu/test_cpu_offload.py
-  suite="tests/gpu/test_optim_gpu.py tests/gpu/test_checkpoint_gpu.py tests/gpu/test_itemread_gpu.py tests/gpu/test_async_gpu.py tests/gpu/test_deferred_gpu.py tests/gpu/test_resume_gpu.py tests/gpu/test_memory_tier_gpu.py tests/test_optim_dist.py tests/test_optim_reference.py tests/test_optim_config.py tests/test_offload_dist.py"
+  suite="tests/gpu/test_optim_gpu.py tests/gpu/test_offload_gpu.py tests/gpu/test_checkpoint_gpu.py tests/gpu/test_itemread_gpu.py tests/gpu/test_async_gpu.py tests/gpu/test_deferred_gpu.py tests/gpu/test_resume_gpu.py tests/gpu/test_memory_tier_gpu.py tests/test_optim_dist.py tests/test_optim_reference.py tests/test_optim_config.py tests/test_optim_gram.py tests/test_offload_dist.py tests/test_offload_pipeline.py"
   # With several GPUs the checkpoint resume/reshard suites run on NCCL too (on one GPU their
   # multi-rank cases would be gloo on the CPU again, as in CI).
   [ "$ngpu" -gt 1 ] && suite="$suite tests/test_manager_resume.py tests/test_manager_fsdp.py tests/test_import_dist.py tests/test_async_save.py"
@@ -37,29 +38,36 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # rank and world_size), never pytest's.
   step python3 -m pytest -q -p no:cacheprovider --ignore=tests/gpu/test_cpu_offload.py ${PYTEST_ARGS:-$suite}
 fi
-# BENCH picks benchmarks (default all): muon offload checkpoint async resume memory.
-# ASYNC_ARGS, RESUME_ARGS, MEMORY_ARGS: more options for bench_async_save, bench_resume and
-# bench_memory_tier overhead (e.g. RESUME_ARGS="--rounds 1 --methods physical load dcp"), last
+# BENCH picks benchmarks (default: muon offload checkpoint async resume memory); the figures
+# of docs/benchmarks.md one command each: muon offload deferred every-step tier-restore resume.
+# MUON_ARGS, ASYNC_ARGS, RESUME_ARGS, MEMORY_ARGS: more options for bench_muon,
+# bench_async_save, bench_resume and bench_memory_tier (e.g. RESUME_ARGS="--rounds 1"), last
 # on the line, so that they win.
 want() { [[ " ${BENCH:-muon offload checkpoint async resume memory} " == *" $1 "* ]]; }
+ckpt=${CKPT_DIR:-/tmp/muon-ckpt-bench}
+gpt=${GPT_CASE:-12x2048x4096}  # LAYERSxDIMxBATCH: forward and backward most of a step
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  if want muon; then
-    step python3 benchmarks/bench_muon.py --device cuda
+  if want muon; then  # ours / torch.optim.Muon, Gram / standard NS, compiled NS, a profile
+    step python3 benchmarks/bench_muon.py --device cuda --profile ${MUON_ARGS:-}
     if [ "$ngpu" -gt 1 ]; then  # Muon scaling over 1, 2, 4, 8 GPUs (as many as there are)
       for n in 1 2 4 8; do
-        [ "$n" -le "$ngpu" ] && step torchrun --nproc-per-node="$n" benchmarks/bench_muon_scaling.py --csv "$out/scaling.csv" --offload --ckpt-dir "${CKPT_DIR:-/tmp/muon-ckpt-bench}-ranks$n"
+        [ "$n" -le "$ngpu" ] && step torchrun --nproc-per-node="$n" benchmarks/bench_muon_scaling.py --csv "$out/scaling.csv" --offload --ckpt-dir "$ckpt-ranks$n"
       done
     fi
   fi
-  if want offload; then
-    step python3 benchmarks/bench_offload.py --device cuda --chunk-size 2
-    step python3 benchmarks/bench_offload.py --device cuda --chunk-size 8
-  fi
-  want checkpoint && step python3 benchmarks/bench_checkpoint.py --device cuda --size-gib "${CKPT_GIB:-4}" --url "${CKPT_DIR:-/tmp/muon-ckpt-bench}"
+  # Offload on / off on the uniform and GPT-like sets, peak step memory, which stream waited.
+  want offload && step python3 -m benchmarks.bench_offload --device cuda --profile
+  want checkpoint && step python3 benchmarks/bench_checkpoint.py --device cuda --size-gib "${CKPT_GIB:-4}" --url "$ckpt"
   cases=""; for c in ${ASYNC_CASES:-16x4096 16x8192}; do cases="$cases --case $c"; done
-  gpt=${GPT_CASE:-12x2048x4096}  # LAYERSxDIMxBATCH: forward and backward most of a step
-  want async && step python3 benchmarks/bench_async_save.py --device cuda $cases --gpt "$gpt" --snapshot blocking deferred --url "${CKPT_DIR:-/tmp/muon-ckpt-bench}" ${ASYNC_ARGS:-}
-  want resume && step python3 -m benchmarks.bench_resume --device cuda --size-gib "${CKPT_GIB:-4}" --dir "${CKPT_DIR:-/tmp/muon-ckpt-bench}" ${RESUME_ARGS:-}
+  want async && step python3 benchmarks/bench_async_save.py --device cuda $cases --gpt "$gpt" --snapshot blocking deferred --url "$ckpt" ${ASYNC_ARGS:-}
+  # The deferred snapshot: save() blocked ms/GiB, offload on and off; next step / no-save step.
+  want deferred && step python3 -m benchmarks.bench_async_save --device cuda --case "${DEFERRED_CASE:-16x4096}" --snapshot deferred --rounds 3 --url "$ckpt" ${ASYNC_ARGS:-}
+  # load() into CUDA tensors / the physical path, hot and cold, fresh process.
+  want resume && step python3 -m benchmarks.bench_resume --device cuda --size-gib "${CKPT_GIB:-4}" --dir "$ckpt" --layouts many --methods physical load --processes fresh --rounds 3 ${RESUME_ARGS:-}
+  # A memory snapshot every step for 200 steps: median and p99 step / no saves, saves dropped.
+  want every-step && step python3 -m benchmarks.bench_memory_tier overhead --device cuda --case 16x4096 --offload on off --snapshot deferred --every 1 --steps 200 ${MEMORY_ARGS:-}
+  # Memory-tier restore / cold and hot local disk, 4 and 8 GiB (shrunk to what fits, saying so).
+  want tier-restore && step python3 -m benchmarks.bench_memory_tier restore --world 1 --node-size 1 --device cuda --size-gib 4 8 ${MEMORY_ARGS:-}
   if want memory; then
     step python3 -m benchmarks.bench_memory_tier restore --world 1 --node-size 1 --device cuda --size-gib "${CKPT_GIB:-4}"
     step python3 -m benchmarks.bench_memory_tier overhead --device cuda --case 16x4096 --gpt "$gpt" --offload on --every 1 2 4 8 --steps 30 ${MEMORY_ARGS:-}

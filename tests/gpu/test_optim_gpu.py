@@ -6,7 +6,8 @@ On CUDA the momentum update takes other kernels than on CPU: fused lerps, and fo
 at least ``_FOREACH_MAX_NUMEL`` elements a per-matrix lerp written straight into bfloat16.
 The CPU suite cannot reach them, so this compares both against torch.optim.Muon here, with the
 tolerance of tests/test_optim_reference.py (one bf16 ulp of the update per step), and the fp32
-Newton-Schulz (``ns_dtype="fp32"``) against a float64 one on the GPU.
+Newton-Schulz (``ns_dtype="fp32"``) and the Gram iteration (``ns_method="gram"``) against a
+float64 one on the GPU.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ def _adjusted(lr, shape, fn):
     return lr * (max(1.0, a / b) ** 0.5 if fn == "original" else 0.2 * max(a, b) ** 0.5)
 
 
+@pytest.mark.parametrize("ns_method", ["standard", "gram"])
 @pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_cuda_muon_matches_torch_optim_muon(adjust_lr_fn, nesterov):
+def test_cuda_muon_matches_torch_optim_muon(adjust_lr_fn, nesterov, ns_method):
+    # (2048 x 512 takes the Gram iteration with "gram", in float16: on a CPU it stays within
+    # 0.15 of this tolerance of torch's bf16 iteration.)
     import optim._muon_step as muon_step
     from optim import Muon, set_ns_compile
 
@@ -43,7 +47,12 @@ def test_cuda_muon_matches_torch_optim_muon(adjust_lr_fn, nesterov):
     ours = [torch.nn.Parameter(t.clone()) for t in init]
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     hp = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": nesterov}
-    o1 = Muon([{"params": ours, **hp}], adjust_lr_fn=adjust_lr_fn, chunk_size=2, ns_dtype="bf16")
+    o1 = Muon(
+        [{"params": ours, "ns_method": ns_method, **hp}],
+        adjust_lr_fn=adjust_lr_fn,
+        chunk_size=2,
+        ns_dtype="bf16",
+    )
     o2 = torch.optim.Muon(ref, adjust_lr_fn=adjust_lr_fn, **hp)
     for _ in range(STEPS):
         for a, b in zip(ours, ref):
@@ -122,3 +131,47 @@ def test_cuda_fp32_newton_schulz_is_within_5e_5_of_float64(shape):
         assert ((out.double() - ref).norm() / ref.norm()).item() < 5e-5
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _ns_float64(g: torch.Tensor) -> torch.Tensor:
+    x = g.double()
+    tall = x.size(-2) > x.size(-1)
+    x = x.mT if tall else x
+    x = x / x.norm(dim=(-2, -1), keepdim=True)
+    for _ in range(5):
+        gram = x @ x.mT
+        x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+    return x.mT if tall else x
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(1024, 3072), (4096, 1024), (8, 256, 1024)])
+def test_cuda_gram_newton_schulz_is_as_close_to_float64_as_the_standard_iteration(shape):
+    # The bound of tests/test_optim_gram.py: the standard iteration's error in the same dtype
+    # (bf16; the Gram one computes in float16), and 5e-5 in fp32 (TF32 kept off).
+    from optim.newton_schulz import uses_gram, zeropower_via_newtonschulz
+
+    assert uses_gram(*shape[-2:], "gram")
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        g = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        ref = _ns_float64(g)
+        std = _rel(zeropower_via_newtonschulz(g, dtype=torch.bfloat16), ref)
+        gram = zeropower_via_newtonschulz(g, dtype=torch.bfloat16, method="gram")
+        assert gram.dtype == torch.bfloat16 and _rel(gram, ref) <= std, (_rel(gram, ref), std)
+        gram32 = zeropower_via_newtonschulz(g, dtype=torch.float32, method="gram")
+        assert _rel(gram32, ref) < 5e-5
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_auto_ns_method_is_gram_on_a_gpu():
+    from optim import Muon
+
+    w, v = (torch.nn.Parameter(torch.zeros(4, 4, device="cuda")) for _ in range(2))
+    groups = [{"params": [w], "ns_dtype": "bf16"}, {"params": [v], "ns_dtype": "fp32"}]
+    assert [g["ns_method"] for g in Muon(groups).param_groups] == ["gram", "gram"]
