@@ -17,17 +17,15 @@ runs: where Lightning restores its own), and applies Lightning's part with Light
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import posixpath
 import sys
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-
 from muon_ckpt._config import ManagerConfig
 from muon_ckpt.manager import CheckpointManager
+from muon_ckpt.state import pack, unpack
 from muon_ckpt.store import parse_step_dirname
 
 __all__ = ["MuonCheckpoint"]
@@ -100,9 +98,9 @@ class _Shared:
 
 class _Own:
     """Each rank's own: its callbacks' and datamodule's ``state_dict()`` and its resumable
-    dataloaders' position, as one ``torch.save`` blob (their structure and types vary, and a
-    load's template is taken before the dataloaders exist); read back with
-    ``weights_only=True``."""
+    dataloaders' position, as one blob (``state.pack``: their structure and types vary, and a
+    load's template is taken before the dataloaders exist; NumPy values converted, anything a
+    load could not read back refused at the save)."""
 
     def __init__(self, trainer: Any, skip: Any) -> None:
         self._trainer, self._skip = trainer, skip
@@ -117,12 +115,10 @@ class _Own:
             "combined_loader": t.fit_loop.state_dict()["state_dict"].get("combined_loader"),
             "datamodule": None if t.datamodule is None else t.datamodule.state_dict(),
         }
-        buf = io.BytesIO()
-        torch.save(own, buf)
-        return {"state": buf.getvalue()}
+        return {"state": pack(own, f"MuonCheckpoint's rank_extra[{_OWN!r}]")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loaded = torch.load(io.BytesIO(state["state"]), map_location="cpu", weights_only=True)
+        self.loaded = unpack(state["state"])
 
 
 class MuonCheckpoint(_pl.callbacks.Checkpoint):

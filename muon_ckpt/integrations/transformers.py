@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import json
 import os
 import posixpath
@@ -34,6 +33,7 @@ import torch
 from muon_ckpt._config import ManagerConfig
 from muon_ckpt._errors import CheckpointError, CheckpointNotFoundError
 from muon_ckpt.manager import CheckpointManager
+from muon_ckpt.state import pack, unpack
 from muon_ckpt.store import parse_step_dirname
 from offload import OffloadingOptimizer
 
@@ -91,36 +91,32 @@ class _TrainerStateText:
 
 class _RngStates:
     """This rank's RNG states, those the Trainer's ``rng_state.pth`` holds (Python, NumPy, the
-    CPU's and CUDA's), as one ``torch.save`` blob read back with ``weights_only=True`` (NumPy's
-    key array as a tensor). A load keeps them (``loaded``) until the Trainer's moment to set
-    them."""
+    CPU's and CUDA's), as one blob (``state.pack``: NumPy's state comes back with its key
+    array as a uint32 tensor, which ``np.random.set_state`` takes). A load keeps them
+    (``loaded``) until the Trainer's moment to set them."""
 
     def __init__(self) -> None:
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        name, keys, pos, has_gauss, cached = np.random.get_state()
         states: dict[str, Any] = {
             "python": random.getstate(),
-            "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+            "numpy": np.random.get_state(),
             "cpu": torch.random.get_rng_state(),
         }
         if torch.cuda.is_available():
             states["cuda"] = torch.cuda.random.get_rng_state_all()
-        buf = io.BytesIO()
-        torch.save(states, buf)
-        return {"state": buf.getvalue()}
+        return {"state": pack(states, f"rank_extra[{_RNG!r}]")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loaded = torch.load(io.BytesIO(state["state"]), map_location="cpu", weights_only=True)
+        self.loaded = unpack(state["state"])
 
     def apply(self) -> None:
         s = self.loaded
         if s is None:
             return
         random.setstate(s["python"])
-        name, keys, pos, has_gauss, cached = s["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        np.random.set_state(s["numpy"])  # (steps before 0.4 hold its keys as int64: taken too)
         torch.random.set_rng_state(s["cpu"])
         if "cuda" in s and torch.cuda.is_available():
             saved = s["cuda"]

@@ -84,6 +84,7 @@ def take(src: SaveSources, step: int, background: bool) -> Snapshot:
         flat = FlatState.build(
             src.model, src.optimizer, src.extra, rank_extra=src.rank_extra, rank=coll.rank()
         )
+        flat.check_loadable(step)  # a step that commits is one a load can read back
         views = offloaded_views(src.optimizer)
         keep = flat.host_state_keys(views)
         need = _async_need(src, flat, keep) if background else 0
