@@ -124,10 +124,14 @@ def main() -> None:
             mgr = trainer._muon_manager  # (made by the resume's load; None on a fresh start)
             began["tier"] = None if mgr is None else mgr.last_load_tier
             began["global_step"] = state.global_step
+            named = kwargs["model"].named_parameters()
+            began["params"] = {n: p.detach().clone() for n, p in named}
 
     with tempfile.TemporaryDirectory() as out_dir:
         trainer, data = trainer_for(a.url, out_dir, callbacks=[KillAt()], **options)
         trainer.train(None if a.resume is None else f"{a.url}/step-{a.resume:08d}")
+        if trainer.args.process_index != 0:
+            return  # (every rank of a DDP run ends with the same state)
         opt = trainer.optimizer.optimizer
         assert opt.cpu_offload  # on all along; read the states where they are parked
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

@@ -88,7 +88,7 @@ def test_a_damaged_newest_step_resumes_the_one_before_and_trains_on(tmp_path, re
     r, got = _job(url, tmp_path / "resumed.pt")
     assert r.returncode == 0, r.stderr
     assert "skipping step 6" in r.stderr
-    assert got["began"] == {"tier": "storage", "global_step": 3}
+    assert (got["began"]["tier"], got["began"]["global_step"]) == ("storage", 3)
     _same_end(got, ref, 3)  # what an uninterrupted run resumed from step 3 ends with
     assert got["steps"] == [9, 10]  # the damaged step 6 went with the rewind
 
@@ -103,9 +103,28 @@ def test_a_memory_step_newer_than_the_urls_resumes_from_memory(tmp_path, ref, na
     more = ["--resume", "6"] if named else []  # (the url has no step 6 to read its state from)
     r, got = _job(url, tmp_path / "resumed.pt", "--memory", mem, *more)
     assert r.returncode == 0, r.stderr
-    assert got["began"] == {"tier": "memory", "global_step": 6}
+    assert (got["began"]["tier"], got["began"]["global_step"]) == ("memory", 6)
     _same_end(got, ref, 6)
     assert got["steps"] == [9, 10]
+
+
+def test_a_run_saved_on_two_ranks_resumes_on_one(tmp_path):
+    """DDP over 2 CPU processes (torchrun) saves; a run on 1 process resumes its newest step
+    elastically: weights, optimizer, scheduler and TrainerState from the step, each rank's
+    RNG states fresh with a WARNING; it trains on to its end."""
+    url = tmp_path / "run"
+    two = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    r = run_script([*two, "-m", "tests._hf_job", str(url), str(tmp_path / "two.pt")], timeout=240)
+    assert r.returncode == 0, r.stderr
+    saved = torch.load(tmp_path / "two.pt", weights_only=False)
+    assert saved["global_step"] == 6 and saved["steps"] == [3, 6]  # 3 steps an epoch on 2
+    r, one = _job(url, tmp_path / "one.pt")
+    assert r.returncode == 0, r.stderr
+    assert "saved on another number of ranks: each rank's RNG states start fresh" in r.stderr
+    assert one["resumed"] == 6 and one["began"]["global_step"] == 6
+    for name, p in saved["params"].items():
+        assert torch.equal(one["began"]["params"][name], p), name
+    assert one["global_step"] == STEPS and one["steps"] == [9, 10]
 
 
 def test_export_hf_loads_with_from_pretrained_and_a_step_resumes_by_name(tmp_path, hf):
