@@ -74,7 +74,12 @@ def _load(rank: int, world: int, url: str) -> dict:
     ) as mgr:
         step = mgr.load()
     np.random.set_state(mine.value["rng"])  # usable as NumPy's own
-    out = {"step": step, "data": data.value, "mine": mine.value, "draws": np.random.random_sample(5)}
+    out = {
+        "step": step,
+        "data": data.value,
+        "mine": mine.value,
+        "draws": np.random.random_sample(5),
+    }
     return _picklable(out)
 
 
@@ -132,7 +137,9 @@ def test_a_value_a_load_cannot_read_is_refused_at_save_naming_its_key(tmp_path, 
     mgr.save(1)
     mgr.wait()
     state.value["sampler"]["gen"] = Opaque(8)
-    with pytest.raises(CheckpointError, match=r"step 2: extra\['data'\]\['sampler'\]\['gen'\]") as e:
+    with pytest.raises(
+        CheckpointError, match=r"step 2: extra\['data'\]\['sampler'\]\['gen'\]"
+    ) as e:
         mgr.save(2)
     assert "tests.test_extra_values.Opaque" in str(e.value)
     assert "nothing was written" in str(e.value)
