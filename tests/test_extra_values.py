@@ -190,3 +190,21 @@ def test_numpy_hyperparameters_and_module_extra_state_load(tmp_path):
     assert again.counter == 12 and type(again.counter) is int and again.scale == 0.5
     group = opt2.param_groups[0]
     assert (group["lr"], group["momentum"]) == (0.25, 0.5) and type(group["lr"]) is float
+
+
+def test_a_blob_converts_numpy_and_refuses_what_a_load_cannot_read():
+    """``state.pack``, the integrations' per-rank blob (Lightning's callbacks, the Trainer's
+    RNG states): NumPy values come back converted, anything else unreadable is refused at
+    once, naming where it is."""
+    from muon_ckpt.state import pack, unpack
+
+    rng = np.random.RandomState(3)
+    state = {"callbacks": {"Counter": {"n": np.int64(4), "rng": rng.get_state()}}}
+    back = unpack(pack(state, "blob"))
+    assert back["callbacks"]["Counter"]["n"] == 4
+    again = np.random.RandomState(0)
+    again.set_state(back["callbacks"]["Counter"]["rng"])
+    assert again.random_sample() == rng.random_sample()
+    state["callbacks"]["Counter"]["gen"] = Opaque(1)
+    with pytest.raises(CheckpointError, match=r"blob\['callbacks'\]\['Counter'\]\['gen'\] is a"):
+        pack(state, "blob")
