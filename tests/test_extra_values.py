@@ -151,6 +151,12 @@ def test_a_value_a_load_cannot_read_is_refused_at_save_naming_its_key(tmp_path, 
     own.value = {"pos": np.array(["a", "b"])}  # strings: no tensor dtype
     with pytest.raises(CheckpointError, match=r"rank_extra\['mine'\]\['pos'\] of rank 0"):
         mgr.save(2)
+    state.value["sampler"]["gen"] = lambda: 0  # not even picklable
+    with pytest.raises(
+        CheckpointError, match=r"extra\['data'\]\['sampler'\]\['gen'\].*(?i:pickle)"
+    ):
+        mgr.save(2)
+    state.value["sampler"]["gen"] = 0
     own.value = {"pos": 6}
     assert mgr.save(2)  # the job saves on once the value is one a load reads
     mgr.close()

@@ -123,11 +123,19 @@ def _refused(v: Any, path: str, read: Any) -> tuple[str, Any, str] | None:
                 return bad
         return None
     try:
-        read_back = read(v)
+        read(v)
     except Exception as e:
-        return path, v, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-    del read_back
+        return path, v, _why(e)
     return None
+
+
+def _why(e: Exception) -> str:
+    """The unpickler's reason, without its advice to allow the class (a load never does)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    line = next((ln for ln in lines if ln.startswith("WeightsUnpickler error:")), None)
+    if line is None:
+        return f"{type(e).__name__}: {(lines or [''])[0][:300]}"
+    return line.removeprefix("WeightsUnpickler error:").split(". Please use")[0].strip()[:300]
 
 
 def _unpickled(v: Any) -> Any:
