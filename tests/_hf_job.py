@@ -1,10 +1,11 @@
 """A ``transformers.Trainer`` run for tests/test_integration_transformers.py.
 
-``python -m tests._hf_job URL OUT [--kill-at STEP]``: trains a 2-layer GPT-2 for 2 epochs of
-5 steps (dropout on, shuffled batches) with Muon (CPU offload on) through ``MuonCkptTrainer``,
-saving every 3 steps asynchronously to URL (the newest 2 kept), and writes what the comparison
-needs to OUT (torch.save). With ``--kill-at``, once that step is trained (and the save before
-it committed) the process SIGKILLs itself. Run it again on the same URL and it resumes.
+``python -m tests._hf_job URL OUT [--kill-at STEP] [--memory DIR]``: trains a 2-layer GPT-2
+for 2 epochs of 5 steps (dropout on, shuffled batches) with Muon (CPU offload on) through
+``MuonCkptTrainer``, saving every 3 steps asynchronously to URL (the newest 2 kept), and writes
+what the comparison needs to OUT (torch.save); ``--resume N`` names step N to resume. With ``--kill-at``, once that step is trained
+(and the save before it committed) the process SIGKILLs itself. Run it again on the same URL
+and it resumes. ``--memory``: every save also goes to a memory tier in DIR.
 """
 
 from __future__ import annotations
@@ -103,7 +104,15 @@ def main() -> None:
     ap.add_argument("url")
     ap.add_argument("out")
     ap.add_argument("--kill-at", type=int)
+    ap.add_argument("--memory")
+    ap.add_argument("--resume", type=int, help="resume_from_checkpoint=<url>/step-<RESUME>")
     a = ap.parse_args()
+    options = {}
+    if a.memory:
+        from muon_ckpt import MemoryOptions
+
+        options["memory"] = MemoryOptions(interval=1, dir=a.memory)
+    began: dict = {}
 
     class KillAt(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -111,9 +120,18 @@ def main() -> None:
                 trainer._muon_manager.wait()  # the save before this step is committed
                 os.kill(os.getpid(), signal.SIGKILL)
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            mgr = trainer._muon_manager  # (made by the resume's load; None on a fresh start)
+            began["tier"] = None if mgr is None else mgr.last_load_tier
+            began["global_step"] = state.global_step
+            named = kwargs["model"].named_parameters()
+            began["params"] = {n: p.detach().clone() for n, p in named}
+
     with tempfile.TemporaryDirectory() as out_dir:
-        trainer, data = trainer_for(a.url, out_dir, callbacks=[KillAt()] if a.kill_at else [])
-        trainer.train()
+        trainer, data = trainer_for(a.url, out_dir, callbacks=[KillAt()], **options)
+        trainer.train(None if a.resume is None else f"{a.url}/step-{a.resume:08d}")
+        if trainer.args.process_index != 0:
+            return  # (every rank of a DDP run ends with the same state)
         opt = trainer.optimizer.optimizer
         assert opt.cpu_offload  # on all along; read the states where they are parked
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -125,6 +143,7 @@ def main() -> None:
         torch.save(
             {
                 "resumed": trainer.resumed_step,
+                "began": began,
                 "params": params,
                 "states": states,
                 "sched": trainer.lr_scheduler.state_dict(),

@@ -3,27 +3,32 @@ a child process by tests/test_integration_lightning.py and benchmarks/bench_inte
 
 ``python -m tests._lightning_job URL OUT [--kill-at STEP] [--lightning-ckpt DIR]``: trains
 ``STEPS`` optimizer steps over 5 batches per epoch (so the run crosses epochs and saves mid-
-epoch) from a resumable dataloader, saving every ``EVERY`` steps asynchronously, then writes
-what the comparison needs to ``OUT`` (torch.save). With ``--kill-at``, once that step is trained
+epoch) from a resumable dataloader, saving every ``EVERY`` steps asynchronously (``--every``),
+then writes what the comparison needs to ``OUT`` (torch.save). ``--shuffle``: the module has
+dropout, the loader shuffles (``DataLoader(shuffle=True)``, its order resumable), and the RNG
+states go in ``rank_extra`` as the README says, beside a callback whose state holds NumPy
+values. With ``--kill-at``, once that step is trained
 and the pending save committed, the process SIGKILLs itself. ``--lightning-ckpt`` saves with
 Lightning's own ModelCheckpoint (offload off: its save calls ``optimizer.state_dict()``) into
 that directory instead, resuming from its ``last.ckpt``. ``--devices 2``: DDP over two CPU
-processes (Lightning launches the second; not run by the tests, ~8 s a run).
+processes (Lightning launches the second; rank 0 writes OUT).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import sys
 import time
 from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from muon_ckpt.integrations.lightning import MuonCheckpoint
 from optim import Muon
@@ -32,39 +37,85 @@ STEPS, EVERY, BATCH, BATCHES = 12, 3, 4, 5
 
 
 class ResumableLoader(DataLoader):
-    """Batches in order, resumable where the last one was drawn (Lightning restores a
-    dataloader's position only through its ``state_dict``/``load_state_dict``)."""
+    """Batches in order (``shuffle``: in an order drawn from the global RNG at each epoch's
+    start, as ``RandomSampler`` draws it), resumable where the last one was drawn (Lightning
+    restores a dataloader's position only through its ``state_dict``/``load_state_dict``)."""
 
-    def __init__(self, ds: TensorDataset) -> None:
-        super().__init__(ds, batch_size=BATCH)
+    def __init__(self, ds: TensorDataset, shuffle: bool = False) -> None:
+        super().__init__(ds, batch_size=BATCH, shuffle=shuffle)
         self.drawn = 0
+        self.seed: int | None = None  # the order of the epoch in progress (shuffle)
 
     def __iter__(self) -> Any:
         start = self.drawn if self.drawn < len(self) else 0  # a finished epoch starts over
+        if isinstance(self.sampler, RandomSampler):
+            if start == 0:
+                self.seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            self.sampler.generator = torch.Generator().manual_seed(self.seed)
         self.drawn = start
         for i, b in enumerate(super().__iter__()):
             if i >= start:
                 self.drawn = i + 1
                 yield b
 
-    def state_dict(self) -> dict[str, int]:
-        return {"drawn": self.drawn}
+    def state_dict(self) -> dict[str, Any]:
+        return {"drawn": self.drawn, "seed": self.seed}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.drawn = state["drawn"]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.drawn, self.seed = state["drawn"], state.get("seed")
+
+
+class GlobalRng:
+    """The global RNG states, for ``rank_extra`` (the README's advice)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])
+
+
+class NumpyCounter(pl.Callback):
+    """A callback whose state holds NumPy values (in ``MuonCheckpoint``'s per-rank blob)."""
+
+    def __init__(self) -> None:
+        self.batches = np.int64(0)
+        self.rng = np.random.RandomState(7)
+        self.last = np.float32(0)
+
+    def on_train_batch_end(self, *_: Any) -> None:
+        self.batches += 1
+        self.last = np.float32(self.rng.random_sample())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches, "rng": self.rng.get_state(), "last": self.last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batches, self.last = np.int64(state["batches"]), np.float32(state["last"])
+        self.rng.set_state(state["rng"])
 
 
 class Net(pl.LightningModule):
-    def __init__(self, offload: bool, width: int = 16) -> None:
+    def __init__(self, offload: bool, width: int = 16, dropout: float = 0.0) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
+        drop = [nn.Dropout(dropout)] if dropout else []
+        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), *drop, nn.Linear(width, 1))
         self.offload = offload
         self.seen: list[tuple[int, int, int]] = []  # (global step, epoch, first sample id)
+        self.losses: list[tuple[int, torch.Tensor]] = []  # (global step, loss)
 
     def training_step(self, batch: Any, _: int) -> torch.Tensor:
         x, y, ids = batch
         self.seen.append((self.trainer.global_step, self.current_epoch, int(ids[0])))
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append((self.trainer.global_step, loss.detach().clone()))
+        return loss
 
     def configure_optimizers(self) -> Any:
         ps = list(self.net.parameters())
@@ -93,6 +144,17 @@ class KillAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Began(pl.Callback):
+    """What the fit starts from (after MuonCheckpoint's load): global step and weights."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        self.seen = {"global_step": trainer.global_step, "params": params}
+
+
 def data(n: int = BATCH * BATCHES) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 8, generator=g)
@@ -108,20 +170,26 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--devices", type=int, default=1, help="> 1: DDP over CPU processes")
+    ap.add_argument("--every", type=int, default=EVERY)
+    ap.add_argument("--shuffle", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)  # bitwise across processes, as in tests/conftest.py
     torch.manual_seed(0)
-    model = Net(offload=a.lightning_ckpt is None, width=a.width)
-    callbacks: list[pl.Callback] = []
+    model = Net(offload=a.lightning_ckpt is None, width=a.width, dropout=0.2 * a.shuffle)
+    counter, began = NumpyCounter(), Began()
+    callbacks: list[pl.Callback] = [began, *([counter] if a.shuffle else [])]
     ckpt = None
     fit: dict[str, Any] = {}
     if a.lightning_ckpt is None:
-        ckpt = MuonCheckpoint(a.url, every_n_train_steps=EVERY, keep_last=2, async_save=True)
+        rank_extra = {"rng": GlobalRng()} if a.shuffle else None
+        ckpt = MuonCheckpoint(
+            a.url, every_n_train_steps=a.every, keep_last=2, async_save=True, rank_extra=rank_extra
+        )
         callbacks.append(ckpt)
     else:
         callbacks.append(
             pl.callbacks.ModelCheckpoint(
-                a.lightning_ckpt, every_n_train_steps=EVERY, save_last=True, save_top_k=0
+                a.lightning_ckpt, every_n_train_steps=a.every, save_last=True, save_top_k=0
             )
         )
         last = os.path.join(a.lightning_ckpt, "last.ckpt")
@@ -141,7 +209,9 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     t0 = time.perf_counter()
-    trainer.fit(model, ResumableLoader(data()), **fit)
+    trainer.fit(model, ResumableLoader(data(), shuffle=a.shuffle), **fit)
+    if trainer.global_rank != 0:
+        return  # (every rank of a DDP fit ends with the same state)
     opt = trainer.optimizers[0]
     named = dict(model.named_parameters())
     torch.save(
@@ -154,7 +224,10 @@ def main() -> None:
             "global_step": trainer.global_step,
             "epoch": trainer.current_epoch,
             "seen": model.seen,
+            "losses": model.losses,
+            "counter": (int(counter.batches), float(counter.last), counter.rng.random_sample()),
             "resumed": None if ckpt is None else ckpt.resumed_step,
+            "began": began.seen,
             "steps": None if ckpt is None else ckpt_steps(a.url),
         },
         a.out,

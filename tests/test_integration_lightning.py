@@ -53,6 +53,69 @@ def test_fit_killed_after_a_save_resumes_bitwise(tmp_path, pl):
             assert torch.equal(got["states"][name][k], v), (name, k)
 
 
+@pytest.fixture(scope="module")
+def shuffled_ref(tmp_path_factory, pl):
+    """An uninterrupted fit of the module with dropout over a shuffled loader."""
+    tmp = tmp_path_factory.mktemp("ref")
+    r, out = _job(tmp / "run", tmp / "ref.pt", "--shuffle")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.mark.parametrize(
+    ("every", "kill_at", "resumed"),
+    [(EVERY, 8, 6), (5, 7, 5)],
+    ids=["mid-epoch", "at-an-epochs-end"],
+)
+def test_dropout_and_a_shuffled_loader_resume_bitwise(
+    tmp_path, shuffled_ref, every, kill_at, resumed
+):
+    """RNG states in rank_extra and a resumable shuffled loader, as the README says: the
+    resumed fit trains on the same batches with the same dropout masks, bitwise, although
+    Lightning makes the loader's iterator (which draws from the global RNG) after the load;
+    a callback's NumPy state comes back through MuonCheckpoint's blob."""
+    ref = shuffled_ref
+    url = tmp_path / "run"
+    shuffle = ("--shuffle", "--every", str(every))
+    r, _ = _job(url, tmp_path / "killed.pt", "--kill-at", str(kill_at), *shuffle)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    r, got = _job(url, tmp_path / "resumed.pt", *shuffle)
+    assert r.returncode == 0, r.stderr
+
+    assert got["resumed"] == resumed
+    assert got["seen"] == ref["seen"][resumed:]
+    assert [s for s, _ in got["losses"]] == [s for s, _ in ref["losses"][resumed:]]
+    for (step, a), (_, b) in zip(got["losses"], ref["losses"][resumed:], strict=True):
+        assert torch.equal(a, b), step
+    assert got["counter"] == ref["counter"] and ref["counter"][0] == STEPS
+    assert (got["global_step"], got["epoch"]) == (ref["global_step"], ref["epoch"])
+    assert got["sched"] == ref["sched"]
+    for name, p in ref["params"].items():
+        assert torch.equal(got["params"][name], p), name
+        for k, v in ref["states"][name].items():
+            assert torch.equal(got["states"][name][k], v), (name, k)
+
+
+def test_a_fit_saved_on_two_ranks_resumes_on_one(tmp_path, pl):
+    """DDP over 2 CPU processes saves; a fit on 1 process resumes that step elastically:
+    weights, optimizer, loops and scheduler from the step, each rank's own state (callbacks,
+    dataloader position) fresh, with a WARNING; it trains on to its end."""
+    url = tmp_path / "run"
+    r, two = _job(url, tmp_path / "two.pt", "--devices", "2", "--steps", str(2 * EVERY))
+    assert r.returncode == 0, r.stderr
+    from muon_ckpt import CheckpointManager
+
+    info = CheckpointManager(str(url)).step_info()
+    assert (info.step, info.world_size) == (2 * EVERY, 2)
+    r, one = _job(url, tmp_path / "one.pt")
+    assert r.returncode == 0, r.stderr
+    assert "saved on another number of ranks" in r.stderr
+    assert one["resumed"] == 2 * EVERY and one["began"]["global_step"] == 2 * EVERY
+    for name, p in two["params"].items():  # the weights the two ranks ended with
+        assert torch.equal(one["began"]["params"][name], p), name
+    assert one["global_step"] == STEPS and one["steps"] == [3 * EVERY, STEPS]
+
+
 def _trainer(pl, ckpt, steps):
     return pl.Trainer(
         max_steps=steps,

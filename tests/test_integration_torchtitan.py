@@ -26,7 +26,7 @@ from muon_ckpt import CheckpointManager, CheckpointMismatchError, CheckpointNotF
 from muon_ckpt.cli import main
 from muon_ckpt.interop import export_torchtitan, import_torchtitan
 from optim import Muon
-from tests._dist import run_script
+from tests._dist import run_on_ranks, run_script
 from tests._titan import (
     Holder,
     Tiny,
@@ -209,6 +209,57 @@ def test_a_muon_step_exports_with_torch_state_names_and_model_only(tmp_path, cap
     assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items())
     assert main(["export", url, "--torchtitan", out, "--include", "model", "optim"]) == 1
     assert "every section, or with --include model" in capsys.readouterr().err
+
+
+# ------------------------------------------------ resuming on another number of ranks
+
+
+def _titan_steps(rank: int, world: int, url: str, until: int) -> dict:
+    """MuonCheckpointManager's state and load (``_titan_state``, torchtitan's names) around
+    a loop of torchtitan's kind: resume, then train and save each step up to ``until``.
+    Every rank trains on the same batches (plain tensors, DDP-like), counting its own
+    tokens; the dataloader's position is each rank's own."""
+    from muon_ckpt.integrations._titan_state import load_titan, titan_manager
+
+    model = Tiny(0)
+    opt = _muon(model)
+    sched = Holder({"last_epoch": 0})
+    train_state = Holder({"step": 0, "ntokens_seen": 0})
+    loader = Holder({"rank": rank, "position": 0})
+    states = {"lr_scheduler": sched, "train_state": train_state}
+    mgr = titan_manager(
+        url, model=model, optimizer=opt, lr_schedulers=sched, states=states, dataloader=loader
+    )
+    loaded = load_titan(mgr, None, states)
+    began = dict(train_state.value)
+    for step in range(train_state.value["step"] + 1, until + 1):
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.value = {"last_epoch": step}
+        tokens = train_state.value["ntokens_seen"] + 32 * (rank + 1)
+        train_state.value = {"step": step, "ntokens_seen": tokens}
+        loader.value = {"rank": rank, "position": loader.value["position"] + 1}
+        mgr.save(step)
+    mgr.close()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"loaded": loaded, "began": began, "loader": loader.value, "params": params}
+
+
+def test_a_run_saved_on_two_ranks_resumes_on_one_at_its_step(tmp_path, caplog):
+    """torchtitan's checkpointer (its logic, without torchtitan) resumes a step saved on 2
+    gloo ranks on 1: model, optimizer and lr scheduler bitwise, the train state at the step
+    loaded; each rank's token count and dataloader position fresh, with a WARNING."""
+    url = str(tmp_path / "run")
+    run_on_ranks(_titan_steps, 2, url, 3)
+    with caplog.at_level("WARNING", logger="muon_ckpt"):
+        got = _titan_steps(0, 1, url, 5)
+    assert got["loaded"] == 3 and got["began"] == {"step": 3, "ntokens_seen": 0}
+    assert got["loader"] == {"rank": 0, "position": 2}  # fresh at the resume: 2 steps since
+    assert "the train state resumes at step 3" in caplog.text
+    ref = _titan_steps(0, 1, str(tmp_path / "ref"), 5)  # one process, uninterrupted
+    for name, p in ref["params"].items():
+        assert torch.equal(got["params"][name], p), name
 
 
 # --------------------------------------------------------------------- torchtitan itself

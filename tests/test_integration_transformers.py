@@ -9,6 +9,7 @@ it restores its own). A step exported with ``muon-ckpt export --hf`` loads with
 
 from __future__ import annotations
 
+import shutil
 import signal
 
 import pytest
@@ -31,9 +32,31 @@ def _job(url, out, *args):
     return r, (torch.load(out, weights_only=False) if r.returncode == 0 else None)
 
 
-def test_train_killed_after_a_save_resumes_bitwise(tmp_path):
-    r, ref = _job(tmp_path / "ref", tmp_path / "ref.pt")
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """What an uninterrupted run ends with."""
+    tmp = tmp_path_factory.mktemp("ref")
+    r, out = _job(tmp / "run", tmp / "ref.pt")
     assert r.returncode == 0, r.stderr
+    return out
+
+
+def _same_end(got, ref, resumed):
+    """``got`` (a run resumed at step ``resumed``) ends bitwise where ``ref`` ends."""
+    assert got["resumed"] == resumed
+    assert got["seen"] == ref["seen"][resumed * 4 :]  # the same batches, from the same position
+    assert (got["global_step"], got["epoch"]) == (ref["global_step"], ref["epoch"]) == (STEPS, 2)
+    assert got["losses"] == ref["losses"] and len(ref["losses"]) == STEPS  # log history too
+    assert got["sched"] == ref["sched"]
+    assert torch.equal(got["rng"], ref["rng"])
+    for name, p in ref["params"].items():
+        assert torch.equal(got["params"][name], p), name
+        assert ref["states"][name].keys() == got["states"][name].keys(), name
+        for k, v in ref["states"][name].items():
+            assert torch.equal(got["states"][name][k], v), (name, k)
+
+
+def test_train_killed_after_a_save_resumes_bitwise(tmp_path, ref):
     url = tmp_path / "run"
     r, _ = _job(url, tmp_path / "killed.pt", "--kill-at", "8")
     assert r.returncode == -signal.SIGKILL, r.stderr
@@ -41,18 +64,67 @@ def test_train_killed_after_a_save_resumes_bitwise(tmp_path):
     r, got = _job(url, tmp_path / "resumed.pt")
     assert r.returncode == 0, r.stderr
 
-    assert ref["resumed"] is None and got["resumed"] == 6  # epoch 1, after its first batch
-    assert got["seen"] == ref["seen"][6 * 4 :]  # the same batches, from the same position on
-    assert (got["global_step"], got["epoch"]) == (ref["global_step"], ref["epoch"]) == (STEPS, 2)
-    assert got["losses"] == ref["losses"] and len(ref["losses"]) == STEPS  # log history too
-    assert got["sched"] == ref["sched"]
-    assert torch.equal(got["rng"], ref["rng"])
+    assert ref["resumed"] is None
+    _same_end(got, ref, 6)  # epoch 1, after its first batch
     assert got["steps"] == ref["steps"] == [9, 10]  # save_total_limit=2
-    for name, p in ref["params"].items():
-        assert torch.equal(got["params"][name], p), name
-        assert ref["states"][name].keys() == got["states"][name].keys(), name
-        for k, v in ref["states"][name].items():
-            assert torch.equal(got["states"][name][k], v), (name, k)
+
+
+def _flip_a_byte(url, step):
+    """One byte flipped in the middle of the largest data file ``step`` wrote (a tensor's)."""
+    (data,) = (url / "data").glob(f"{step:08d}-*")
+    path = max(data.iterdir(), key=lambda p: p.stat().st_size)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def test_a_damaged_newest_step_resumes_the_one_before_and_trains_on(tmp_path, ref):
+    url = tmp_path / "run"
+    r, _ = _job(url, tmp_path / "killed.pt", "--kill-at", "8")
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    _flip_a_byte(url, 6)
+    # Every requeued restart used to raise "resume that step explicitly"; now the load falls
+    # back to step 3 and the Trainer resumes from step 3's TrainerState.
+    r, got = _job(url, tmp_path / "resumed.pt")
+    assert r.returncode == 0, r.stderr
+    assert "skipping step 6" in r.stderr
+    assert (got["began"]["tier"], got["began"]["global_step"]) == ("storage", 3)
+    _same_end(got, ref, 3)  # what an uninterrupted run resumed from step 3 ends with
+    assert got["steps"] == [9, 10]  # the damaged step 6 went with the rewind
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_memory_step_newer_than_the_urls_resumes_from_memory(tmp_path, ref, named):
+    url, mem = tmp_path / "run", str(tmp_path / "mem")
+    r, _ = _job(url, tmp_path / "killed.pt", "--kill-at", "8", "--memory", mem)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    # A crash while step 6 was written to the url: the tier has it, the url does not.
+    shutil.rmtree(url / "step-00000006")
+    more = ["--resume", "6"] if named else []  # (the url has no step 6 to read its state from)
+    r, got = _job(url, tmp_path / "resumed.pt", "--memory", mem, *more)
+    assert r.returncode == 0, r.stderr
+    assert (got["began"]["tier"], got["began"]["global_step"]) == ("memory", 6)
+    _same_end(got, ref, 6)
+    assert got["steps"] == [9, 10]
+
+
+def test_a_run_saved_on_two_ranks_resumes_on_one(tmp_path):
+    """DDP over 2 CPU processes (torchrun) saves; a run on 1 process resumes its newest step
+    elastically: weights, optimizer, scheduler and TrainerState from the step, each rank's
+    RNG states fresh with a WARNING; it trains on to its end."""
+    url = tmp_path / "run"
+    two = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    r = run_script([*two, "-m", "tests._hf_job", str(url), str(tmp_path / "two.pt")], timeout=240)
+    assert r.returncode == 0, r.stderr
+    saved = torch.load(tmp_path / "two.pt", weights_only=False)
+    assert saved["global_step"] == 6 and saved["steps"] == [3, 6]  # 3 steps an epoch on 2
+    r, one = _job(url, tmp_path / "one.pt")
+    assert r.returncode == 0, r.stderr
+    assert "saved on another number of ranks: each rank's RNG states start fresh" in r.stderr
+    assert one["resumed"] == 6 and one["began"]["global_step"] == 6
+    for name, p in saved["params"].items():
+        assert torch.equal(one["began"]["params"][name], p), name
+    assert one["global_step"] == STEPS and one["steps"] == [9, 10]
 
 
 def test_export_hf_loads_with_from_pretrained_and_a_step_resumes_by_name(tmp_path, hf):

@@ -11,23 +11,26 @@ position), the lr schedulers and the precision plugin (the same on every rank), 
 ``rank_extra`` each rank's callbacks' and datamodule's state and its resumable dataloaders'
 position. It loads at ``on_fit_start`` (after ``configure_optimizers``, before the fit loop
 runs: where Lightning restores its own), and applies Lightning's part with Lightning's own
-``load_state_dict`` methods. It is a ``Checkpoint``, so the Trainer adds no default
+``load_state_dict`` methods (on another number of ranks, all but each rank's own:
+``load(elastic=True)``). It is a ``Checkpoint``, so the Trainer adds no default
 ``ModelCheckpoint`` (whose save would call ``optimizer.state_dict()``).
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import posixpath
+import random
 import sys
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from muon_ckpt._config import ManagerConfig
 from muon_ckpt.manager import CheckpointManager
+from muon_ckpt.state import pack, unpack
 from muon_ckpt.store import parse_step_dirname
 
 __all__ = ["MuonCheckpoint"]
@@ -100,9 +103,9 @@ class _Shared:
 
 class _Own:
     """Each rank's own: its callbacks' and datamodule's ``state_dict()`` and its resumable
-    dataloaders' position, as one ``torch.save`` blob (their structure and types vary, and a
-    load's template is taken before the dataloaders exist); read back with
-    ``weights_only=True``."""
+    dataloaders' position, as one blob (``state.pack``: their structure and types vary, and a
+    load's template is taken before the dataloaders exist; NumPy values converted, anything a
+    load could not read back refused at the save)."""
 
     def __init__(self, trainer: Any, skip: Any) -> None:
         self._trainer, self._skip = trainer, skip
@@ -117,12 +120,10 @@ class _Own:
             "combined_loader": t.fit_loop.state_dict()["state_dict"].get("combined_loader"),
             "datamodule": None if t.datamodule is None else t.datamodule.state_dict(),
         }
-        buf = io.BytesIO()
-        torch.save(own, buf)
-        return {"state": buf.getvalue()}
+        return {"state": pack(own, f"MuonCheckpoint's rank_extra[{_OWN!r}]")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loaded = torch.load(io.BytesIO(state["state"]), map_location="cpu", weights_only=True)
+        self.loaded = unpack(state["state"])
 
 
 class MuonCheckpoint(_pl.callbacks.Checkpoint):
@@ -137,9 +138,12 @@ class MuonCheckpoint(_pl.callbacks.Checkpoint):
     ``resume_from``, ...), checked here. ``manager`` is the manager during a fit;
     ``resumed_step`` the step the last fit resumed (None: it started fresh).
 
-    Not restored, as in Lightning: the RNG states (add them through ``rank_extra``); a
+    Not restored, as in Lightning: the RNG states (add them through ``rank_extra``: a fit
+    resumed mid-epoch sets the states they loaded again before its first batch, since
+    Lightning makes the dataloader's iterator after the load and it draws from them); a
     dataloader without ``state_dict()``/``load_state_dict()`` restarts its epoch. Not
-    called: the LightningModule's ``on_save_checkpoint``/``on_load_checkpoint``.
+    called: the LightningModule's ``on_save_checkpoint``/``on_load_checkpoint``. On another
+    number of ranks the fit resumes elastically: each rank's own state starts fresh (WARNING).
     """
 
     def __init__(
@@ -171,6 +175,7 @@ class MuonCheckpoint(_pl.callbacks.Checkpoint):
         self.resumed_step: int | None = None
         self._last_step: int | None = None
         self._started = False
+        self._rng: dict[str, Any] | None = None  # the global RNG states after a resume
 
     # ------------------------------------------------------------------ hooks
     def on_fit_start(self, trainer: _pl.Trainer, pl_module: _pl.LightningModule) -> None:
@@ -180,7 +185,7 @@ class MuonCheckpoint(_pl.callbacks.Checkpoint):
                 f"{type(trainer).__module__}.{type(trainer).__name__}; import the Trainer's "
                 "package before muon_ckpt.integrations.lightning"
             )
-        self._started = True
+        self._started, self._rng = True, None
         if len(trainer.optimizers) != 1:
             raise ValueError(
                 f"MuonCheckpoint saves one optimizer; configure_optimizers returned "
@@ -200,12 +205,31 @@ class MuonCheckpoint(_pl.callbacks.Checkpoint):
                 "which has committed steps, would both restore this fit: leave ckpt_path out "
                 "to resume the url, or give MuonCheckpoint a new url"
             )
-        self.resumed_step = self.manager.load()
+        self.resumed_step = self.manager.load(elastic=True)
         if self.resumed_step is not None:
             _apply(trainer, shared.loaded, own.loaded)
+            if own.loaded is None:
+                _log.warning(
+                    "MuonCheckpoint: step %d was saved on another number of ranks: each "
+                    "rank's callbacks', datamodule's and dataloaders' state%s start fresh",
+                    self.resumed_step,
+                    f" and {sorted(self._rank_extra)}" if self._rank_extra else "",
+                )
+            self._rng = _rng_states()  # (set by rank_extra: see on_train_batch_start)
         self._last_step = trainer.global_step
         if _nothing_to_train(trainer):  # the fit loop returns at once: no on_train_end
             self._finish(trainer)
+
+    def on_train_batch_start(
+        self, trainer: _pl.Trainer, pl_module: _pl.LightningModule, _batch: Any, batch_idx: int
+    ) -> None:
+        # A fit resumed mid-epoch made the dataloader's iterator after the load, which drew
+        # from the global RNG where the interrupted fit did not: the states the load set
+        # (rank_extra) are set again before the first batch. (Resumed at an epoch's end,
+        # both fits draw the next epoch's iterator from them.)
+        rng, self._rng = self._rng, None
+        if rng is not None and batch_idx > 0:
+            _set_rng_states(rng)
 
     def on_train_batch_end(
         self,
@@ -268,6 +292,24 @@ class MuonCheckpoint(_pl.callbacks.Checkpoint):
         path, url = norm(path), norm(str(self._options["url"]))
         name = posixpath.basename(path).removeprefix("overwrite-")
         return path == url or path.startswith(url + "/") or parse_step_dirname(name) is not None
+
+
+def _rng_states() -> dict[str, Any]:
+    """The global RNG states (torch's CPU and CUDA generators, NumPy's, Python's)."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+    }
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.random.set_rng_state(states["cpu"])
+    if states["cuda"] is not None:
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def _nothing_to_train(trainer: Any) -> bool:

@@ -7,8 +7,10 @@ trainer}``, and calls ``load(step)`` once, ``save(step, last_step)`` after every
 ``maybe_wait_for_staging()`` before every optimizer step and ``close()``. This one hands all
 of it to a ``CheckpointManager``: the model, the container's one optimizer (CPU offload may
 be on), ``lr_scheduler`` as ``extra`` (the same on every rank) and ``train_state`` (its
-token count is each rank's own) and the dataloader as each rank's ``rank_extra``, at ``<dump_folder>/<folder>`` (or ``url``: any fsspec URL), saved every
-``interval`` steps and at the last, keeping ``keep_latest_k``. While the url has no committed
+token count is each rank's own) and the dataloader as each rank's ``rank_extra``, at
+``<dump_folder>/<folder>`` (or ``url``: any fsspec URL), saved every ``interval`` steps and at
+the last, keeping ``keep_latest_k``; on another number of ranks the run resumes its step
+elastically (``_titan_state``). While the url has no committed
 step, ``initial_load_path`` (a torchtitan checkpoint folder or step) is imported instead, the
 way torchtitan's own manager starts from it (``initial_load_model_only``). ``muon-ckpt export
 URL --torchtitan DIR`` writes a step back in torchtitan's layout.
@@ -22,8 +24,9 @@ from typing import Any, Literal
 import torch
 
 from muon_ckpt._config import ManagerConfig
+from muon_ckpt.integrations import _titan_state
+from muon_ckpt.integrations._titan_state import load_titan, titan_manager
 from muon_ckpt.interop import import_torchtitan
-from muon_ckpt.manager import CheckpointManager
 from optim import Muon
 
 try:
@@ -43,6 +46,16 @@ except ImportError as e:  # the framework is not a dependency of muon-ckpt
     ) from e
 
 __all__ = ["MuonCheckpointManager", "MuonOptimizersContainer"]
+
+if (DATALOADER, LR_SCHEDULER, TRAIN_STATE) != (
+    _titan_state.DATALOADER,
+    _titan_state.LR_SCHEDULER,
+    _titan_state.TRAIN_STATE,
+):
+    raise ImportError(
+        f"muon_ckpt.integrations.torchtitan needs torchtitan 0.3's state names; this "
+        f"torchtitan names them {(DATALOADER, LR_SCHEDULER, TRAIN_STATE)}"
+    )
 
 _TAKEN = {"url", "model", "optimizer", "extra", "rank_extra", "interval", "keep_last"}
 _EXCLUDABLE = (DATALOADER,)  # what exclude_from_loading may name
@@ -137,13 +150,13 @@ class MuonCheckpointManager(BaseCheckpointManager):
         if DATALOADER in config.exclude_from_loading:
             dataloader = None
         self.dataloader = dataloader
-        own = {k: v for k, v in states.items() if k != LR_SCHEDULER}
-        self.manager = CheckpointManager(
+        self.manager = titan_manager(
             self.url,
             model=self.model,
             optimizer=self.optimizer,
-            extra={LR_SCHEDULER: lr_schedulers},
-            rank_extra={**own, **({} if dataloader is None else {DATALOADER: dataloader})},
+            lr_schedulers=lr_schedulers,
+            states=states,
+            dataloader=dataloader,
             keep_last=config.keep_latest_k or None,
             async_save=config.async_save,
             **config.options,
@@ -158,7 +171,7 @@ class MuonCheckpointManager(BaseCheckpointManager):
         c = self.config
         if step == -1 and c.load_step != -1:
             step = c.load_step
-        got = self.manager.load(None if step == -1 else step)
+        got = load_titan(self.manager, None if step == -1 else step, self.states)
         if got is not None:
             self.loaded_step = got
             return True

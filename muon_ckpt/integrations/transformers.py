@@ -8,31 +8,31 @@ optimizer (offloaded states read where they are), the lr scheduler, the grad sca
 ``TrainerState`` (``extra``), and each rank's RNG states (``rank_extra``), as one step
 ``global_step`` of the url. ``train()`` resumes the url's newest step the way the Trainer
 resumes its own checkpoints, so that everything the Trainer does on a resume stays its own:
-the ``TrainerState`` (global step, log history, callbacks' state) is read first and handed to
-the Trainer as a ``trainer_state.json`` in a temporary directory, from which the Trainer
-computes the epoch and the batches it skips; the rest is loaded where the Trainer loads its
-optimizer (after ``accelerator.prepare``), and the RNG states are set where it sets its own
-(after the skipped batches). Needs transformers 5.
+the ``TrainerState`` (global step, log history, callbacks' state) of the newest committed step
+is handed to the Trainer as a ``trainer_state.json`` in a temporary directory, from which it
+computes the epoch and the batches it skips; the step is loaded where the Trainer loads its
+optimizer (after ``accelerator.prepare``), and that load decides: where it ends on another
+step (the newest did not load, the memory tier holds a newer one), the Trainer's loop starts
+again from that step's TrainerState. The RNG states are set where the Trainer sets its own
+(after the skipped batches). At another world size each rank's RNG states start fresh
+(``load(elastic=True)``, WARNING). Needs transformers 5.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
-import json
+import inspect
+import logging
 import os
 import posixpath
-import random
 import shutil
 import tempfile
 from typing import Any
 
-import numpy as np
-import torch
-
 from muon_ckpt._config import ManagerConfig
 from muon_ckpt._errors import CheckpointError, CheckpointNotFoundError
+from muon_ckpt.integrations._hf_state import RngStates, TrainerStateText
 from muon_ckpt.manager import CheckpointManager
 from muon_ckpt.store import parse_step_dirname
 from offload import OffloadingOptimizer
@@ -48,8 +48,11 @@ except ImportError as e:  # the framework is not a dependency of muon-ckpt
 
 __all__ = ["MuonCkptMixin", "MuonCkptTrainer"]
 
+_log = logging.getLogger("muon_ckpt")
+
 # The Trainer methods the mixin overrides: private, so checked against the installed version.
 _HOOKS = (
+    "_inner_training_loop",
     "_save_checkpoint",
     "_prepare_for_training",
     "_load_from_checkpoint",
@@ -70,75 +73,26 @@ _TAKEN = {"url", "model", "optimizer", "extra", "rank_extra", "interval", "new_r
 _STATE_FILE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
 
 
-class _TrainerStateText:
-    """The ``TrainerState`` as the JSON ``trainer_state.json`` holds (rank 0's: its
-    process-zero flags are set again by the Trainer on a resume), the same on every rank."""
-
-    def __init__(self, trainer: Any = None) -> None:
-        self._trainer = trainer
-        self.loaded: str | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        if self._trainer is None:  # a load's template
-            return {"json": ""}
-        state = dataclasses.asdict(self._trainer.state)
-        state["is_local_process_zero"] = state["is_world_process_zero"] = True
-        return {"json": json.dumps(state, indent=2, sort_keys=True) + "\n"}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loaded = state["json"]
-
-
-class _RngStates:
-    """This rank's RNG states, those the Trainer's ``rng_state.pth`` holds (Python, NumPy, the
-    CPU's and CUDA's), as one ``torch.save`` blob read back with ``weights_only=True`` (NumPy's
-    key array as a tensor). A load keeps them (``loaded``) until the Trainer's moment to set
-    them."""
-
-    def __init__(self) -> None:
-        self.loaded: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        states: dict[str, Any] = {
-            "python": random.getstate(),
-            "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
-            "cpu": torch.random.get_rng_state(),
-        }
-        if torch.cuda.is_available():
-            states["cuda"] = torch.cuda.random.get_rng_state_all()
-        buf = io.BytesIO()
-        torch.save(states, buf)
-        return {"state": buf.getvalue()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loaded = torch.load(io.BytesIO(state["state"]), map_location="cpu", weights_only=True)
-
-    def apply(self) -> None:
-        s = self.loaded
-        if s is None:
-            return
-        random.setstate(s["python"])
-        name, keys, pos, has_gauss, cached = s["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-        torch.random.set_rng_state(s["cpu"])
-        if "cuda" in s and torch.cuda.is_available():
-            saved = s["cuda"]
-            if len(saved) == torch.cuda.device_count():
-                torch.cuda.random.set_rng_state_all(saved)
-            else:  # another number of visible devices: this process's own device only
-                torch.cuda.random.set_rng_state(saved[torch.cuda.current_device() % len(saved)])
-
-
 @dataclasses.dataclass
 class _Resume:
-    """A resume in progress: the step chosen, the temporary directory that holds its
-    ``trainer_state.json`` for the Trainer, and the RNG states once loaded."""
+    """A ``train()`` that resumes the url: the step asked for, the step whose
+    ``trainer_state.json`` the Trainer was handed (in ``tmpdir``), and the RNG states once
+    loaded. The load after ``accelerator.prepare`` decides; when it loads another step than
+    ``handed`` (the newest did not load, or the memory tier holds a newer one), the training
+    loop starts again from that step's TrainerState (``_Restart``)."""
 
-    step: int
-    asked: bool  # that step was named (else: the newest that loads)
-    tmpdir: str
-    rng: _RngStates
+    step: int | None  # asked for (None: the newest that loads)
+    handed: int | None  # None: the Trainer starts fresh
+    tmpdir: str | None
+    rng: RngStates
+
+
+class _Restart(Exception):
+    """The load ended on ``step`` (None: nothing to resume), not the one handed."""
+
+    def __init__(self, step: int | None) -> None:
+        super().__init__(step)
+        self.step = step
 
 
 def _inner(optimizer: Any) -> Any:
@@ -202,6 +156,7 @@ class MuonCkptMixin:
         self._muon_options = options
         self._muon_offload = cpu_offload
         self._muon_manager: CheckpointManager | None = None
+        self._muon_text = TrainerStateText()  # the manager's TrainerState (its load's JSON)
         self._muon_resume: _Resume | None = None
         self._muon_saved: int | None = None
         self._muon_parks = cpu_offload  # offload to turn on once prepared (this train())
@@ -227,8 +182,10 @@ class MuonCkptMixin:
         return out
 
     def _choose_resume(self, asked: str | bool | None) -> _Resume | None:
-        """Read the ``TrainerState`` of the step to resume (the newest committed one, or the
-        one asked for), into a temporary ``trainer_state.json``; None: nothing to resume."""
+        """The resume of this train(): the ``TrainerState`` of the url's newest committed step
+        (or the one asked for) read into a temporary ``trainer_state.json`` for the Trainer,
+        which the load after ``accelerator.prepare`` confirms or corrects (``_Restart``);
+        None: a checkpoint of the Trainer's own."""
         step = None
         if isinstance(asked, str) and posixpath.dirname(_url_of(asked)) == self.checkpoint_url:
             step = parse_step_dirname(posixpath.basename(_url_of(asked)))
@@ -245,23 +202,35 @@ class MuonCkptMixin:
             )
         elif isinstance(asked, str):
             return None  # the Trainer's own checkpoint directory
-        text = _TrainerStateText()
-        # Sizes only: this reads just the TrainerState; the load that follows reads and
-        # verifies the whole step (and is checked to be this one).
+        text = TrainerStateText()
+        # Sizes only, and only the TrainerState: the load after prepare reads and verifies
+        # the whole step, and the memory tier's (which this one, without a model, skips).
         options = {**self._muon_options, "verify": "size"}
-        with CheckpointManager(self.checkpoint_url, extra={_STATE: text}, **options) as mgr:
-            got = mgr.load(step, parts=("extra",))
-        if got is None:
-            if asked is True:
-                raise CheckpointNotFoundError(
-                    f"resume_from_checkpoint=True, but {self.checkpoint_url} has no committed "
-                    "step (nor resume_from); leave it out to start fresh"
-                )
-            return None
-        tmpdir = tempfile.mkdtemp(prefix="muon-ckpt-hf-")
-        with open(os.path.join(tmpdir, _STATE_FILE), "w", encoding="utf-8") as f:
-            f.write(text.loaded or "")
-        return _Resume(got, step is not None, tmpdir, _RngStates())
+        try:
+            with CheckpointManager(self.checkpoint_url, extra={_STATE: text}, **options) as mgr:
+                got = mgr.load(step, parts=("extra",))
+        except CheckpointNotFoundError:
+            if step is None or self._muon_options.get("memory") is None:
+                raise
+            got = None  # perhaps the tier's: the load after prepare finds it, or raises
+        if got is None and asked is True:
+            raise CheckpointNotFoundError(
+                f"resume_from_checkpoint=True, but {self.checkpoint_url} has no committed "
+                "step (nor resume_from); leave it out to start fresh"
+            )
+        resume = _Resume(step, None, None, RngStates())
+        if got is not None:
+            self._hand(resume, got, text.loaded)
+        return resume
+
+    @staticmethod
+    def _hand(resume: _Resume, step: int, state: str | None) -> None:
+        """Give the Trainer ``step``'s TrainerState (its ``trainer_state.json``)."""
+        if resume.tmpdir is None:
+            resume.tmpdir = tempfile.mkdtemp(prefix="muon-ckpt-hf-")
+        with open(os.path.join(resume.tmpdir, _STATE_FILE), "w", encoding="utf-8") as f:
+            f.write(state or "")
+        resume.handed = step
 
     def _refuse_two_sources(self) -> None:
         with CheckpointManager(self.checkpoint_url, **self._muon_options) as mgr:
@@ -277,13 +246,16 @@ class MuonCkptMixin:
     def _finish(self) -> None:
         """The end of a train(): the pending save committed, the manager closed."""
         resume, self._muon_resume = self._muon_resume, None
-        mgr, self._muon_manager = self._muon_manager, None
         try:
-            if mgr is not None:
-                mgr.close()
+            self._close_manager()
         finally:
-            if resume is not None:
+            if resume is not None and resume.tmpdir is not None:
                 shutil.rmtree(resume.tmpdir, ignore_errors=True)
+
+    def _close_manager(self) -> None:
+        mgr, self._muon_manager = self._muon_manager, None
+        if mgr is not None:
+            mgr.close()
 
     # ------------------------------------------------------------------ the manager
     def _manager(self) -> CheckpointManager:
@@ -291,11 +263,12 @@ class MuonCkptMixin:
         Trainer has made its scheduler (both change between train() calls)."""
         if self._muon_manager is None:
             t: Any = self
-            extra: dict[str, Any] = {_STATE: _TrainerStateText(t), _SCHED: t.lr_scheduler}
+            self._muon_text = TrainerStateText(t)
+            extra: dict[str, Any] = {_STATE: self._muon_text, _SCHED: t.lr_scheduler}
             scaler = getattr(t.accelerator, "scaler", None)
             if scaler is not None:
                 extra[_SCALER] = scaler
-            rng = self._muon_resume.rng if self._muon_resume is not None else _RngStates()
+            rng = self._muon_resume.rng if self._muon_resume is not None else RngStates()
             self._muon_manager = CheckpointManager(
                 self.checkpoint_url,
                 model=t.model,
@@ -305,6 +278,53 @@ class MuonCkptMixin:
                 **self._muon_options,
             )
         return self._muon_manager
+
+    def _load(self) -> None:
+        """The resume's load, once accelerate has prepared the model and optimizer: the step
+        it ends on is the one the Trainer resumes (elastic: at another world size each rank's
+        RNG states start fresh, WARNING, as the Trainer's own resume without its RNG file)."""
+        resume = self._muon_resume
+        if resume is None:
+            return
+        resume.rng.loaded = None
+        got = self._manager().load(resume.step, elastic=True)
+        if got != resume.handed:
+            raise _Restart(got)
+        if got is None:
+            return
+        if resume.rng.loaded is None:
+            _log.warning(
+                "%s: step %d was saved on another number of ranks: each rank's RNG states "
+                "start fresh (dropout and sampling differ from the run that saved it)",
+                self.checkpoint_url,
+                got,
+            )
+        self.resumed_step = self._muon_saved = got
+
+    def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
+        loop = super()._inner_training_loop  # type: ignore[misc]
+        call = inspect.signature(loop).bind(*args, **kwargs)
+        while True:
+            try:
+                return loop(*call.args, **call.kwargs)
+            except _Restart as e:  # the load decided: the Trainer starts from that step
+                call.arguments["resume_from_checkpoint"] = self._restart(e.step)
+
+    def _restart(self, step: int | None) -> str | None:
+        """Hand the Trainer the TrainerState of ``step``, which the load ended on, and ask
+        for exactly that step when the Trainer's loop loads again; the tmpdir (None: fresh)."""
+        resume = self._muon_resume
+        state = self._muon_text.loaded
+        self._close_manager()  # (the Trainer makes its scheduler again)
+        if resume is None:
+            raise AssertionError("a restart without a resume")
+        if step is None:
+            resume.step = resume.handed = None
+            return None
+        _log.info("%s: resuming step %d, the step that loaded", self.checkpoint_url, step)
+        resume.step = step
+        self._hand(resume, step, state)
+        return resume.tmpdir
 
     # ------------------------------------------------------------------ the Trainer's hooks
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -336,6 +356,7 @@ class MuonCkptMixin:
         self._muon_parks = parked or self._muon_offload
         out = super()._prepare_for_training(*args, **kwargs)  # type: ignore[misc]
         self._park()
+        self._load()
         return out
 
     def _park(self) -> None:
@@ -359,23 +380,9 @@ class MuonCkptMixin:
         # (ours: the weights are loaded with the optimizer, all or nothing)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        resume = self._muon_resume
-        if not self._resuming(checkpoint) or resume is None:
+        if not self._resuming(checkpoint):
             super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
-            return
-        self._park()
-        mgr = self._manager()
-        got = mgr.load(resume.step if resume.asked else None)
-        if got != resume.step:
-            raise CheckpointError(
-                f"{self.checkpoint_url}: the Trainer resumed from step {resume.step}'s "
-                f"TrainerState, but step {got} loaded (see the WARNING above: step "
-                f"{resume.step} did not load); resume that step explicitly: "
-                f"trainer.train(resume_from_checkpoint='{self.checkpoint_url}/"
-                f"step-{got:08d}')"
-            )
-        self.resumed_step = got
-        self._muon_saved = got
+        # (ours: loaded at the end of _prepare_for_training, all or nothing)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if not self._resuming(checkpoint):
@@ -389,7 +396,7 @@ class MuonCkptMixin:
 
     def _resuming(self, checkpoint: str | None) -> bool:
         r = self._muon_resume
-        return r is not None and checkpoint == r.tmpdir
+        return r is not None and r.tmpdir is not None and checkpoint == r.tmpdir
 
 
 class MuonCkptTrainer(MuonCkptMixin, transformers.Trainer):

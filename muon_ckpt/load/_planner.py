@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
+
+from muon_ckpt.state import load_value
 
 __all__ = ["SafeLoadPlanner", "load_value"]
 
@@ -42,9 +43,3 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def load_value(value: io.BytesIO) -> Any:
-    """A stored non-tensor value, as every load reads it (``_declared.load_object`` bounds
-    its bytes first)."""
-    return torch.load(value, weights_only=True)

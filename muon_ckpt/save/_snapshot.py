@@ -80,10 +80,11 @@ def take(src: SaveSources, step: int, background: bool) -> Snapshot:
     digests: dict[str, str] = {}
     need = 0
     try:
-        digests = extra_digests(src.extra)
         flat = FlatState.build(
             src.model, src.optimizer, src.extra, rank_extra=src.rank_extra, rank=coll.rank()
         )
+        flat.check_loadable(step)  # a step that commits is one a load can read back
+        digests = extra_digests(src.extra)
         views = offloaded_views(src.optimizer)
         keep = flat.host_state_keys(views)
         need = _async_need(src, flat, keep) if background else 0

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from muon_ckpt._errors import CheckpointMismatchError
 from muon_ckpt.state._flat import GROUPS, FlatState
 from muon_ckpt.state._names import legacy_aliases
+from muon_ckpt.state._values import display_key
 
 __all__ = ["LoadReport", "fit"]
 
@@ -121,11 +122,11 @@ def _fit_statefuls(
             if why is None:
                 continue
             if strict:
-                raise CheckpointMismatchError(f"{url}: {_display(key)}: key {why}")
+                raise CheckpointMismatchError(f"{url}: {display_key(key)}: key {why}")
             report.mismatched.append((key, why))
         elif strict:
             raise CheckpointMismatchError(
-                f"{url}: {_display(key)} has key(s) {missing[:8]} that the checkpoint does not: "
+                f"{url}: {display_key(key)} has key(s) {missing[:8]} that the checkpoint does not: "
                 "its state_dict() differs from the one saved; the checkpoint has "
                 f"{sorted(k for k in have if k.startswith(f'{key}.'))[:8]}; load(strict=False) "
                 "leaves it as it is"
@@ -194,15 +195,6 @@ def _unexpected(
             "what matches and reports the rest"
         )
     return unexpected
-
-
-def _display(key: str) -> str:
-    """``extra.sched`` -> ``extra['sched']``; ``rank_extra.1.data`` -> ``rank_extra['data']``."""
-    head, rest = key.split(".", 1)
-    if head == "rank_extra":
-        rank, name = rest.split(".", 1)
-        return f"rank_extra[{name!r}] of rank {rank}"
-    return f"{head}[{rest!r}]"
 
 
 def _mismatch(value: Any, md: Any) -> str | None:

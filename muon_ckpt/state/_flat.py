@@ -24,6 +24,7 @@ from torch import Tensor
 from muon_ckpt._tensors import host_copy
 from muon_ckpt.state._extra import _ExtraState, extra_state_owner
 from muon_ckpt.state._names import canonical_names, param_fqns
+from muon_ckpt.state._values import check_loadable, loadable
 from muon_ckpt.store.keys import (
     extra_key,
     model_key,
@@ -100,7 +101,7 @@ class FlatState:
             clean = canonical_names(model, list(msd))
             params = {n for n, _ in model.named_parameters()}
             for k, v in msd.items():
-                fs.sd[model_key(clean[k])] = v
+                fs.sd[model_key(clean[k])] = v if isinstance(v, Tensor) else loadable(v)
                 if k in params:
                     fs.param_keys.add(model_key(clean[k]))
                 owner = extra_state_owner(model, k)
@@ -114,7 +115,7 @@ class FlatState:
                     fs.group_of[fqn] = gi
                     for sk, v in optimizer.state.get(p, {}).items():
                         key = optim_state_key(fqn, sk)
-                        fs.sd[key] = v
+                        fs.sd[key] = v if isinstance(v, Tensor) else loadable(v)
                         fs.state_slots[key] = (p, sk)
                 if not names:
                     continue
@@ -123,16 +124,21 @@ class FlatState:
                 fs.sd[optim_group_key(names[0], "params")] = list(names)
                 for hk, hv in group.items():
                     if hk not in GROUP_SKIP:
-                        fs.sd[optim_group_key(names[0], hk)] = hv
+                        fs.sd[optim_group_key(names[0], hk)] = loadable(hv)
         objs = []
         if "extra" in parts:
             objs += [(extra_key(n), o) for n, o in extra.items()]
         if "rank_extra" in parts:
             objs += [(rank_extra_key(rank, n), o) for n, o in (rank_extra or {}).items()]
         for key, obj in objs:
-            fs.sd[key] = obj.state_dict()
+            fs.sd[key] = loadable(obj.state_dict())
             fs.stateful[key] = obj
         return fs
+
+    def check_loadable(self, step: int) -> None:
+        """A save's check that a load can read back every Python value (a CheckpointError
+        naming the first that it could not)."""
+        check_loadable({k: v for k, v in self.sd.items() if not isinstance(v, Tensor)}, step)
 
     def deferrable_keys(self) -> set[str]:
         """The keys that only an optimizer step changes: parameters and optimizer states (not
