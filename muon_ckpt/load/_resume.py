@@ -1,9 +1,11 @@
 """A load, the life of it: decide -> attempt (read, agree) -> apply, falling back past damage.
 
 Rank 0 decides (``_decide``) and every rank gets the decision; every rank attempts it
-(``_attempt``). Without a step asked for, an attempt that failed only because the step's data
-is damaged (on any rank) is undone and the next older step is tried, with a WARNING naming the
-one skipped; any other failure is raised on every rank, the state as it was.
+(``_attempt``). An attempt that failed only because the step's data read as damaged (on any
+rank) is undone and tried once more (a read fault of the storage or the network is no proof
+of damage); if it fails again, without a step asked for, the next older step is tried, with a
+WARNING naming the one passed over; any other failure is raised on every rank, the state as
+it was.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def resume(
     """Load ``step`` (None: the newest that loads cleanly) into ``t``; None on a fresh run.
     ``tier``: the memory tier's commits, which retire steps of the url as its own do."""
     skipped: list[Skip] = []
+    retried: set[tuple[bool, int]] = set()  # the steps read once more after a damaged read
     while True:
         t0 = time.perf_counter()
         how = functools.partial(decide, catalog, resume_from, step, skipped, tier)
@@ -70,16 +73,25 @@ def resume(
         out = attempt(t, source.storage, d, where, strict, chosen)
         if not out.failures:
             break
-        again = step is None and out.corrupt  # the next older step is tried
+        why = out.failures[min(out.failures)].message
+        retry = out.corrupt and (d.from_resume, d.step) not in retried
+        again = retry or (step is None and out.corrupt)  # this step once more, or the next
         undo(t, out.rollback, again=again)
         if not again:
             raise _raised(t, out, d, where, chosen)
-        why = out.failures[min(out.failures)].message
+        if retry:
+            if coll.rank() == 0:
+                _log.warning(
+                    "step %d (%s) read as damaged: %s; reading it once more", d.step, where, why
+                )
+            retried.add((d.from_resume, d.step))
+            skipped = list(d.skipped)
+            continue
         if coll.rank() == 0:
             _log.warning(
                 "skipping step %d (%s): %s; trying the next older step", d.step, where, why
             )
-        skipped = [*d.skipped, Skip(d.from_resume, d.step, why)]
+        skipped = [*d.skipped, Skip(d.from_resume, d.step, why, d.gen)]
     return loaded(t, out, d, where, "storage", t0, decided)
 
 
