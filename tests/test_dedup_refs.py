@@ -195,3 +195,37 @@ def test_each_referred_file_is_read_back_once_while_it_is_unchanged(tmp_path, mo
             dirs = {d[:8] for d in reads if d[:8].isdigit()}  # (not .metadata's step directory)
             others = sorted(dirs - {f"{step:08d}"})
             assert others == (["00000001"] if step == 2 else []), (step, reads)
+
+
+def _body_two_ranks(rank: int, world: int, url: str) -> None:
+    """Two ranks, each writing part of a replicated model (DCP gives each tensor one writer):
+    steps 1 and 2, both files of step 1 damaged after the commit, then step 3."""
+    import torch.distributed as dist
+
+    m = _Frozen()
+    with CheckpointManager(url, model=m) as mgr:
+        for step in (1, 2):
+            _at(m, step)
+            mgr.save(step)
+        if rank == 0:
+            st = Storage(url)
+            for name in {n for n in Catalog(st).manifest(2).files if n.startswith("../data/")}:
+                if data_ref(name)[0].startswith("00000001-"):
+                    damage(st, name, "flip", st.size(DATA, *data_ref(name)) // 2)
+        dist.barrier()
+        _at(m, 3)
+        mgr.save(3)
+
+
+def test_each_rank_writes_again_what_it_would_refer_to_in_a_damaged_file(tmp_path):
+    from tests._dist import run_on_ranks
+
+    url = str(tmp_path / "run")
+    run_on_ranks(_body_two_ranks, 2, url)
+    st = Storage(url)
+    assert verify(resolve(st, 3)).ok
+    fresh = _Frozen()
+    with torch.no_grad():
+        fresh.emb.weight.zero_()
+    assert CheckpointManager(url, model=fresh).load() == 3
+    _same(fresh, _at(_Frozen(), 3))

@@ -17,7 +17,7 @@ Tensors under ``MIN_REF_BYTES`` and non-tensor values are always written: a refe
 save less than the manifest's record of it.
 
 What it refers to must still be there as it was written: before a save writes, the files
-it would refer to are checked (``store.check_refs``: sizes, and with ``confirm="checksum"``
+it would refer to are checked (``store.check_stored``: sizes, and with ``confirm="checksum"``
 their checksums, each file read back once per process while the storage reports no change
 to it), and the tensors of a file that is missing or damaged are written again, from the
 saved state, with a WARNING. Nor does a save refer to data written ``dedup_max_age`` or more

@@ -43,7 +43,7 @@ from muon_ckpt._threads import run_all
 from muon_ckpt.save._dedup import MIN_REF_BYTES, DedupBase, DedupRecords, Stored, tensor_digest
 from muon_ckpt.save._writeback import start_writeback
 from muon_ckpt.save._zip_crc import torch_save_without_zip_crc
-from muon_ckpt.store import DATA, FileEntry, Storage, check_refs, data_ref_name
+from muon_ckpt.store import DATA, FileEntry, Storage, check_stored, data_ref_name
 from muon_ckpt.store.checksums import Checksum
 from muon_ckpt.store.codec import DESCRIPTOR, MIN_COMPRESS_BYTES, Encoder, stride_of
 from muon_ckpt.store.dcp import DelegatingFileSystem, dcp_filesystem
@@ -220,7 +220,7 @@ class ChecksumWriter(FileSystemWriter):
     ``.metadata`` stays in the step directory and names them ``../data/<dir>/<file>``);
     then a tensor that ``base`` holds unchanged is referred to, not written (``_dedup``),
     where its file was written fewer than ``max_age`` saves before this one (generation
-    ``gen``) and checks out (``store.check_refs``, as ``confirm`` says), and ``dedup``
+    ``gen``) and checks out (``store.check_stored``, as ``confirm`` says), and ``dedup``
     records what the next save's base needs. ``compress``: tensors of at least
     ``MIN_COMPRESS_BYTES`` are stored compressed (``store._codec``, format 4), by the writer
     threads. Without either: DCP's own writer, every file in the step directory (format 2)."""
@@ -297,7 +297,7 @@ class ChecksumWriter(FileSystemWriter):
                 (it.index for it in plan.items),
                 self.gen,
                 self.max_age,
-                lambda files: check_refs(st, where, files, self.confirm, threads),
+                lambda files: check_stored(st, where, files, self.confirm, threads),
                 st.url_of(where),
             )
         prefix = plan.storage_data.prefix  # __<rank>_

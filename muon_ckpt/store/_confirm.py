@@ -15,15 +15,15 @@ it wrote, ``mode``:
 A mismatch is a CheckpointCorruptError: the step is not committed, so retention never counts
 it and never deletes a good step because of it.
 
-The files of earlier saves that a save refers to for its unchanged tensors (format 3) were
-confirmed when they were written, but bytes change after their commit (bit rot, a tool
-rewriting an object, a lifecycle rule deleting it). ``check_refs`` tells a save, before it
-writes, which of them the storage no longer holds as recorded, so that it writes those
-tensors again instead (``save._dedup``): sizes always (one listing per data directory), and
-with ``"checksum"`` the checksums, reading a file back the first time this process refers to
-it and again whenever the storage reports a change to it (another size, modification time or
-ETag; a file changed less than ``SETTLED_SECONDS`` before the listing, within the coarse tick
-of a file system's clock, is read back at every save).
+Bytes also change after their commit (bit rot, a tool rewriting an object, a lifecycle rule
+deleting it). ``check_stored`` tells which of a committed step's files the storage no longer
+holds as recorded: sizes always (one listing per directory), and with ``"checksum"`` the
+checksums, reading a file back unless this process read it back already since the storage
+last reported a change to it (another size, modification time or ETag; a file changed less
+than ``SETTLED_SECONDS`` before the listing, within the coarse tick of a file system's clock,
+is read back every time). A save asks it of the files of earlier saves it would refer to for
+its unchanged tensors, and writes those tensors again where one fails (``save._dedup``); a
+load asks it of the files of a step that read as damaged before it passes over the step.
 
 Seam: a store that checks a checksum sent with the upload (S3 and GCS accept CRC32C;
 ``x-amz-checksum-crc32c``) could confirm on the way: manifests record CRC32C per chunk, and a
@@ -45,7 +45,7 @@ from muon_ckpt.store._data import listing
 from muon_ckpt.store._layout import DATA, FileEntry, data_ref
 from muon_ckpt.store._storage import Storage, is_storage_failure
 
-__all__ = ["CONFIRM_MODES", "check_refs", "confirm_files"]
+__all__ = ["CONFIRM_MODES", "check_stored", "confirm_files"]
 
 CONFIRM_MODES = ("checksum", "crc32", "size", "off")
 SETTLED_SECONDS = 2.0  # a file changed this recently may change again unseen by its times
@@ -95,12 +95,12 @@ def confirm_files(
     run_all(threads, one, sorted(files), name="-confirm")
 
 
-def check_refs(
+def check_stored(
     storage: Storage, dirname: str, files: dict[str, FileEntry], mode: str, threads: int = 4
 ) -> dict[str, str]:
-    """Which of ``files`` (data files of earlier saves, by name from the step directory
-    ``dirname``, with their manifest entries) the storage does not hold as recorded: name ->
-    what it holds instead. See the module for what is checked, and when read back."""
+    """Which of ``files`` (committed files, by name from the step directory ``dirname``,
+    with their manifest entries) the storage does not hold as recorded: name -> what it holds
+    instead. See the module for what is checked, and when a file is read back."""
     if not files:
         return {}
     now = time.time()
@@ -108,7 +108,9 @@ def check_refs(
     bad: dict[str, str] = {}
 
     def one(name: str) -> None:
-        want, info, key = files[name], listed.get(name), storage.url_of(DATA, *data_ref(name))
+        want, info = files[name], listed.get(name)
+        ref = data_ref(name)  # (one key per file, whichever step names it)
+        key = storage.url_of(DATA, *ref) if ref is not None else storage.url_of(dirname, name)
         got = None if info is None else int(info.get("size") or 0)
         if got != want.size:
             bad[name] = "nothing" if got is None else f"{got} bytes, not {want.size}"
