@@ -96,6 +96,9 @@ OPTIONS: dict[str, str] = {
     "dedup": "a save writes only the tensors whose bytes differ (SHA-256) from the step the "
     "run continues from and refers to the others; data files live in `<url>/data/`, shared "
     "by the steps (False: every step writes all of its state into its own directory)",
+    "dedup_max_age": "a save refers only to data written by one of its last N saves; an "
+    "unchanged tensor stored longer ago is written again (about 1/N of the unchanged state per "
+    "save), so a damaged file reaches at most N steps; 1: every save writes every tensor",
     "compression": '`"zstd"`: tensors of 64 KiB and more are stored losslessly compressed '
     "(about 1.2x fp32, 1.45x bf16), by the writer threads; needs `muon-ckpt[zstd]`. Off by "
     "default: plain DCP readers (`dcp_to_torch_save`) cannot open a compressed step, and on a "
@@ -261,6 +264,12 @@ _RULES = (
     Rule("new_run", _flag(), "True or False"),
     Rule("dedup", _flag(), "True or False", "False: every save writes every tensor"),
     Rule(
+        "dedup_max_age",
+        _ints(1),
+        "an int >= 1 (saves)",
+        "1 writes every tensor at every save; the default 10 writes unchanged ones every 10th",
+    ),
+    Rule(
         "compression",
         lambda v: v is None or _one_of(COMPRESSIONS[1:])(v),
         f"one of {COMPRESSIONS}",
@@ -328,6 +337,7 @@ class ManagerConfig:
     lease_seconds: float = 600.0
     confirm: str = "checksum"
     dedup: bool = True
+    dedup_max_age: int = 10
     compression: str | None = None
     collective_timeout: float = 600.0
     resume_storage_options: dict[str, Any] | None = None

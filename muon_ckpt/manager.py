@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 
 import muon_ckpt._collective as coll
-from muon_ckpt._config import OPTIONS, ManagerConfig, MemoryOptions
+from muon_ckpt._config import OPTIONS, ManagerConfig, MemoryOptions, checks_content
 from muon_ckpt._deprecated import DeprecatedOptions, Unpack, upgrade
 from muon_ckpt._errors import CheckpointError, passes_interrupts
 from muon_ckpt._exit import finish_at_exit, let_go
@@ -62,6 +62,7 @@ class CheckpointManager:
         lease_seconds: float = 600.0,
         confirm: str = "checksum",
         dedup: bool = True,
+        dedup_max_age: int = 10,
         compression: str | None = None,
         read_once: bool | None = None,
         new_run: bool = False,
@@ -87,7 +88,7 @@ class CheckpointManager:
         self._calls = coll.Calls(
             c.url, c.collective_timeout, background_groups=c.memory is not None
         )
-        self._line = RunLine(c.new_run)
+        self._line = RunLine(c.new_run, loads_check=checks_content(c.verify))
         self._preempt: PreemptionWatch | None = None
         self._staging = HostStaging()  # host buffers allocated by the first save, then reused
         warned: set[str] = set()  # warnings given once per manager

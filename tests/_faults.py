@@ -12,7 +12,10 @@ request gets the fault) or, when ``rate`` > 0, at random from ``kinds`` with a
   headers dropped (a store that does not check what it is sent); ``"truncate_request"``: the
   body cut in half, likewise;
 * ``"corrupt_response"``: one byte of the response body flipped; ``"truncate_response"``:
-  half the body sent under the full Content-Length, then the connection closed.
+  half the body sent under the full Content-Length, then the connection closed;
+* ``"corrupt_unchecked_response"`` (never drawn at random): one byte of the response body
+  flipped and the response's checksum headers dropped, so the client cannot tell (an object
+  stored without a checksum, a path that damages what it carries).
 """
 
 from __future__ import annotations
@@ -150,8 +153,15 @@ class FaultProxy:
         finally:
             conn.close()
         full = len(data)
-        if fault == "corrupt_response" and data and h.command == "GET":
+        if (
+            fault.startswith("corrupt_")
+            and fault.endswith("response")
+            and data
+            and h.command == "GET"
+        ):
             data = _flip(data, int(salt))
+        if fault == "corrupt_unchecked_response":
+            out_headers = [(k, v) for k, v in out_headers if not _CHECKSUM_HEADERS.match(k.lower())]
         cut = fault == "truncate_response" and len(data) > 1 and h.command == "GET"
         h.send_response(status)
         for k, v in out_headers:

@@ -6,8 +6,10 @@ lost, and every failure is a CheckpointError."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,7 +20,9 @@ import torch
 from torch import nn
 
 from muon_ckpt import CheckpointError, CheckpointManager, CheckpointStorageError
-from muon_ckpt.store import Catalog, Storage
+from muon_ckpt.cli import main
+from muon_ckpt.store import Catalog, Storage, resolve, verify
+from tests._ckpt import flip_byte
 from tests._faults import FaultProxy
 from tests.conftest import s3_options
 
@@ -211,3 +215,166 @@ def test_an_overwrite_cut_short_while_moved_into_place_keeps_the_step_loadable(f
     again = _model(-1.0)
     assert _mgr(f, again, direct=True).load(step=20) == 20
     assert all(torch.all(p == 21.0) for p in again.parameters())
+
+
+# ---------------------------------------------------------------------- a fallback is no rewind
+def _fill(model: nn.Module, v: float) -> nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(v)
+    return model
+
+
+def _data_paths(st: Storage, step: int) -> list[str]:
+    """The keys (from the run's root) of the data files step ``step``'s save wrote."""
+    m = Catalog(st).manifest(step)
+    return [n.removeprefix("../") for n in m.files if n.startswith(f"../data/{m.data}/")]
+
+
+def _cli_opts(opts: dict[str, Any]) -> list[str]:
+    return [f"--storage-option={k}={json.dumps(v)}" for k, v in opts.items()]
+
+
+def test_a_read_fault_on_the_newest_step_is_read_again_not_taken_for_damage(faulty):
+    """Each of step 2's data files answers its first GET with a flipped byte: the load reads
+    it once more and resumes step 2, and the next save keeps it. (It fell back to step 1, and
+    the next save took the fallback for a rewind and deleted step 2, intact on the store.)"""
+    f, proxy = faulty, faulty["proxy"]
+    st = Storage(f["url"], f["direct"])
+    model = _model(1.0)
+    with _mgr(f, model, direct=True) as mgr:
+        mgr.save(1)
+        _fill(model, 2.0)
+        mgr.save(2)
+    keys = _data_paths(st, 2)
+    for key in keys:
+        proxy.rule("GET", re.escape(key), "corrupt_unchecked_response", times=1)
+    got = _model(-1.0)
+    mgr = _mgr(f, got)
+    assert mgr.load() == 2
+    assert all(torch.all(p == 2.0) for p in got.parameters())
+    _fill(got, 3.0)
+    mgr.save(3)
+    mgr.close()
+    assert proxy.injected == {"corrupt_unchecked_response": len(keys)}
+    assert Catalog(st).committed_steps() == [1, 2, 3]
+    assert verify(resolve(st, 2)).ok
+    _loads_whole(f, 2)
+
+
+def test_a_step_passed_over_for_read_faults_is_retired_but_kept(faulty, capsys, tmp_path):
+    """Every GET of step 2's data files answers with a flipped byte (a path that damages
+    what it carries), while the store holds them intact: the load reads them twice, passes
+    over step 2 and resumes step 1; the save after it retires step 2 from the line (a restart
+    resumes step 3) but deletes none of its files; ``ls`` says it was passed over and why,
+    and ``verify`` that it is intact (``export --step 2`` reads it)."""
+    f, proxy = faulty, faulty["proxy"]
+    st = Storage(f["url"], f["direct"])
+    model = _model(1.0)
+    with _mgr(f, model, direct=True) as mgr:
+        mgr.save(1)
+        _fill(model, 2.0)
+        mgr.save(2)
+    files = Storage(f["url"], f["direct"]).walk_files()
+    for key in _data_paths(st, 2):
+        proxy.rule("GET", re.escape(key), "corrupt_unchecked_response")
+    got = _model(-1.0)
+    mgr = _mgr(f, got)
+    assert mgr.load() == 1
+    _fill(got, 3.0)
+    mgr.save(3)
+    mgr.close()
+    proxy.clear()
+    assert Catalog(st).committed_steps() == [1, 3]
+    now = st.walk_files()
+    assert {k: v for k, v in files.items() if k != "lease.json"}.items() <= now.items()
+    (two,) = [i for i in Catalog(st).scan() if i.step == 2]
+    assert two.status == "superseded" and "crc32c" in (two.passed_over or ""), two
+    assert verify(resolve(st, 2)).ok
+    assert main(["ls", f["url"], *_cli_opts(f["direct"])]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+2\s+PASSED-OVER\s", out, re.M), out
+    assert "step 2: passed over: passed over by a load that could not read it (" in out, out
+    assert main(["verify", f["url"], *_cli_opts(f["direct"])]) == 0
+    out = capsys.readouterr().out
+    assert "step 2: OK, intact on the storage (the load met a read fault)" in out, out
+    out = str(tmp_path / "two.safetensors")  # what it holds is still there to take
+    assert main(["export", f["url"], out, "--step", "2", *_cli_opts(f["direct"])]) == 0
+    assert _mgr(f, _model(-1.0), direct=True).load() == 3  # lines never mix
+
+
+def test_a_really_damaged_step_passed_over_goes_with_retention(tmp_path, capsys):
+    """Step 2's data damaged on the storage (a flipped byte): the load passes over it and
+    resumes step 1; the save after keeps it (``verify`` fails it: damaged); retention
+    (keep_last=2) deletes it with the steps of its age, and step 1 with it, once steps 3 and
+    4 are kept; every step kept loads."""
+    url = str(tmp_path / "run")
+    st = Storage(url)
+    model = _model(1.0)
+    with CheckpointManager(url, model=model) as mgr:
+        mgr.save(1)
+        _fill(model, 2.0)
+        mgr.save(2)
+    key = _data_paths(st, 2)[0]
+    flip_byte(st.path(key), st.size(key) // 2)
+    got = _model(-1.0)
+    mgr = CheckpointManager(url, model=got, keep_last=2)
+    assert mgr.load() == 1
+    mgr.save(3)
+    assert Catalog(st).committed_steps() == [1, 3] and st.exists(key)
+    assert main(["verify", url]) == 1
+    assert "step 2: FAILED (1 problem(s)), damaged on the storage" in capsys.readouterr().out
+    mgr.save(4)
+    mgr.close()
+    assert Catalog(st).committed_steps() == [3, 4]
+    assert [i.step for i in Catalog(st).scan()] == [3, 4] and not st.exists(key)
+    for step in (3, 4):
+        fresh = _model(-1.0)
+        assert CheckpointManager(url, model=fresh).load(step=step) == step
+        assert all(torch.all(p == 1.0) for p in fresh.parameters())
+
+
+def test_retention_keeps_the_loaded_step_while_commits_are_not_read_back(faulty):
+    """With ``confirm="size"`` no commit is read back: the store accepts step 2's data damaged
+    (same size) and step 2 commits unloadable. Retention (keep_last=1) still keeps step 1,
+    the newest step known to verify (this manager loaded it, checking every byte), so a
+    restart falls back to it; before, it was deleted and no step loaded."""
+    f, proxy = faulty, faulty["proxy"]
+    with _mgr(f, _model(1.0), direct=True) as mgr:
+        mgr.save(1)
+    got = _model(-1.0)
+    mgr = _mgr(f, got, keep_last=1, confirm="size")
+    assert mgr.load() == 1
+    _fill(got, 2.0)
+    proxy.rule("PUT", r"\.distcp", "corrupt_request")
+    assert mgr.save(2)
+    proxy.clear()
+    mgr.close()
+    assert _mgr(f, _model(), direct=True).steps() == [1, 2]
+    _loads_whole(f, 1)
+    assert _mgr(f, _model(-1.0), direct=True).load() == 1
+
+
+def test_a_save_of_a_passed_over_steps_number_takes_its_place(tmp_path, caplog):
+    """The loop resumes step 1 after passing over step 2 and saves step 2 again: the new step
+    2 takes the place of the one passed over (WARNING) and loads."""
+    url = str(tmp_path / "run")
+    st = Storage(url)
+    model = _model(1.0)
+    with CheckpointManager(url, model=model) as mgr:
+        mgr.save(1)
+        _fill(model, 2.0)
+        mgr.save(2)
+    key = _data_paths(st, 2)[0]
+    flip_byte(st.path(key), st.size(key) // 2)
+    got = _model(-1.0)
+    with CheckpointManager(url, model=got) as mgr:
+        assert mgr.load() == 1
+        _fill(got, 5.0)
+        with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
+            assert mgr.save(2)
+    assert "which takes its place" in caplog.text
+    assert Catalog(st).committed_steps() == [1, 2] and not st.exists(key)
+    fresh = _model(-1.0)
+    assert CheckpointManager(url, model=fresh).load() == 2
+    assert all(torch.all(p == 5.0) for p in fresh.parameters())

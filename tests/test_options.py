@@ -32,6 +32,7 @@ BAD = {
     "read_once": [1, "yes"],
     "new_run": [1, None],
     "dedup": [1, None],
+    "dedup_max_age": [0, -1, 2.5, True, None],
     "compression": ["lz4", "", 1, True],
     "memory": [{"interval": 1}, 10],
 }

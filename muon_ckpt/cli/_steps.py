@@ -46,6 +46,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(f"{'STEP':>10}  {'STATUS':<11}  {'SIZE':>10}  {'FILES':>5}  {'WORLD':>5}  TIME")
     for s in steps:
         status = "committed" if s.committed else s.status.upper()
+        status = "PASSED-OVER" if s.passed_over is not None else status
         world = "-" if s.world_size is None else str(s.world_size)
         print(
             f"{s.step:>10}  {status:<11}  {human(s.size):>10}  {s.files:>5}  {world:>5}  "
@@ -53,11 +54,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
     done = [s.step for s in steps if s.committed]
     corrupt = [s for s in steps if s.status == "corrupt"]
+    passed = [s for s in steps if s.passed_over is not None]
     tail = f"; newest committed: {done[-1]}" if done else ""
     bad = f"{len(corrupt)} CORRUPT, " if corrupt else ""
-    print(f"{len(done)} committed, {bad}{len(steps) - len(done) - len(corrupt)} uncommitted{tail}")
+    bad += f"{len(passed)} passed over, " if passed else ""
+    rest = len(steps) - len(done) - len(corrupt) - len(passed)
+    print(f"{len(done)} committed, {bad}{rest} uncommitted{tail}")
     for s in corrupt:
         print(f"step {s.step}: CORRUPT: {printable(s.problem)}")
+    for s in passed:
+        print(f"step {s.step}: passed over: {printable(s.problem)}")
     return 0
 
 
@@ -129,7 +135,8 @@ def _verify_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One result per step: step, status (ok, failed, newer, skipped, deleted), files, bytes,
     problems and files not in the manifest. A step deleted while it is verified (retention,
     prune, an overwrite) is ``deleted``: gone, not damaged. A step of a newer format is
-    ``newer``, a failure: this version cannot check it, and a load refuses the run."""
+    ``newer``, a failure: this version cannot check it, and a load refuses the run. A step a
+    load passed over is checked too (``passed_over``: why): is it damaged on the storage?"""
     from muon_ckpt._errors import (
         CheckpointCorruptError,
         CheckpointNotFoundError,
@@ -140,11 +147,14 @@ def _verify_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
     st = open_url(args)
     out: list[dict[str, Any]] = []
     listed = args.step is None and not st.exists(MANIFEST) and not st.exists(METADATA)
+    passed: dict[int, str] = {}
     if listed:
         todo = []
         for s in Catalog(st).scan():  # a run root: every committed step
-            if s.committed:
+            if s.committed or s.passed_over is not None:
                 todo.append(s.step)
+                if s.passed_over is not None:
+                    passed[s.step] = s.passed_over
             elif s.status == Status.CORRUPT:
                 out.append({"step": s.step, "status": "failed", "problems": [s.problem]})
             elif s.status == Status.NEWER:
@@ -171,6 +181,8 @@ def _verify_steps(args: argparse.Namespace) -> list[dict[str, Any]]:
             out.append({"step": step, "status": "deleted", "problems": []})
             continue
         out.append({"step": r.step, **verified(r, json=args.json)})
+        if step in passed:
+            out[-1]["passed_over"] = passed[step]
     return sorted(out, key=lambda x: x["step"] if x["step"] is not None else -1)
 
 

@@ -37,4 +37,8 @@ def verdict_lines(what: str, x: dict[str, Any]) -> list[str]:
     lines = [f"{what}: {p}" for p in x["problems"]]
     lines += [f"{what}: note: {u} is not in the manifest" for u in x["unexpected"]]
     verdict = "OK" if x["status"] == "ok" else f"FAILED ({len(x['problems'])} problem(s))"
+    if x.get("passed_over") is not None:  # is it damaged, or did the load meet a read fault?
+        lines.insert(0, f"{what}: passed over by a load that could not read it: {x['passed_over']}")
+        intact = "intact on the storage (the load met a read fault)"
+        verdict += f", {intact}" if x["status"] == "ok" else ", damaged on the storage"
     return [*lines, f"{what}: {verdict}: {x['files']} files, {human(x['bytes'])} checked"]

@@ -2,9 +2,10 @@
 
 Without a step asked for, the candidates are the committed steps of the url, newest first,
 then ``resume_from``'s (its one step, or its steps newest first); the first whose manifest,
-file sizes and metadata check out is chosen, and a step that fails those checks is skipped
-with a WARNING (``Skip``). With a step asked for, that step only. A step of a newer format is
-never skipped: a CheckpointVersionError says to upgrade, before anything is read.
+file sizes and metadata check out is chosen, and a step that fails those checks twice (a
+read fault is read once more) is skipped with a WARNING (``Skip``). With a step asked for,
+that step only. A step of a newer format is never skipped: a CheckpointVersionError says to
+upgrade, before anything is read.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Skip:
     from_resume: bool
     step: int
     why: str
+    gen: int | None = None  # its commit's generation, where known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Decision:
     line: str | None = None  # the line the step belongs to (its manifest's)
     optimizer: str | None = None  # the type of the optimizer that saved it (its manifest's)
     gen: int | None = None  # its commit's generation, for a step of url (None: another source)
+    data_gens: dict[str, int] = dataclasses.field(default_factory=dict)  # its manifest's
 
 
 def decide(
@@ -143,12 +146,16 @@ def _first_that_checks_out(
         if (from_resume, s) in tried:
             continue
         try:
-            where, m, md = cat.checked_at(s)
+            try:
+                where, m, md = cat.checked_at(s)
+            except CheckpointCorruptError:  # a read fault is no proof: read it once more
+                where, m, md = cat.checked_at(s)
         except CheckpointCorruptError as e:
             if step is not None:
                 raise
             _log.warning("skipping step %d of %s: %s", s, cat.storage.url, e)
-            skipped.append(Skip(from_resume, s, str(e)))
+            gen = None if from_resume else next((i.gen for i in scan if i.step == s), None)
+            skipped.append(Skip(from_resume, s, str(e), gen))
             continue
         newer = present if from_resume else [(n, g) for n, g in present if n > s]
         newer += [(t.step, t.gen or 0) for t in tier if t.committed and t.step > s]
@@ -168,6 +175,7 @@ def _first_that_checks_out(
             line=None if from_resume else m.line,
             optimizer=m.extra.get("optimizer"),
             gen=None if from_resume else m.gen,
+            data_gens={} if from_resume else m.data_gens,
         )
     raise CheckpointCorruptError(
         f"{catalog.storage.url}: no committed step loads cleanly; "

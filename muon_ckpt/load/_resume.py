@@ -1,9 +1,11 @@
 """A load, the life of it: decide -> attempt (read, agree) -> apply, falling back past damage.
 
 Rank 0 decides (``_decide``) and every rank gets the decision; every rank attempts it
-(``_attempt``). Without a step asked for, an attempt that failed only because the step's data
-is damaged (on any rank) is undone and the next older step is tried, with a WARNING naming the
-one skipped; any other failure is raised on every rank, the state as it was.
+(``_attempt``). An attempt that failed only because the step's data read as damaged (on any
+rank) is undone and tried once more (a read fault of the storage or the network is no proof
+of damage); if it fails again, without a step asked for, the next older step is tried, with a
+WARNING naming the one passed over; any other failure is raised on every rank, the state as
+it was.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from muon_ckpt._errors import CheckpointError, CheckpointMismatchError
 from muon_ckpt.load._attempt import LoadOutcome, LoadTargets, attempt, release_backup, undo
 from muon_ckpt.load._decide import Decision, Skip, decide
 from muon_ckpt.state import LoadReport, optimizer_name
-from muon_ckpt.store import Catalog, StepInfo
+from muon_ckpt.store import Catalog, StepInfo, Storage, check_stored
 
 __all__ = ["Loaded", "loaded", "resume"]
 
@@ -52,6 +54,7 @@ def resume(
     """Load ``step`` (None: the newest that loads cleanly) into ``t``; None on a fresh run.
     ``tier``: the memory tier's commits, which retire steps of the url as its own do."""
     skipped: list[Skip] = []
+    retried: set[tuple[bool, int]] = set()  # the steps read once more after a damaged read
     while True:
         t0 = time.perf_counter()
         how = functools.partial(decide, catalog, resume_from, step, skipped, tier)
@@ -70,17 +73,53 @@ def resume(
         out = attempt(t, source.storage, d, where, strict, chosen)
         if not out.failures:
             break
-        again = step is None and out.corrupt  # the next older step is tried
+        why = out.failures[min(out.failures)].message
+        recheck = out.corrupt and (d.from_resume, d.step) not in retried
+        again = recheck or (step is None and out.corrupt)  # this step once more, or the next
         undo(t, out.rollback, again=again)
+        if recheck:  # a read fault is no proof of damage: the storage's copy decides
+            retried.add((d.from_resume, d.step))
+            if not _damaged(t, source.storage, d, where):
+                skipped = list(d.skipped)
+                continue
+            if step is not None:
+                undo(t, None)  # (lets the backup's buffers go)
+                again = False
         if not again:
             raise _raised(t, out, d, where, chosen)
-        why = out.failures[min(out.failures)].message
         if coll.rank() == 0:
             _log.warning(
                 "skipping step %d (%s): %s; trying the next older step", d.step, where, why
             )
-        skipped = [*d.skipped, Skip(d.from_resume, d.step, why)]
+        skipped = [*d.skipped, Skip(d.from_resume, d.step, why, d.gen)]
     return loaded(t, out, d, where, "storage", t0, decided)
+
+
+def _damaged(t: LoadTargets, storage: Storage, d: Decision, where: str) -> bool:
+    """Whether the storage holds ``d``'s step damaged: every rank reads its share of the
+    step's files once more (a file that fails, twice: a fault of one read is no proof),
+    and the ranks agree (a collective). A WARNING says what was found."""
+    rank, world = coll.rank(), coll.world_size()
+    mine = {n: d.files[n] for n in sorted(d.files)[rank::world]}
+    threads = t.config.read_threads(storage.is_local)
+    try:
+        bad = check_stored(storage, d.dirname, mine, "checksum", threads)
+        bad = check_stored(storage, d.dirname, {n: mine[n] for n in bad}, "checksum", threads)
+    except Exception as e:  # (the storage failed: nothing is known of the files)
+        bad = {"?": f"{type(e).__name__}: {e}"}
+    found = {n: p for part in coll.all_gather(bad, t.group) for n, p in part.items()}
+    if rank == 0:
+        if found:
+            name, what = sorted(found.items())[0]
+            _log.warning("step %d (%s) is damaged: %s holds %s", d.step, where, name, what)
+        else:
+            _log.warning(
+                "step %d (%s) read as damaged, but read again every file of it is as it was "
+                "written (a read fault): loading it once more",
+                d.step,
+                where,
+            )
+    return bool(found)
 
 
 def loaded(

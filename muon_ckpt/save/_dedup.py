@@ -16,6 +16,14 @@ read-back.
 Tensors under ``MIN_REF_BYTES`` and non-tensor values are always written: a reference would
 save less than the manifest's record of it.
 
+What it refers to must still be there as it was written: before a save writes, the files
+it would refer to are checked (``store.check_stored``: sizes, and with ``confirm="checksum"``
+their checksums, each file read back once per process while the storage reports no change
+to it), and the tensors of a file that is missing or damaged are written again, from the
+saved state, with a WARNING. Nor does a save refer to data written ``dedup_max_age`` or more
+saves before it (by the generations of the commits, ``DedupBase.gens``): such a tensor is
+written again, so the damage of one file reaches at most that many steps.
+
 Order: a tensor the base holds is hashed before it is written, unless it changed at the save
 that recorded it (then it most likely changed again); that one, and a tensor the base does
 not hold (the first save, a new key, another sharding), is written while its digest, for the
@@ -28,7 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -39,6 +49,8 @@ from muon_ckpt.store import FileEntry, data_ref
 __all__ = ["MIN_REF_BYTES", "DedupBase", "DedupRecords", "Stored", "tensor_digest"]
 
 MIN_REF_BYTES = 16 << 10
+
+_log = logging.getLogger("muon_ckpt")
 
 
 def tensor_digest(t: torch.Tensor) -> str | None:
@@ -78,16 +90,26 @@ class Stored:
 @dataclasses.dataclass
 class DedupBase:
     """What the run holds, for one rank's next save: the stored items of commit ``key``
-    ((step, gen)) by DCP index, and the manifest entries of their files."""
+    ((step, gen)) by DCP index, the manifest entries of their files, and the generation of
+    the save that wrote each of their data directories (``gens``)."""
 
     key: tuple[int, int]
     items: dict[MetadataIndex, Stored]
     files: dict[str, FileEntry]
+    gens: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of_step(cls, step: int, gen: int, files: dict[str, FileEntry], metadata: Any) -> DedupBase:
+    def of_step(
+        cls,
+        step: int,
+        gen: int,
+        files: dict[str, FileEntry],
+        metadata: Any,
+        gens: dict[str, int] | None = None,
+    ) -> DedupBase:
         """The base of a committed step (a load's decision): its tensor items whose file's
-        entry records their digest (format 3; a step of format 2 has none)."""
+        entry records their digest (format 3; a step of format 2 has none); ``gens``: its
+        manifest's ``data_gens`` (a data directory it does not name is not referred to)."""
         items = {}
         for index, info in (metadata.storage_data or {}).items():
             name = info.relative_path
@@ -99,7 +121,33 @@ class DedupBase:
                 how = tuple(info.transform_descriptors or ())
                 items[index] = Stored(name, info.offset, info.length, digest, None, how)
         used = {s.name for s in items.values()}
-        return cls((step, gen), items, {n: files[n] for n in used})
+        return cls((step, gen), items, {n: files[n] for n in used}, dict(gens or {}))
+
+    def referable(
+        self,
+        wanted: Iterable[MetadataIndex],
+        gen: int,
+        max_age: int,
+        check: Callable[[dict[str, FileEntry]], dict[str, str]],
+        where: str,
+    ) -> set[str]:
+        """The files a save into ``where`` (generation ``gen``) may refer to for the items
+        ``wanted`` (its own, where unchanged): written fewer than ``max_age`` saves before it,
+        and found as recorded by ``check`` (name -> what the storage holds instead); the
+        tensors of any other file are written again (a WARNING names a damaged file)."""
+        young = {d for d, g in self.gens.items() if 0 <= gen - g < max_age}
+        held = [s for i in wanted if (s := self.items.get(i)) is not None and s.changed is not True]
+        names = {s.name for s in held if (ref := data_ref(s.name)) and ref[0] in young}
+        bad = check({n: self.files[n] for n in sorted(names)})
+        for name, what in sorted(bad.items()):
+            _log.warning(
+                "%s: unchanged tensors would refer to %s of an earlier save, where the "
+                "storage now holds %s: they are written again from the saved state",
+                where,
+                name,
+                what,
+            )
+        return names - set(bad)
 
 
 class DedupRecords:
@@ -123,8 +171,18 @@ class DedupRecords:
             self.refs[s.name] = entry
             self.referred_bytes += s.length
 
-    def base(self, key: tuple[int, int], own: dict[str, FileEntry]) -> DedupBase:
+    def base(
+        self, key: tuple[int, int], own: dict[str, FileEntry], gens: dict[str, int]
+    ) -> DedupBase:
         """The base for the next save, once this one committed as ``key``; ``own``: the
-        entries of the files it wrote (with their digests)."""
+        entries of the files it wrote (with their digests); ``gens``: the generation of each
+        data directory it lists."""
         files = {**self.refs, **{n: e for n, e in own.items() if data_ref(n) is not None}}
-        return DedupBase(key, dict(self.items), files)
+        return DedupBase(key, dict(self.items), files, dict(gens))
+
+    def gens(self, base: DedupBase | None, own: str | None, gen: int) -> dict[str, int]:
+        """The generation of each data directory this rank's step lists: ``own`` (written
+        now, at ``gen``) and those of the files it refers to (from ``base``)."""
+        dirs = {ref[0] for n in self.refs if (ref := data_ref(n)) is not None}
+        out = {d: base.gens[d] for d in dirs if base is not None and d in base.gens}
+        return out | ({own: gen} if own is not None else {})

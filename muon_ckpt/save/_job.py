@@ -38,7 +38,15 @@ from muon_ckpt.save._deferred import DeferredCopies
 from muon_ckpt.save._snapshot import Snapshot
 from muon_ckpt.save._writer import ChecksumWriter, FileRecords
 from muon_ckpt.state import HostStaging
-from muon_ckpt.store import Catalog, FileEntry, SavePlan, confirm_files, step_dirname, write_dirname
+from muon_ckpt.store import (
+    Catalog,
+    FileEntry,
+    SavePlan,
+    confirm_files,
+    data_ref,
+    step_dirname,
+    write_dirname,
+)
 
 __all__ = ["SaveJob", "WriteSpec", "spec_for", "write_and_commit"]
 
@@ -80,6 +88,8 @@ class WriteSpec:
     # directory, format 2), and what the run holds that the save refers to when unchanged
     data_dir: str | None = None
     base: DedupBase | None = None
+    max_age: int = 1  # a save refers only to data written fewer saves before it (dedup_max_age)
+    verified: tuple[int, int] | None = None  # the newest step known to verify: retention keeps it
     compress: bool = False  # tensors stored compressed (store.codec; format 4)
     timings: dict[str, float] = field(default_factory=dict)
     committed_at: float | None = None  # time.perf_counter() once the step was committed
@@ -101,9 +111,10 @@ def spec_for(
     gate: threading.Event | None,
     data_dir: str | None = None,
     base: DedupBase | None = None,
+    verified: tuple[int, int] | None = None,
 ) -> WriteSpec:
-    """The write of ``snap`` as the manager's options say (``gate``: tests only; ``data_dir``
-    and ``base``: see WriteSpec)."""
+    """The write of ``snap`` as the manager's options say (``gate``: tests only; ``data_dir``,
+    ``base`` and ``verified``: see WriteSpec)."""
     return WriteSpec(
         catalog=catalog,
         step=step,
@@ -121,6 +132,8 @@ def spec_for(
         deferred=snap.deferred,
         data_dir=data_dir,
         base=base,
+        max_age=config.dedup_max_age,
+        verified=verified,
         compress=config.compression == "zstd",
     )
 
@@ -148,6 +161,9 @@ def write_and_commit(w: WriteSpec) -> None:
         data_dir=w.data_dir,
         base=w.base,
         compress=w.compress,
+        gen=w.plan.gen,
+        max_age=w.max_age,
+        confirm=w.confirm,
     )
     try:
         what = f"saving step {step} to {storage.url!r}"
@@ -166,15 +182,19 @@ def write_and_commit(w: WriteSpec) -> None:
             # public call lets it out; the other ranks' collectives time out, as for one)
         failed = e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")
     w.timings["confirm"] = time.perf_counter() - t1
-    refs = writer.dedup.refs  # files of earlier saves the step refers to (not confirmed again)
-    gathered = coll.gather_to_rank0(({**refs, **records.files}, failed), w.group)
+    refs = writer.dedup.refs  # files of earlier saves the step refers to (checked before)
+    gens = writer.dedup.gens(w.base, w.data_dir, w.plan.gen)
+    gathered = coll.gather_to_rank0(({**refs, **records.files}, failed, gens), w.group)
 
     def commit() -> None:
         files: dict[str, FileEntry] = {}
-        for part, err in gathered or []:
+        data_gens: dict[str, int] = {}
+        for part, err, part_gens in gathered or []:
             if err is not None:
                 raise err
             files.update(part)
+            data_gens.update(part_gens)
+        listed = {ref[0] for n in files if (ref := data_ref(n)) is not None}
         extra: dict[str, Any] = {"io_threads": w.io_threads, "keys": len(w.sd)}
         if w.optimizer is not None:
             extra["optimizer"] = w.optimizer
@@ -187,6 +207,7 @@ def write_and_commit(w: WriteSpec) -> None:
             line=w.line,
             data=w.data_dir,
             compressed=writer.compressed,
+            data_gens={d: g for d, g in data_gens.items() if d in listed},
         )
         _log.info(
             "committed step %d to %s: %d files, %d bytes, written in %.2f s (%d bytes new; "
@@ -201,7 +222,9 @@ def write_and_commit(w: WriteSpec) -> None:
 
     def tidy() -> None:
         try:
-            replaced, deleted = w.catalog.tidy(w.keep_last, step, w.plan.drop)
+            # The step just committed was read back whole (its references included)
+            checked = (step, w.plan.gen) if w.confirm in ("checksum", "crc32") else w.verified
+            replaced, deleted = w.catalog.tidy(w.keep_last, step, w.plan.drop, checked)
         except Exception as e:  # the step is committed: a failed clean-up does not undo that
             _log.warning("retention after step %d failed (steps kept): %s", step, e)
             return
@@ -227,7 +250,7 @@ def write_and_commit(w: WriteSpec) -> None:
             writer.packed[0] / max(1, writer.packed[1]),
         )
     if w.data_dir is not None:
-        w.next_base = writer.dedup.base((step, w.plan.gen), records.files)
+        w.next_base = writer.dedup.base((step, w.plan.gen), records.files, gens)
     if w.keep_last is not None or w.plan.retires or w.plan.drop:
         coll.on_rank0(tidy, w.group)
         w.timings["retention"] = time.perf_counter() - t2

@@ -1,8 +1,10 @@
 """What a manager remembers of its run's line between calls (the rules: ``store._lines``):
 whether it loaded (or found nothing to load) or saved, the line id its commits carry, the
-steps its next commit retires (a rewind's newer steps, or another run's with ``new_run``),
-and what this rank's next save may refer to instead of writing (``base``: the items of the
-step it loaded from ``url`` or last committed there; ``_dedup``)."""
+steps its next commit retires (a rewind's newer steps, or another run's with ``new_run``) and,
+of those, the ones a load passed over (kept, ``passed``), what this rank's next save may
+refer to instead of writing (``base``: the items of the step it loaded from ``url`` or last
+committed there; ``_dedup``), and the newest step known to verify (``verified``: read whole
+and checked by a load or a commit's read-back), which retention keeps."""
 
 from __future__ import annotations
 
@@ -23,10 +25,13 @@ _log = logging.getLogger("muon_ckpt")
 @dataclass
 class RunLine:
     new_run: bool  # a first save without a load may replace another run's steps
+    loads_check: bool = True  # a load checks every byte it reads (verify="checksum")
     resumed: bool = False
     line: str | None = None
     abandoned: list[tuple[int, int | None]] = field(default_factory=list)  # (step, gen)
+    passed: list[tuple[int, int, str]] = field(default_factory=list)  # (step, gen, why)
     base: DedupBase | None = None
+    verified: tuple[int, int] | None = None  # (step, gen)
 
     def begin(self, catalog: Catalog, step: int, overwrite: bool) -> tuple[SavePlan, str]:
         """Rank 0, before a save: ready ``step`` and decide what it retires (``Catalog.begin``);
@@ -38,8 +43,24 @@ class RunLine:
             new_run=self.new_run,
             abandon=self.abandoned,
             refer_to=None if self.base is None else self.base.key,
+            pass_over=self.passed,
         )
         url = catalog.storage.url
+        newly = {(s, g) for s, g, _ in self.passed}
+        for s, g, why in plan.passed:
+            if (s, g) in newly:
+                _log.warning(
+                    "%s: step %d, which the load passed over (%s), is retired from this run's "
+                    "line by step %d%s",
+                    url,
+                    s,
+                    why,
+                    step,
+                    ", which takes its place"
+                    if s == step
+                    else "; its files are kept until retention or prune deletes it (muon-ckpt "
+                    "verify says whether it is damaged)",
+                )
         if plan.replacing and not self.resumed:
             _log.warning(
                 "%s: new_run=True: starting a new run here; the steps of the previous one %s "
@@ -80,11 +101,13 @@ class RunLine:
             self.base = None
         return self.base
 
-    def committed(self, base: DedupBase | None) -> None:
-        """The save committed: what it retired is retired, and ``base`` (its items) is what
-        the next save may refer to."""
-        self.abandoned = []
+    def committed(self, base: DedupBase | None, verified: tuple[int, int] | None) -> None:
+        """The save committed: what it retired is retired, ``base`` (its items) is what the
+        next save may refer to, and ``verified`` (its commit, when read back whole) the
+        newest step known to verify."""
+        self.abandoned, self.passed = [], []
         self.base = base
+        self.verified = verified or self.verified
 
     def loaded(self, url: str, d: Any) -> None:
         """A load of decision ``d``: a plain resume continues the step's line; a rewind (newer
@@ -92,19 +115,28 @@ class RunLine:
         the newer steps."""
         self.resumed, self.abandoned = True, list(d.newer)
         self.line = d.line if not d.newer and not d.from_resume else None
+        # The newer steps of url this load could not read (not those of a rewind asked for)
+        why = {(k.step, k.gen): k.why[:500] for k in d.skipped if not k.from_resume}
+        self.passed = [(s, g, why[s, g]) for s, g in d.newer if (s, g) in why]
         # A step of url (not resume_from's, nor a memory tier's part) is what it holds.
         gen = getattr(d, "gen", None)
-        self.base = None if gen is None else DedupBase.of_step(d.step, gen, d.files, d.metadata)
-        if d.newer and coll.rank() == 0:
+        if gen is not None:
+            self.base = DedupBase.of_step(d.step, gen, d.files, d.metadata, d.data_gens)
+            self.verified = (d.step, gen) if self.loads_check else self.verified
+        else:
+            self.base = None
+        dropped = [s for s, g in d.newer if (s, g) not in why]
+        if dropped and coll.rank() == 0:
             _log.warning(
                 "%s: loaded step %d while newer steps %s exist; the first save of this run "
                 "retires them and deletes them once it is committed (to keep them, resume "
                 "into another url with resume_from)",
                 url,
                 d.step,
-                [s for s, _ in d.newer],
+                dropped,
             )
 
     def fresh(self) -> None:
         """A load that found nothing: the next save starts the url's first line."""
         self.resumed, self.line, self.abandoned, self.base = True, None, [], None
+        self.passed = []

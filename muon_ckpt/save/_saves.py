@@ -86,6 +86,7 @@ class UrlSaves:
             gate=self.gate,
             data_dir=data_dirname(step, save_id) if self.config.dedup else None,
             base=base if self.config.dedup else None,
+            verified=self.line.verified,
         )
         spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
         if also is not None:  # (not gated: tests hold the url's write, watch the other land)
@@ -102,7 +103,8 @@ class UrlSaves:
         """In the caller's thread, once a save's job has ended (committed or not)."""
         release()
         if spec.committed_at is not None:
-            self.line.committed(spec.next_base)
+            read_back = spec.confirm in ("checksum", "crc32")  # (its references included)
+            self.line.committed(spec.next_base, (spec.step, spec.plan.gen) if read_back else None)
         t = spec.timings
         t["total"] = sum(t.get(k, 0.0) for k in ("blocked", "dcp_save", "commit", "retention"))
         self.timings = dict(t)

@@ -43,7 +43,7 @@ from muon_ckpt._threads import run_all
 from muon_ckpt.save._dedup import MIN_REF_BYTES, DedupBase, DedupRecords, Stored, tensor_digest
 from muon_ckpt.save._writeback import start_writeback
 from muon_ckpt.save._zip_crc import torch_save_without_zip_crc
-from muon_ckpt.store import DATA, FileEntry, Storage, data_ref_name
+from muon_ckpt.store import DATA, FileEntry, Storage, check_stored, data_ref_name
 from muon_ckpt.store.checksums import Checksum
 from muon_ckpt.store.codec import DESCRIPTOR, MIN_COMPRESS_BYTES, Encoder, stride_of
 from muon_ckpt.store.dcp import DelegatingFileSystem, dcp_filesystem
@@ -219,7 +219,9 @@ class ChecksumWriter(FileSystemWriter):
     ``data_dir``: the directory under ``<root>/data/`` the data files go to (format 3;
     ``.metadata`` stays in the step directory and names them ``../data/<dir>/<file>``);
     then a tensor that ``base`` holds unchanged is referred to, not written (``_dedup``),
-    and ``dedup`` records what the next save's base needs. ``compress``: tensors of at least
+    where its file was written fewer than ``max_age`` saves before this one (generation
+    ``gen``) and checks out (``store.check_stored``, as ``confirm`` says), and ``dedup``
+    records what the next save's base needs. ``compress``: tensors of at least
     ``MIN_COMPRESS_BYTES`` are stored compressed (``store._codec``, format 4), by the writer
     threads. Without either: DCP's own writer, every file in the step directory (format 2)."""
 
@@ -233,6 +235,9 @@ class ChecksumWriter(FileSystemWriter):
         data_dir: str | None = None,
         base: DedupBase | None = None,
         compress: bool = False,
+        gen: int = 0,
+        max_age: int = 1,
+        confirm: str = "checksum",
     ) -> None:
         super().__init__(
             storage.path(step_dir),
@@ -246,6 +251,8 @@ class ChecksumWriter(FileSystemWriter):
         self.path = self.fs.init_path(storage.path(step_dir))
         self.storage, self.step_dir = storage, step_dir
         self.data_dir, self.base, self.compress = data_dir, base, compress
+        self.gen, self.max_age, self.confirm = gen, max_age, confirm
+        self.referable: set[str] = set()  # the base's files this save may refer to
         self.dedup = DedupRecords()
         self.write_seconds = 0.0  # wall time of write_data (all writer threads)
         self._lock = threading.Lock()
@@ -284,6 +291,15 @@ class ChecksumWriter(FileSystemWriter):
         threads."""
         if self.data_dir is not None:
             self.storage.makedirs(DATA, self.data_dir)
+        if self.base is not None and self.data_dir is not None:
+            st, where, threads = self.storage, self.step_dir, self.thread_count
+            self.referable = self.base.referable(
+                (it.index for it in plan.items),
+                self.gen,
+                self.max_age,
+                lambda files: check_stored(st, where, files, self.confirm, threads),
+                st.url_of(where),
+            )
         prefix = plan.storage_data.prefix  # __<rank>_
         buckets = _split_by_size_and_type(self.thread_count, plan.items)
         jobs = [(f"{prefix}{k}{DEFAULT_SUFFIX}", b) for k, b in enumerate(buckets) if b]
@@ -346,7 +362,7 @@ class ChecksumWriter(FileSystemWriter):
                 prev = None if self.base is None else self.base.items.get(item.index)
                 big = dedup and t.nbytes >= MIN_REF_BYTES
                 digest = None
-                if big and prev is not None and prev.changed is not True:
+                if big and prev is not None and prev.name in self.referable:
                     digest = tensor_digest(t)  # first: it may not need writing
                     if digest == prev.sha256:
                         held = dataclasses.replace(prev, changed=False)

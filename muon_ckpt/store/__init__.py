@@ -8,7 +8,7 @@ metadata, read safely, and filesystem).
 """
 
 from muon_ckpt.store._catalog import Catalog, write_dirname
-from muon_ckpt.store._confirm import confirm_files
+from muon_ckpt.store._confirm import check_stored, confirm_files
 from muon_ckpt.store._layout import (
     DATA,
     MANIFEST,
@@ -49,6 +49,7 @@ __all__ = [
     "Storage",
     "VerifyResult",
     "check_step",
+    "check_stored",
     "confirm_files",
     "data_dirname",
     "data_ref",

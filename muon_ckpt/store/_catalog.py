@@ -53,7 +53,7 @@ from muon_ckpt.store._layout import (
     step_dirname,
 )
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, Lease
-from muon_ckpt.store._lines import SavePlan, mark_superseded, plan_save
+from muon_ckpt.store._lines import SavePlan, aged_out, mark_superseded, plan_save
 from muon_ckpt.store._steps import (
     COMMITTED,
     CORRUPT,
@@ -112,6 +112,8 @@ class Catalog:
         out = []
         for step, names in sorted(steps.items()):
             info = _pick([read_step(self.storage, n, step) for n in names])
+            if info is not None and info.status == CORRUPT:  # (a read fault? once more)
+                info = _pick([read_step(self.storage, n, step) for n in names])
             if info is not None:
                 if detail and not info.committed:
                     info = read_step(self.storage, info.dirname, step, detail=True)
@@ -201,6 +203,7 @@ class Catalog:
         new_run: bool = False,
         abandon: list[tuple[int, int | None]] | None = None,
         refer_to: tuple[int, int] | None = None,
+        pass_over: list[tuple[int, int, str]] | None = None,
     ) -> SavePlan:
         """Ready a save of ``step``: take the write lease; finish or remove the leftovers of
         crashed saves (an overwrite that was committed but not swapped in is finished first);
@@ -208,7 +211,8 @@ class Catalog:
         a committed or corrupt step without ``overwrite``, another run's steps, a newer
         format); remove uncommitted directories and the data no step refers to. ``refer_to``:
         the commit ``(step, gen)`` whose files the save may refer to, kept in the plan while
-        it is committed and not retired."""
+        it is committed and not retired; ``pass_over``: the retired steps a load passed over,
+        kept."""
         self.lease.acquire()
         st = self.storage
         steps, _ = self._step_dirs()
@@ -225,6 +229,7 @@ class Catalog:
             new_run=new_run,
             abandon=list(abandon or ()),
             refer_to=refer_to,
+            pass_over=pass_over,
         )
         for s in infos:
             if s.status == UNCOMMITTED:
@@ -279,21 +284,24 @@ class Catalog:
         line: str | None = None,
         data: str | None = None,
         compressed: bool = False,
+        data_gens: dict[str, int] | None = None,
     ) -> Manifest:
         """Check that every recorded file is there with its size (those of the run's data it
         refers to included) and that this job still holds the lease, then write the manifest
-        (with ``plan``'s generation and retired commits, ``line``, and ``data``: the data
-        directory the save wrote to; ``compressed``: whether its metadata has compressed
-        items, format 4) and read it back; a step written beside the one it replaces is then
-        swapped in."""
+        (with ``plan``'s generation, retired and passed-over commits, ``line``, ``data``: the
+        data directory the save wrote to, and ``data_gens``: the generation of each data
+        directory it lists; ``compressed``: whether its metadata has compressed items, format
+        4) and read it back; a step written beside the one it replaces is then swapped in."""
         st, name = self.storage, write_dirname(step, plan.beside)
         listed = listing(st, (name,), set(files))
         for fname, entry in sorted(files.items()):
             got = listed.get(fname, {}).get("size")
             if got is None or int(got) != entry.size:
+                ours = (ref := data_ref(fname)) is None or ref[0] == data
                 raise CheckpointCorruptError(
-                    f"{st.url_of(name, fname)}: written with {entry.size} bytes but the "
-                    f"storage reports {got}; step {step} is NOT committed"
+                    f"{st.url_of(name, fname)}: {'written' if ours else 'referred to'} with "
+                    f"{entry.size} bytes but the storage reports {got}; step {step} is NOT "
+                    "committed (the next save writes again what an earlier save's file held)"
                 )
         if METADATA not in files:
             raise CheckpointCorruptError(
@@ -314,6 +322,8 @@ class Catalog:
             gen=plan.gen,
             line=line,
             retires=list(plan.retires),
+            data_gens=dict(sorted((data_gens or {}).items())),
+            passed_over=list(plan.passed),
         )
         data = manifest.to_json()
         self.lease.check()
@@ -381,18 +391,25 @@ class Catalog:
         self.storage.rm(name)
 
     def tidy(
-        self, keep_last: int | None, just_saved: int, drop: list[int] = ()
+        self,
+        keep_last: int | None,
+        just_saved: int,
+        drop: list[int] = (),
+        verified: tuple[int, int] | None = None,
     ) -> tuple[list[int], list[int]]:
-        """After a commit: delete the superseded steps and the CORRUPT steps in ``drop`` (a
-        replaced line's), then the oldest committed steps beyond ``keep_last``, never the
-        newest one nor ``just_saved`` (the step just committed, after its files were confirmed
-        on the storage: the newest step that verified). Returns (the replaced steps deleted,
-        the steps retention deleted)."""
+        """After a commit: delete the superseded steps (not those a load passed over) and the
+        CORRUPT steps in ``drop`` (a replaced line's), then the oldest committed steps beyond
+        ``keep_last``, never the newest one, ``just_saved`` (the step just committed) nor
+        ``verified`` (``(step, gen)``: the newest step known to verify, read back whole by
+        this job: ``just_saved`` itself with ``confirm="checksum"``), and the passed-over
+        steps older than every step kept (``_lines.aged_out``). Returns (the replaced steps
+        deleted, the steps retention deleted)."""
         infos = self.scan()
         gone = [
             i.step
             for i in infos
-            if i.status == SUPERSEDED or (i.status == CORRUPT and i.step in drop)
+            if (i.status == SUPERSEDED and i.passed_over is None)
+            or (i.status == CORRUPT and i.step in drop)
         ]
         for s in gone:
             self.delete(s)
@@ -401,7 +418,8 @@ class Catalog:
             return gone, []
         steps = [i.step for i in infos if i.committed]
         keep = set(steps[-keep_last:]) | {just_saved}
-        victims = [s for s in steps if s not in keep]
+        keep |= {i.step for i in infos if i.committed and (i.step, i.gen or 0) == verified}
+        victims = sorted([s for s in steps if s not in keep] + aged_out(infos, keep))
         for s in victims:
             self.delete(s)
         self.collect()

@@ -15,6 +15,16 @@ it wrote, ``mode``:
 A mismatch is a CheckpointCorruptError: the step is not committed, so retention never counts
 it and never deletes a good step because of it.
 
+Bytes also change after their commit (bit rot, a tool rewriting an object, a lifecycle rule
+deleting it). ``check_stored`` tells which of a committed step's files the storage no longer
+holds as recorded: sizes always (one listing per directory), and with ``"checksum"`` the
+checksums, reading a file back unless this process read it back already since the storage
+last reported a change to it (another size, modification time or ETag; a file changed less
+than ``SETTLED_SECONDS`` before the listing, within the coarse tick of a file system's clock,
+is read back every time). A save asks it of the files of earlier saves it would refer to for
+its unchanged tensors, and writes those tensors again where one fails (``save._dedup``); a
+load asks it of the files of a step that read as damaged before it passes over the step.
+
 Seam: a store that checks a checksum sent with the upload (S3 and GCS accept CRC32C;
 ``x-amz-checksum-crc32c``) could confirm on the way: manifests record CRC32C per chunk, and a
 store's composite or full-object CRC32C can be derived from them, so such uploads would need
@@ -23,16 +33,25 @@ no read-back here.
 
 from __future__ import annotations
 
-from muon_ckpt._errors import CheckpointCorruptError
+import datetime
+import threading
+import time
+from typing import Any
+
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt._threads import run_all
 from muon_ckpt.store._checksum import file_checksum
 from muon_ckpt.store._data import listing
-from muon_ckpt.store._layout import FileEntry
-from muon_ckpt.store._storage import Storage
+from muon_ckpt.store._layout import DATA, FileEntry, data_ref
+from muon_ckpt.store._storage import Storage, is_storage_failure
 
-__all__ = ["CONFIRM_MODES", "confirm_files"]
+__all__ = ["CONFIRM_MODES", "check_stored", "confirm_files"]
 
 CONFIRM_MODES = ("checksum", "crc32", "size", "off")
+SETTLED_SECONDS = 2.0  # a file changed this recently may change again unseen by its times
+_MAX_CHECKED = 1 << 16
+_checked: dict[str, tuple[Any, ...]] = {}  # a data file's url -> its state when it checked out
+_lock = threading.Lock()
 
 
 def _mismatch(where: str, what: str) -> CheckpointCorruptError:
@@ -74,3 +93,71 @@ def confirm_files(
             )
 
     run_all(threads, one, sorted(files), name="-confirm")
+
+
+def check_stored(
+    storage: Storage, dirname: str, files: dict[str, FileEntry], mode: str, threads: int = 4
+) -> dict[str, str]:
+    """Which of ``files`` (committed files, by name from the step directory ``dirname``,
+    with their manifest entries) the storage does not hold as recorded: name -> what it holds
+    instead. See the module for what is checked, and when a file is read back."""
+    if not files:
+        return {}
+    now = time.time()
+    listed = listing(storage, (dirname,), set(files))
+    bad: dict[str, str] = {}
+
+    def one(name: str) -> None:
+        want, info = files[name], listed.get(name)
+        ref = data_ref(name)  # (one key per file, whichever step names it)
+        key = storage.url_of(DATA, *ref) if ref is not None else storage.url_of(dirname, name)
+        got = None if info is None else int(info.get("size") or 0)
+        if got != want.size:
+            bad[name] = "nothing" if got is None else f"{got} bytes, not {want.size}"
+            return
+        if mode not in ("checksum", "crc32"):
+            return
+        state = _state(info, now)
+        with _lock:
+            if state is not None and _checked.get(key) == state:
+                return
+            _checked.pop(key, None)
+        try:
+            with storage.open(dirname, name, ahead=[(0, want.size)]) as f:
+                sums = file_checksum(f, want, where=key)
+        except Exception as e:  # a file that cannot be read back is written again too
+            if not (isinstance(e, CheckpointError) or is_storage_failure(e)):
+                raise
+            bad[name] = f"a file that cannot be read back ({type(e).__name__}: {e})"
+            return
+        if sums.size != want.size or sums.hexdigest() != want.digest:
+            bad[name] = f"other bytes: their {want.algorithm} differs from the manifest's"
+        elif state is not None:
+            with _lock:
+                if len(_checked) >= _MAX_CHECKED:
+                    del _checked[next(iter(_checked))]
+                _checked[key] = state
+
+    run_all(threads, one, sorted(files), name="-refs")
+    return bad
+
+
+def _state(info: dict[str, Any], now: float) -> tuple[Any, ...] | None:
+    """What the storage says of a file that changes whenever its bytes do: its ETag (S3),
+    generation (GCS) or times and inode; None where it says nothing of the kind, or the file
+    changed so recently that another change in the same tick of the clock would go unseen."""
+    for k in ("ETag", "etag", "generation", "md5Hash"):
+        if info.get(k):
+            return k, info.get("size"), str(info[k])
+    stamps = [t for k in ("mtime", "created", "LastModified") if (t := _seconds(info.get(k)))]
+    if not stamps or now - max(stamps) < SETTLED_SECONDS:
+        return None
+    return "times", info.get("size"), info.get("ino"), *stamps
+
+
+def _seconds(v: Any) -> float | None:
+    if isinstance(v, datetime.datetime):
+        return v.timestamp()
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    return None

@@ -265,12 +265,19 @@ class Manifest:
     # Format 3: the directory under <url>/data/ this save wrote its data files to (None: the
     # step's data files are in its own directory, or it wrote none)
     data: str | None = None
+    # Format 3: the generation of the save that wrote each data directory the step lists (a
+    # save refers only to data written fewer than ``dedup_max_age`` saves before it)
+    data_gens: dict[str, int] = field(default_factory=dict)
+    # Of ``retires``, the commits a load passed over (``[step, gen, why]``: it could not read
+    # them when it fell back to an older step): retired, but kept until retention or prune
+    passed_over: list[tuple[int, int, str]] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         d = asdict(self)
         d["files"] = {k: v.to_dict() for k, v in self.files.items()}
-        if self.data is None:
-            del d["data"]
+        for k in ("data", "data_gens", "passed_over"):  # (absent where not used)
+            if not d[k]:
+                del d[k]
         return json.dumps(d, indent=1, sort_keys=True).encode()
 
     @property
@@ -319,6 +326,10 @@ class Manifest:
             data = d.get("data")
             if data is not None and not (isinstance(data, str) and _DATA_DIR_RE.match(data)):
                 raise ValueError(f"data {str(data)[:40]!r} is not a data directory's name")
+            gens = {k: _bounded("a data gen", g) for k, g in _data_gens(d.get("data_gens"))}
+            passed = [_passed(r) for r in d.get("passed_over") or []]
+            if not {(s, g) for s, g, _ in passed} <= set(retires):
+                raise ValueError("passed_over lists a commit that retires does not")
             shared = [n for n in files if data_ref(n) is not None]
             if shared and version < SHARED_FORMAT_VERSION:
                 raise ValueError(
@@ -339,6 +350,8 @@ class Manifest:
                 line=line,
                 retires=retires,
                 data=data,
+                data_gens=gens,
+                passed_over=passed,
             )
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise _unreadable(where, e) from e
@@ -373,6 +386,21 @@ def _retired(r: Any) -> tuple[int, int]:
     if not isinstance(r, list) or len(r) != 2:
         raise ValueError(f"retires must hold [step, gen] pairs, found {str(r)[:40]!r}")
     return _bounded("a retired step", r[0]), _bounded("a retired gen", r[1])
+
+
+def _data_gens(v: Any) -> list[tuple[str, Any]]:
+    """A manifest's ``data_gens``: {data directory name: generation}."""
+    pairs = list(_mapping("data_gens", v if v is not None else {}).items())
+    bad = [k for k, _ in pairs if not (isinstance(k, str) and _DATA_DIR_RE.match(k))]
+    if bad:
+        raise ValueError(f"data_gens: {str(bad[0])[:40]!r} is not a data directory's name")
+    return pairs
+
+
+def _passed(r: Any) -> tuple[int, int, str]:
+    if not (isinstance(r, list) and len(r) == 3 and isinstance(r[2], str)):
+        raise ValueError(f"passed_over must hold [step, gen, why] triples, found {str(r)[:40]!r}")
+    return _bounded("a passed-over step", r[0]), _bounded("a passed-over gen", r[1]), r[2]
 
 
 def _file_entry(name: str, v: Any) -> FileEntry:

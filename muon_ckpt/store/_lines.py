@@ -12,6 +12,12 @@ that save itself, once committed) deletes it. A save retires
 * and, always, every superseded commit that is still there, so that a retirement outlives
   the commit that made it (retention deletes old commits first).
 
+A step that a load passed over (``load()`` fell back past it: it could not be read, even
+once more) is retired as a rewind's newer steps are, so no restart resumes it and lines
+never mix; but a read fault is no proof of damage, so its files are not deleted on that
+account: the commit lists it in ``passed_over`` too, and it is deleted only once retention or
+``prune`` keeps only newer steps (``aged_out``), or when a save takes its step number.
+
 So deleting happens only after a commit, and a process that dies between a commit and the
 deletions leaves a url whose next load resumes the new line. A first save of a manager that
 has not loaded anything is refused where the url holds committed steps (another run's), and
@@ -21,12 +27,12 @@ delete what it cannot read).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from muon_ckpt._errors import CheckpointExistsError, CheckpointVersionError
 from muon_ckpt.store._steps import COMMITTED, CORRUPT, NEWER, SUPERSEDED, UNCOMMITTED, StepInfo
 
-__all__ = ["SavePlan", "live_newer", "mark_superseded", "mark_tier", "plan_save"]
+__all__ = ["SavePlan", "aged_out", "live_newer", "mark_superseded", "mark_tier", "plan_save"]
 
 
 @dataclass(frozen=True)
@@ -36,30 +42,54 @@ class SavePlan:
     gen: int  # the commit's generation
     retires: list[tuple[int, int]]  # commits [step, gen] that it supersedes
     drop: list[int]  # CORRUPT steps of the replaced line, deleted after the commit
-    replacing: list[int]  # the steps this save newly retires or drops (not those carried)
+    replacing: list[int]  # the steps this save newly retires or drops (not those carried), to
+    # be deleted after its commit (not the steps it passes over)
     beside: bool  # write beside the step's directory, swapped in at the commit (an overwrite,
     # or a step being replaced)
     base: tuple[int, int, str | None] | None = None  # the newest live commit: (step, gen, line)
     # The commit (step, gen) whose data the save may refer to (tensors unchanged since):
     # committed and not retired by this save; None: the save writes every tensor
     refer_to: tuple[int, int] | None = None
+    # Of ``retires``, the commits a load passed over, (step, gen, why): kept, not deleted
+    passed: list[tuple[int, int, str]] = field(default_factory=list)
 
 
 def mark_superseded(infos: list[StepInfo]) -> None:
-    """Set the status of every committed step that a commit retired to SUPERSEDED."""
+    """Set the status of every committed step that a commit retired to SUPERSEDED (and its
+    ``passed_over`` where a load passed over it)."""
     retired: dict[tuple[int, int], int] = {}
+    passed: dict[tuple[int, int], str] = {}
     for i in infos:
         if i.status in (COMMITTED, SUPERSEDED):
             for pair in i.retires:
                 retired.setdefault(pair, i.step)
+            for s, g, why in i.passes:
+                passed.setdefault((s, g), why)
     for i in infos:
-        by = retired.get((i.step, i.gen or 0))
-        if i.status == COMMITTED and by is not None:
-            i.status = SUPERSEDED
+        key = (i.step, i.gen or 0)
+        by = retired.get(key)
+        if i.status != COMMITTED or by is None:
+            continue
+        i.status, i.passed_over = SUPERSEDED, passed.get(key)
+        i.problem = (
+            f"replaced by the line of step {by} (a rewind, or a new run in this url); "
+            "never loaded, and deleted by the next save"
+        )
+        if i.passed_over is not None:
             i.problem = (
-                f"replaced by the line of step {by} (a rewind, or a new run in this url); "
-                "never loaded, and deleted by the next save"
+                f"passed over by a load that could not read it ({i.passed_over}); retired by "
+                f"the line of step {by}: never resumed, kept until retention or prune deletes "
+                "it (muon-ckpt verify says whether it is damaged)"
             )
+
+
+def aged_out(infos: list[StepInfo], kept: set[int]) -> list[int]:
+    """The passed-over steps older than every step in ``kept`` (the committed steps
+    retention or prune keeps): they go with the steps of their age."""
+    oldest = min(kept, default=None)
+    if oldest is None:
+        return []
+    return [i.step for i in infos if i.passed_over is not None and i.step < oldest]
 
 
 def plan_save(
@@ -72,11 +102,13 @@ def plan_save(
     new_run: bool,
     abandon: list[tuple[int, int | None]],
     refer_to: tuple[int, int] | None = None,
+    pass_over: list[tuple[int, int, str]] | None = None,
 ) -> SavePlan:
     """Decide a save of ``step`` over the scan ``infos`` of ``url``. ``resumed``: the
     manager loaded (or found nothing to load) or saved before; ``abandon``: the steps newer
     than the one it loaded (``(step, gen)``, gen None for a CORRUPT one), which this save
-    retires; ``refer_to``: the commit ``(step, gen)`` whose data the save may refer to, kept
+    retires; ``pass_over``: those of them the load passed over (``(step, gen, why)``), which
+    are kept; ``refer_to``: the commit ``(step, gen)`` whose data the save may refer to, kept
     in the plan while it is committed and not retired. Raises CheckpointVersionError or
     CheckpointExistsError, writing nothing."""
     newer = [i.step for i in infos if i.status == NEWER]
@@ -103,8 +135,11 @@ def plan_save(
             drop.append(s)
         elif g is not None and (info is None or info.status == COMMITTED):
             retires.append((s, g))  # (a step of the url, or of the memory tier: mark_tier)
-    replacing = sorted({s for s, _ in retires} | set(drop))
-    replaced = {s for s, _ in carried} | set(replacing)
+    # A new run replaces every step of the old one; a resumed run keeps what it passes over.
+    keeps = {} if not resumed else {(s, g): why for s, g, why in pass_over or ()}
+    keeps |= {(i.step, i.gen or 0): i.passed_over for i in infos if i.passed_over and resumed}
+    replacing = sorted({s for s, g in retires if (s, g) not in keeps} | set(drop))
+    replaced = {s for s, _ in carried + retires} | set(drop)  # (a passed-over one included)
     have = by_step.get(step)
     taken = have is not None and have.status in (COMMITTED, CORRUPT) and step not in replaced
     if taken and not overwrite:
@@ -124,9 +159,9 @@ def plan_save(
         and refer_to not in retired
         and any(i.status == COMMITTED and (i.step, i.gen or 0) == refer_to for i in infos)
     )
-    return SavePlan(
-        gen, retired, sorted(set(drop)), replacing, beside, base, refer_to if referable else None
-    )
+    passed = sorted((s, g, why) for (s, g), why in keeps.items() if (s, g) in retired)
+    referred = refer_to if referable else None
+    return SavePlan(gen, retired, sorted(set(drop)), replacing, beside, base, referred, passed)
 
 
 def _foreign(url: str, step: int, live: list[StepInfo]) -> str:

@@ -26,6 +26,7 @@ from muon_ckpt.store._layout import (
     parse_step_dirname,
 )
 from muon_ckpt.store._lease import PRUNE, PRUNE_LEASE_SECONDS, Lease
+from muon_ckpt.store._lines import aged_out
 from muon_ckpt.store._metadata import check_paths, check_ranges, parse_metadata
 from muon_ckpt.store._steps import (
     CORRUPT,
@@ -272,11 +273,13 @@ def prune(storage: Storage, keep: int, *, dry_run: bool = False) -> PruneResult:
 
 def _plan(infos: list[StepInfo], keep: int) -> PruneResult:
     """Committed steps but the newest ``keep`` go, with the superseded ones (a replaced line's,
-    which no load reads); the others are reported."""
+    which no load reads; one a load passed over once every step kept is newer, as retention
+    does); the others are reported."""
     committed = [s.step for s in infos if s.committed]
     by = {
-        status: [s.step for s in infos if s.status == status]
+        status: [s.step for s in infos if s.status == status and s.passed_over is None]
         for status in (UNCOMMITTED, CORRUPT, SUPERSEDED, NEWER)
     }
-    doomed = sorted(committed[:-keep] + by[SUPERSEDED])
+    aged = aged_out(infos, set(committed[-keep:]))
+    doomed = sorted(committed[:-keep] + by[SUPERSEDED] + aged)
     return PruneResult(doomed, committed[-keep:], by[UNCOMMITTED], by[CORRUPT], by[NEWER])

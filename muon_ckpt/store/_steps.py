@@ -6,7 +6,9 @@ A step directory ``step-XXXXXXXX`` is
   its ``step`` is the directory's step) and no later commit retired it (``_lines``): listed
   by ``steps()``, loaded, counted and deleted by retention, verified;
 * SUPERSEDED when it is committed but a later commit retired it (a rewind's abandoned line,
-  another run's steps): never loaded or counted, deleted by the next save;
+  another run's steps): never loaded or counted, deleted by the next save; or a step a load
+  passed over (``passed_over``: it could not be read): never loaded, kept until retention or
+  ``prune`` deletes it;
 * NEWER when its manifest is of a newer format than this version reads: never loaded,
   deleted or written beside (``load()`` and ``save()`` say "upgrade muon-ckpt");
 * CORRUPT when its manifest is present but invalid: never loaded, never deleted by
@@ -72,6 +74,11 @@ class StepInfo:
     gen: int | None = None  # the commit's generation (_lines), from the manifest
     line: str | None = None  # the line of steps it belongs to, from the manifest
     retires: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    # Of those, the commits a load passed over, ``(step, gen, why)`` (from the manifest)
+    passes: list[tuple[int, int, str]] = field(default_factory=list, repr=False)
+    # A SUPERSEDED step a load passed over: why it could not read it (then kept until
+    # retention or prune deletes it, ``_lines``)
+    passed_over: str | None = None
     # A memory-tier step's: the url's newest commit when it was saved, (step, gen, line)
     base: tuple[int, int, str | None] | None = field(default=None, repr=False)
 
@@ -81,7 +88,7 @@ class StepInfo:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["retires"], d["base"]
+        del d["retires"], d["base"], d["passes"]
         return {**d, "committed": self.committed}
 
 
@@ -118,6 +125,7 @@ def read_step(storage: Storage, name: str, step: int, *, detail: bool = False) -
         info.size, info.files = m.total_bytes, len(m.files)
         info.time, info.world_size = m.time, m.world_size
         info.gen, info.line, info.retires = m.gen, m.line, list(m.retires)
+        info.passes = list(m.passed_over)
     if detail and not info.committed:
         found = storage.walk_info(name)
         info.size = sum(int(i.get("size") or 0) for i in found.values())
