@@ -1,4 +1,7 @@
-"""``run_all``: tasks on a few plain threads.
+"""The threads a save or a load starts: ``run_all`` (tasks on a few plain threads), ``beside``
+(one helper thread for the length of a block) and ``join``. The main thread starts and joins
+them with Ctrl-C deferred (``_interrupts``): a thread never outlives the call that started
+it, whatever the interrupt broke.
 
 Not an executor: a save may be finished by the interpreter's exit hook (``_exit``), when
 ``concurrent.futures`` refuses new work ("cannot schedule new futures after interpreter
@@ -7,20 +10,44 @@ shutdown"); plain threads start whenever the interpreter is still whole.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Iterable
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
-__all__ = ["run_all"]
+from muon_ckpt._interrupts import interrupts_deferred
+
+__all__ = ["beside", "join", "run_all"]
 
 T = TypeVar("T")
+
+
+def join(thread: threading.Thread) -> None:
+    """``thread.join()``; Ctrl-C meanwhile is raised once the thread has ended."""
+    with interrupts_deferred():
+        thread.join()
+
+
+@contextlib.contextmanager
+def beside(fn: Callable[..., Any], *args: Any, name: str = "muon_ckpt-helper") -> Iterator[None]:
+    """``fn(*args)`` on a helper thread while the block runs; the block ends once the thread
+    has ended (it reads memory the caller may free next), even when the block raises.
+    Ctrl-C inside is raised then."""
+    th = threading.Thread(target=fn, args=args, name=name, daemon=True)
+    with interrupts_deferred():
+        th.start()
+        try:
+            yield
+        finally:
+            th.join()
 
 
 def run_all(threads: int, fn: Callable[[T], None], tasks: Iterable[T], *, name: str = "") -> None:
     """``fn(task)`` for every task, on up to ``threads`` threads, in order of ``tasks``. The
     first failure is raised once every started task has ended; tasks not started by then are
-    skipped. An interrupt of the caller (Ctrl-C) also waits for the started tasks (they may be
-    writing into memory the caller frees or restores next), then propagates."""
+    skipped. An interrupt of the caller (Ctrl-C) also stops new tasks and waits for the
+    started ones (they may be writing into memory the caller frees or restores next), then
+    propagates."""
     todo = list(tasks)
     if threads <= 1 or len(todo) <= 1:
         for t in todo:
@@ -29,12 +56,13 @@ def run_all(threads: int, fn: Callable[[T], None], tasks: Iterable[T], *, name: 
     lock = threading.Lock()
     taken = 0
     errors: list[BaseException] = []
+    stopped = [False]  # set by Ctrl-C, in the main thread between two bytecodes: no lock
 
     def worker() -> None:
         nonlocal taken
         while True:
             with lock:
-                if errors or taken == len(todo):
+                if errors or stopped[0] or taken == len(todo):
                     return
                 task, taken = todo[taken], taken + 1
             try:
@@ -48,16 +76,16 @@ def run_all(threads: int, fn: Callable[[T], None], tasks: Iterable[T], *, name: 
         threading.Thread(target=worker, name=f"muon_ckpt{name}-{i}", daemon=True)
         for i in range(min(threads, len(todo)))
     ]
-    for w in workers:
-        w.start()
-    try:
-        for w in workers:
-            w.join()
-    except BaseException:
-        with lock:
-            errors.append(RuntimeError("interrupted"))  # no task starts from here on
-        for w in workers:
-            w.join()
-        raise
+    started = []
+    with interrupts_deferred(lambda: stopped.__setitem__(0, True)):
+        try:
+            for w in workers:
+                w.start()
+                started.append(w)
+        finally:
+            if len(started) < len(workers):  # (no thread to start): the started ones stop
+                stopped[0] = True
+            for w in started:
+                w.join()
     if errors:
         raise errors[0]

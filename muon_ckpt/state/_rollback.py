@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from muon_ckpt._tensors import copy_into, local_tensor, overlapping
+from muon_ckpt._threads import join
 from muon_ckpt.state._staging import HostStaging
 
 __all__ = ["Rollback"]
@@ -142,7 +143,7 @@ class Rollback:
     def _stop_copier(self) -> None:
         if self._copier is not None:
             self._stop.set()
-            self._copier.join()
+            join(self._copier)
             self._copier = None
 
     def keep(self, key: str) -> None:
