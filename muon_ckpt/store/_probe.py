@@ -1,7 +1,8 @@
 """Open a checkpoint root and find its problems at once: ``open_storage``.
 
 At construction, not at the first save an hour later: a malformed URL (``s3:/x``, an unknown
-scheme) or storage options the filesystem does not accept are a ``ValueError``; missing
+scheme, an object key with an empty, ``.`` or ``..`` component: ``Storage``) or storage
+options the filesystem does not accept are a ``ValueError``; missing
 credentials, an unreachable endpoint, a missing bucket or a refused access are a
 ``CheckpointStorageError`` naming what to fix. The probe is one cheap request (S3: HEAD of the
 bucket), sent once, with a short timeout and no retries. A missing bucket is never created.

@@ -42,6 +42,7 @@ __all__ = [
 DEFAULT_TIMEOUT = 60.0  # seconds: connect and read timeout of one storage request
 # Object stores: no directories (and creating one may create a bucket).
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
+_FLAT = _OBJECT_STORES | {"memory"}  # a path is a key: nothing resolves '.', '..' or '//'
 _STORAGE_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "fsspec")
 
 
@@ -68,6 +69,35 @@ def bad_options(url: str, options: dict[str, Any], e: TypeError) -> ValueError:
         f"url {url!r}: storage_options: {which} is not accepted ({e}); check the spelling "
         "against the filesystem's documentation (s3fs: key, secret, token, endpoint_url, "
         "client_kwargs, config_kwargs, ...)"
+    )
+
+
+def _check_key(url: str, scheme: str, root: str) -> None:
+    """A ValueError for a url of a flat key space whose key has an empty, ``.`` or ``..``
+    component (``runs//run7``, ``runs/./run7``): the store keeps it in the key as it is,
+    where it names no directory, some S3-compatible stores rewrite or refuse it, and
+    another tool, or the url spelled plainly, looks under another key."""
+    names = root.strip("/").split("/") if root.strip("/") else []
+    odd = [n for n in names if n in ("", ".", "..")]
+    if not odd:
+        return
+    kept: list[str] = []
+    for n in names:
+        if n == "..":
+            if len(kept) <= 1:  # (not above the bucket)
+                kept = []
+                break
+            kept.pop()
+        elif n not in ("", "."):
+            kept.append(n)
+    what = "an empty component ('//')" if "" in odd else f"a {odd[0]!r} component"
+    plain = "/".join(kept)
+    why = f"it is another key than {plain!r}" if kept else "'..' leads above the bucket"
+    fix = f"{scheme}://{plain}" if kept else "a prefix inside the bucket"
+    raise ValueError(
+        f"url {url!r}: the object key has {what}, which {scheme}:// keeps as it is ({why}; "
+        "it names no directory); S3-compatible stores may rewrite or refuse it, and other "
+        f"tools look under another key. Write the key plainly: use {fix}"
     )
 
 
@@ -112,6 +142,8 @@ class Storage:
         self.fs = fs
         self.root = root.rstrip("/") or "/"
         self.protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        if self.protocol in _FLAT:
+            _check_key(url, self.protocol, self.root)
         self.is_local = self.protocol in ("file", "local")
         self.object_store = self.protocol in _OBJECT_STORES
 
@@ -130,13 +162,25 @@ class Storage:
 
     def path(self, *parts: str) -> str:
         """Filesystem path under the root (posix joins only). A ``..`` in ``parts`` (a step's
-        name for a file of the run's data, ``../data/<dir>/<file>``) is resolved here, in the
-        text: object stores keep ``..`` in a key, and locally the step directory may be a
-        symbolic link (then ``..`` is the run's root, never the link target's parent)."""
-        p = posixpath.join(self.root, *parts)
-        if any(".." in part.split("/") for part in parts):
-            p = posixpath.normpath(p)
-        return p
+        name for a file of the run's data, ``../data/<dir>/<file>``) is resolved here, on the
+        components: it takes the last one off (the root's, once those of ``parts`` are used
+        up), and the root is never rewritten, so a read finds what a write with the same
+        parts wrote whatever the root's text is. Object stores keep ``..`` in a key, and
+        locally the step directory may be a symbolic link (then ``..`` is the run's root,
+        never the link target's parent)."""
+        if not any(".." in part.split("/") for part in parts):
+            return posixpath.join(self.root, *parts)
+        base, names = self.root, []
+        for name in posixpath.join(*parts).split("/"):
+            if name != "..":
+                names.append(name)
+            elif names:
+                names.pop()
+            elif base.strip("/"):
+                base = posixpath.dirname(base)
+            else:
+                raise ValueError(f"{'/'.join(parts)!r} leads out of {self.url!r}")
+        return posixpath.join(base, *names)
 
     def url_of(self, *parts: str) -> str:
         """A full URL (with scheme) for ``parts`` under the root, for messages and readers."""
