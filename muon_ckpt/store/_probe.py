@@ -17,7 +17,8 @@ from typing import Any
 from muon_ckpt._errors import CheckpointError, CheckpointStorageError
 from muon_ckpt.store._catalog import Catalog
 from muon_ckpt.store._layout import parse_step_dirname
-from muon_ckpt.store._storage import DEFAULT_TIMEOUT, Storage, bad_options, is_storage_failure
+from muon_ckpt.store._storage import DEFAULT_TIMEOUT, Storage, is_storage_failure
+from muon_ckpt.store._url import bad_options
 
 __all__ = ["open_run", "open_storage"]
 
