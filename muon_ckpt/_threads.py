@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from muon_ckpt._interrupts import interrupts_deferred
 
-__all__ = ["beside", "join", "run_all"]
+__all__ = ["beside", "join", "pool", "run_all", "submit_all"]
 
 T = TypeVar("T")
 
@@ -40,6 +41,27 @@ def beside(fn: Callable[..., Any], *args: Any, name: str = "muon_ckpt-helper") -
             yield
         finally:
             th.join()
+
+
+@contextlib.contextmanager
+def pool(threads: int, name: str) -> Iterator[ThreadPoolExecutor]:
+    """A thread pool whose threads have all ended when the block ends, its queued work not
+    started cancelled on the way out of a failure (Ctrl-C meanwhile is raised then). Submit
+    to it with ``submit_all``: a submit may start a thread."""
+    ex = ThreadPoolExecutor(threads, thread_name_prefix=name)
+    try:
+        yield ex
+    finally:
+        with interrupts_deferred():
+            ex.shutdown(wait=True, cancel_futures=True)
+
+
+def submit_all(ex: ThreadPoolExecutor, fn: Callable[[T], Any], tasks: Iterable[T]) -> list[Future]:
+    """``ex.submit(fn, task)`` for every task, with Ctrl-C deferred until all are queued: an
+    interrupted submit may leave a thread the pool does not know of (never joined), and
+    the caller's clean-up needs every future."""
+    with interrupts_deferred():
+        return [ex.submit(fn, t) for t in tasks]
 
 
 def run_all(threads: int, fn: Callable[[T], None], tasks: Iterable[T], *, name: str = "") -> None:

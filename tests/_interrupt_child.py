@@ -1,5 +1,6 @@
 """A process that saves and loads on its parent's command while the parent sends it SIGINTs
-(tests/test_interrupt_storm.py). Run as ``python -m tests._interrupt_child URL``.
+(tests/test_interrupt_storm.py). Run as ``python -m tests._interrupt_child URL OPTIONS``
+(``storage_options`` as JSON).
 
 Commands, one a line on stdin: ``save`` (the state filled from the step number, then a
 synchronous ``save``), ``load``, ``quit``, and ``final``: the loop the README suggests
@@ -20,6 +21,7 @@ while an interrupt may still come.
 from __future__ import annotations
 
 import faulthandler
+import json
 import select
 import signal
 import sys
@@ -80,7 +82,10 @@ def main() -> None:
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1)  # the parent's diagnosis of a child that hangs
     model, opt = build()
-    mgr = CheckpointManager(sys.argv[1], model=model, optimizer=opt, keep_last=2, io_threads=3)
+    opts = json.loads(sys.argv[2])
+    mgr = CheckpointManager(
+        sys.argv[1], model=model, optimizer=opt, keep_last=2, io_threads=3, storage_options=opts
+    )
     step = count = 0
     _say("ready")
     while True:
