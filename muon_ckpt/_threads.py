@@ -18,9 +18,16 @@ from typing import Any, TypeVar
 
 from muon_ckpt._interrupts import interrupts_deferred
 
-__all__ = ["beside", "join", "pool", "run_all", "submit_all"]
+__all__ = ["beside", "join", "pool", "run_all", "start", "submit_all"]
 
 T = TypeVar("T")
+
+
+def start(thread: threading.Thread) -> None:
+    """``thread.start()`` with Ctrl-C deferred: an interrupted start leaves a thread running
+    that ``join`` may refuse ("cannot join thread before it is started")."""
+    with interrupts_deferred():
+        thread.start()
 
 
 def join(thread: threading.Thread) -> None:

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from muon_ckpt._tensors import copy_into, local_tensor, overlapping
-from muon_ckpt._threads import join
+from muon_ckpt._threads import join, start
 from muon_ckpt.state._staging import HostStaging
 
 __all__ = ["Rollback"]
@@ -126,7 +126,7 @@ class Rollback:
             self._copier = threading.Thread(
                 target=self._keep_all, args=(order,), name="muon_ckpt_keep", daemon=True
             )
-            self._copier.start()
+            start(self._copier)
         return True
 
     def _keep_all(self, keys: list[str]) -> None:

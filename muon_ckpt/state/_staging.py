@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from muon_ckpt._tensors import copy_into, local_tensor
-from muon_ckpt._threads import join
+from muon_ckpt._threads import join, start
 from offload import pinned_empty
 
 __all__ = ["HostStaging"]
@@ -163,7 +163,7 @@ class HostStaging:
             self._copier = threading.Thread(
                 target=self._copy_later, args=(later,), name="muon_ckpt-copier", daemon=True
             )
-            self._copier.start()
+            start(self._copier)
         return out
 
     def _copy_later(self, later: list[tuple[str, Tensor, Tensor]]) -> None:
