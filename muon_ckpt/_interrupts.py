@@ -85,16 +85,19 @@ def interrupts_deferred(on_interrupt: Callable[[], None] | None = None) -> Itera
 
         return handle
 
-    with _handling(defer) as previous:
-        if previous is not None:
-            _stops = stops
-        try:
-            yield
-        finally:
+    previous: _Handler | None = None
+    try:
+        with _handling(defer) as previous:
             if previous is not None:
-                _stops = None
-    if got and previous is not None:  # (one call for several: Ctrl-C again while it waits)
-        previous(*got[0])
+                _stops = stops
+            try:
+                yield
+            finally:
+                if previous is not None:
+                    _stops = None
+    finally:  # (also when the block failed: the interrupt is what leaves, the failure its context)
+        if got and previous is not None:  # (one call for several: Ctrl-C again meanwhile)
+            previous(*got[0])
 
 
 @contextlib.contextmanager

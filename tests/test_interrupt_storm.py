@@ -18,6 +18,7 @@ interpreter exited).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -29,12 +30,14 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from muon_ckpt import CheckpointManager
+from muon_ckpt._threads import beside, run_all
 from tests._interrupt_child import build, expected
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,6 +171,16 @@ def test_sigint_storm_inside_save_and_load(request, tmp_path, backend):
             assert torch.equal(opt.state[p]["momentum_buffer"], torch.full_like(p, m)), step
 
 
+@contextlib.contextmanager
+def _python_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt), as in a script."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class _DropsACtrlC:
     """An ``extra`` object whose ``state_dict`` and ``load_state_dict`` free an object with a
     weakref callback that sends this process SIGINT: its handler runs inside the callback,
@@ -201,8 +214,7 @@ class _DropsACtrlC:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (the drop)
 def test_a_ctrl_c_python_drops_inside_a_call_is_raised_when_it_ends(tmp_path):
     """Before the fix the save committed and returned, the load returned: both swallowed it."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    with _python_sigint():
         model, opt = build()
         extra = _DropsACtrlC()
         mgr = CheckpointManager(str(tmp_path), model=model, optimizer=opt, extra={"x": extra})
@@ -217,5 +229,23 @@ def test_a_ctrl_c_python_drops_inside_a_call_is_raised_when_it_ends(tmp_path):
         extra.armed = False
         mgr.save(2)  # the manager works on
         assert CheckpointManager(str(tmp_path)).steps() == [1, 2]
-    finally:
-        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_and_fail(_: object) -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.01)  # (on a worker thread: the main thread takes it meanwhile, or after)
+    raise ValueError("the task failed too")
+
+
+def test_ctrl_c_while_threads_fail_leaves_after_they_ended():
+    """Ctrl-C and a failure at once, on run_all's workers and inside ``beside``: the
+    interrupt leaves (inside ``beside``, the failure its context), after every thread has
+    ended. (An interrupt deferred over a failing block was lost before: the failure left.)"""
+    with _python_sigint(), pytest.raises(KeyboardInterrupt):
+        run_all(2, _ctrl_c_and_fail, range(6), name="-test")
+    ended = threading.Event()
+    helper = beside(lambda: (time.sleep(0.2), ended.set()))
+    with _python_sigint(), pytest.raises(KeyboardInterrupt) as e, helper:
+        _ctrl_c_and_fail(None)
+    assert ended.is_set() and isinstance(e.value.__context__, ValueError)
+    assert not [t for t in threading.enumerate() if t.name.startswith("muon_ckpt")]

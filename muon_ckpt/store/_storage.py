@@ -61,6 +61,14 @@ def _climbs(parts: tuple[str, ...]) -> bool:
     return any(".." in part.split("/") for part in parts)
 
 
+def _target(link: str) -> str:
+    """Where a symbolic link leads, for a message ("?" once it is gone)."""
+    try:
+        return os.readlink(link)
+    except OSError:
+        return "?"
+
+
 class Storage:
     """A checkpoint root on any fsspec filesystem; every path is given as parts under it."""
 
@@ -143,7 +151,7 @@ class Storage:
         if link is not None:
             raise CheckpointCorruptError(
                 f"{self.url_of(*parts)}: reached through the symbolic link {link} (to "
-                f"{os.readlink(link)!r}); a step reads only its own run's data, never "
+                f"{_target(link)!r}); a step reads only its own run's data, never "
                 "through a link (two runs never share data), so it cannot be trusted here. "
                 "Load the step from the run that holds its data, or replace the link with a "
                 "copy of what it links to"
@@ -303,7 +311,7 @@ class Storage:
         link = self.link_in(*parts)
         if link is not None:
             raise CheckpointError(
-                f"{self.url_of(*parts)}: {link} is a symbolic link (to {os.readlink(link)!r}); "
+                f"{self.url_of(*parts)}: {link} is a symbolic link (to {_target(link)!r}); "
                 "muon-ckpt writes only into its run's own directories, never through a link "
                 "(two runs never share data, and another run would delete what this one "
                 "wrote there). Replace the link with a copy of what it links to, or use "
