@@ -1,7 +1,7 @@
-"""What a checkpoint url may be, and the filesystem it opens (``open_fs``): a scheme whose
-filesystem is installed, storage options it accepts (``bad_options`` names a typo), and on
-a flat key space (object stores, ``memory://``) a key without empty, ``.`` or ``..``
-components (``_check_key``)."""
+"""What a checkpoint url may be, and the filesystem it opens (``open_fs``): a scheme followed
+by ``://`` (``check_url``) whose filesystem is installed, storage options it accepts
+(``bad_options`` names a typo), and on a flat key space (object stores, ``memory://``) a key
+without empty, ``.`` or ``..`` components (``_check_key``)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,26 @@ from typing import Any
 import fsspec
 from fsspec.core import split_protocol, url_to_fs
 
-__all__ = ["OBJECT_STORES", "bad_options", "open_fs"]
+__all__ = ["OBJECT_STORES", "bad_options", "check_url", "open_fs"]
 
 # Object stores: no directories (and creating one may create a bucket).
 OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 _FLAT = OBJECT_STORES | {"memory"}  # a path is a key: nothing resolves '.', '..' or '//'
+
+# A scheme of 2+ characters followed by ':' but not '://' ("s3:/ckpt", "gs:bucket").
+_HALF_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)(.*)$")
+
+
+def check_url(field: str, url: str) -> None:
+    """A ValueError for a url whose scheme lacks its '//' (``s3:/ckpt``), naming ``field``."""
+    m = _HALF_URL.match(url)
+    if m is not None:
+        scheme, rest = m.groups()
+        raise ValueError(
+            f"{field} {url!r} is not a valid URL: the scheme {scheme!r} must be followed by "
+            f"'://' (did you mean {scheme}://{rest.lstrip('/')}?). A local path whose first "
+            f"part holds ':' can be written ./{url}"
+        )
 
 
 def open_fs(url: str, options: dict[str, Any], timeout: float | None) -> tuple[Any, str, str]:
