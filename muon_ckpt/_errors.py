@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
+from muon_ckpt._interrupts import interrupts_kept
+
 __all__ = [
     "CheckpointCollectiveError",
     "CheckpointCorruptError",
@@ -111,17 +113,24 @@ def raise_interrupt(e: BaseException | None, since: BaseException | None) -> Non
 def passes_interrupts(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn`` (a public call: save, load, wait, close) raises an interrupt found anywhere in
     the chain of what it raises (``interrupt_in``) as itself, after the clean-up its failure
-    got: ``except CheckpointError`` around it never swallows a Ctrl-C."""
+    got: ``except CheckpointError`` around it never swallows a Ctrl-C. One that Python dropped
+    on the way (``_interrupts.interrupts_kept``) is raised when ``fn`` has ended."""
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
         since = handled()
-        try:
-            return fn(*args, **kwargs)
-        except BaseException as e:
-            stop = interrupt_in(e, since)
-            if stop is None or stop is e:
-                raise
-            raise stop from None
+        with interrupts_kept() as dropped:
+            try:
+                out = fn(*args, **kwargs)
+            except BaseException as e:
+                stop = interrupt_in(e, since)
+                if stop is None and dropped:  # (Ctrl-C came, and is found nowhere in e)
+                    raise dropped[0] from e
+                if stop is None or stop is e:
+                    raise
+                raise stop from None
+            if dropped:  # raised where Python drops it (a weakref callback): raised here
+                raise dropped[0]
+            return out
 
     return call

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 from muon_ckpt._errors import CheckpointCorruptError
-from muon_ckpt._threads import run_all
+from muon_ckpt._threads import pool, run_all, submit_all
 from muon_ckpt.load._corruption import prefer_corruption
 from muon_ckpt.load._declared import StoredChunks, UntrustedItem
 from muon_ckpt.load._item_bytes import Capture, fetch_items, load_blob
@@ -120,8 +120,8 @@ def read_remote(r: VerifyingReader, plan: Any, planner: Any, *, stream: bool) ->
         covers = entry is not None and pos == entry.size
         (streamed if covers and (name in check or every) else sliced).append(name)
     only_check = sorted(check - set(streamed))
-    with ThreadPoolExecutor(r.threads, thread_name_prefix="muon_ckpt_read") as ex:
-        checks = [ex.submit(r.fetch_and_check, n) for n in only_check]
+    with pool(r.threads, "muon_ckpt_read") as ex:
+        checks = submit_all(ex, r.fetch_and_check, only_check)
 
         def read_all() -> None:
             _stream_files(r, ex, streamed, slices, lengths, planner)
@@ -200,7 +200,7 @@ def _stream_files(
             if got == name and data is None:
                 return err
 
-    futures = [ex.submit(produce, n) for n in names]
+    futures = submit_all(ex, produce, names)
     done = 0
     try:
         while done < len(names):

@@ -16,6 +16,7 @@ from typing import Any
 
 import muon_ckpt._collective as coll
 from muon_ckpt._config import ManagerConfig
+from muon_ckpt._interrupts import interrupts_deferred
 from muon_ckpt.save._job import SaveJob, WriteSpec, spec_for
 from muon_ckpt.save._line import RunLine
 from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
@@ -93,8 +94,9 @@ class UrlSaves:
             also(step, snap, plan, line, save_id)
         job = SaveJob(spec, finish=lambda: self._finished(spec, snap.reader_done))
         if snap.background and background:
-            job.start()
-            self.pending = job
+            with interrupts_deferred():  # (once started, it is pending: wait() joins it)
+                job.start()
+                self.pending = job
             return True
         job.run()
         return False

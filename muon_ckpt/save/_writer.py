@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from muon_ckpt._errors import CheckpointError
-from muon_ckpt._threads import run_all
+from muon_ckpt._threads import beside, run_all
 from muon_ckpt.save._dedup import MIN_REF_BYTES, DedupBase, DedupRecords, Stored, tensor_digest
 from muon_ckpt.save._writeback import start_writeback
 from muon_ckpt.save._zip_crc import torch_save_without_zip_crc
@@ -120,19 +120,15 @@ class _CrcStream(io.RawIOBase):
             self.sum.cut()
         if n >= _PARALLEL_CRC_BYTES:
             flat = mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv
-            t = threading.Thread(target=self.sum.update, args=(flat,))
-            t.start()
-            try:
+            # Joined even when the write fails: the crc thread reads ``b``, whose memory the
+            # caller may free as soon as this returns or raises.
+            with beside(self.sum.update, flat, name="muon_ckpt-crc"):
                 t0 = time.perf_counter()
                 written = self._raw.write(b)
                 t1 = time.perf_counter()
                 if self._fd is not None:
                     start_writeback(self._fd, self.size, n)
                 t2 = time.perf_counter()
-            finally:
-                # Even when the write fails: the crc thread reads ``b``, whose memory the
-                # caller may free as soon as this returns or raises.
-                t.join()
             if self.sum.size != self.size + n:
                 raise OSError("the checksum thread failed; see the error above")
             self.last_write_end = time.perf_counter()
@@ -401,12 +397,8 @@ def _save_hashing(t: torch.Tensor, stream: Any) -> str | None:
     """``torch.save(t, stream)`` while ``tensor_digest(t)`` runs on a helper thread (both
     release the GIL for large buffers); the digest, or None where it failed."""
     box: list[str | None] = []
-    th = threading.Thread(target=lambda: box.append(tensor_digest(t)), name="muon_ckpt-sha")
-    th.start()
-    try:
+    with beside(lambda: box.append(tensor_digest(t)), name="muon_ckpt-sha"):
         torch.save(t, stream)
-    finally:
-        th.join()
     return box[0] if box else None
 
 

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
+from muon_ckpt._threads import beside
+
 __all__ = ["torch_save_without_zip_crc"]
 
 _zip_crc_get = getattr(torch.serialization, "get_crc32_options", None)
@@ -32,9 +34,8 @@ def _zip_crc_per_thread() -> bool:
         assert _zip_crc_get is not None and _zip_crc_set is not None
         with _zip_crc_lock:
             before = _zip_crc_get()
-            t = threading.Thread(target=lambda: _zip_crc_set(not before))
-            t.start()
-            t.join()
+            with beside(_zip_crc_set, not before):
+                pass
             _zip_crc_thread_local = _zip_crc_get() == before
             if not _zip_crc_thread_local:
                 _zip_crc_set(before)  # shared: undo the probe

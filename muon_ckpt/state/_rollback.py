@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from muon_ckpt._tensors import copy_into, local_tensor, overlapping
+from muon_ckpt._threads import join, start
 from muon_ckpt.state._staging import HostStaging
 
 __all__ = ["Rollback"]
@@ -125,7 +126,7 @@ class Rollback:
             self._copier = threading.Thread(
                 target=self._keep_all, args=(order,), name="muon_ckpt_keep", daemon=True
             )
-            self._copier.start()
+            start(self._copier)
         return True
 
     def _keep_all(self, keys: list[str]) -> None:
@@ -142,7 +143,7 @@ class Rollback:
     def _stop_copier(self) -> None:
         if self._copier is not None:
             self._stop.set()
-            self._copier.join()
+            join(self._copier)
             self._copier = None
 
     def keep(self, key: str) -> None:

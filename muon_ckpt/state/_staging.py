@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from muon_ckpt._tensors import copy_into, local_tensor
+from muon_ckpt._threads import join, start
 from offload import pinned_empty
 
 __all__ = ["HostStaging"]
@@ -162,7 +163,7 @@ class HostStaging:
             self._copier = threading.Thread(
                 target=self._copy_later, args=(later,), name="muon_ckpt-copier", daemon=True
             )
-            self._copier.start()
+            start(self._copier)
         return out
 
     def _copy_later(self, later: list[tuple[str, Tensor, Tensor]]) -> None:
@@ -183,7 +184,7 @@ class HostStaging:
         self.fence()
         copier = self._copier  # (the writer's finish() may clear it meanwhile)
         if copier is not None:
-            copier.join()
+            join(copier)
 
     def _stream(self, dev: torch.device) -> Any:
         if dev.type != "cuda":
@@ -230,6 +231,6 @@ class HostStaging:
             ev.synchronize()
         self._events.clear()
         if self._copier is not None:
-            self._copier.join()
+            join(self._copier)
             self._copier = None
         self._copied.clear()

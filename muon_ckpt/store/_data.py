@@ -13,18 +13,32 @@ deletions before it) leaves every manifest that was there, and so every file the
 A step directory deleted by hand takes none of the data with it: the steps that refer to
 its data still load, and ``collect`` deletes what only it named. A data file deleted by hand
 makes every step that names it corrupt (missing, at load and ``verify``).
+
+A run's data is its own. ``data`` or a directory in it that is a symbolic link (a run forked
+by linking another's data) is never collected, deleted, read or written through: a step
+naming data behind a link is corrupt here (``listing``; ``load()`` falls back, ``verify``
+fails it), and a save that would write there is refused (``Storage.makedirs``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointVersionError
-from muon_ckpt.store._layout import DATA, data_ref, data_ref_name, parse_data_dirname
+from muon_ckpt.store._layout import (
+    DATA,
+    data_ref,
+    data_ref_name,
+    is_file_name,
+    parse_data_dirname,
+)
 from muon_ckpt.store._steps import read_manifest
 from muon_ckpt.store._storage import Storage
 
 __all__ = ["collect_data", "listing"]
+
+_log = logging.getLogger("muon_ckpt")
 
 
 def listing(storage: Storage, parts: tuple[str, ...], names: set[str]) -> dict[str, dict[str, Any]]:
@@ -36,6 +50,7 @@ def listing(storage: Storage, parts: tuple[str, ...], names: set[str]) -> dict[s
     if len(dirs) < len(names) or not names:
         out.update(storage.walk_info(*parts))
     for d in dirs:
+        storage.check_unlinked(*parts, "..", DATA, d)  # (never another run's, through a link)
         for fname, info in storage.walk_info(*parts, "..", DATA, d).items():
             out[data_ref_name(d, fname)] = info
     return out
@@ -46,7 +61,16 @@ def collect_data(storage: Storage, step_dirs: dict[int, list[str]]) -> list[str]
     its directories) names, and the data directories left empty. Nothing while a step of a
     newer format is there; a step whose manifest is invalid keeps the data directories of its
     step number (what it refers to is not known); a name this version does not make is never
-    deleted. Returns what went."""
+    deleted, nor anything that is or lies behind a symbolic link (``data`` itself or one of
+    its directories: another run's data, which that run collects). Returns what went."""
+    if storage.is_link(DATA):
+        _log.warning(
+            "%s: not collected: %s is a symbolic link (a run's data is its own; through the "
+            "link it is another run's, which that run collects)",
+            storage.url,
+            storage.url_of(DATA),
+        )
+        return []
     dirs = storage.list_dirs(DATA)
     if not dirs:
         return []
@@ -67,12 +91,12 @@ def collect_data(storage: Storage, step_dirs: dict[int, list[str]]) -> list[str]
     gone = []
     for name, is_dir in dirs.items():
         step = parse_data_dirname(name)
-        if not is_dir or step is None or step in keep:
+        if not is_dir or step is None or step in keep or storage.is_link(DATA, name):
             continue
         files = storage.walk_files(DATA, name)
-        dead = sorted(f for f in files if data_ref_name(name, f) not in live)
+        dead = sorted(f for f in files if is_file_name(f) and data_ref_name(name, f) not in live)
         if len(dead) == len(files):
-            storage.rm(DATA, name)
+            storage.rm(DATA, name)  # (never follows a link inside)
             gone.append(name)
             continue
         for f in dead:

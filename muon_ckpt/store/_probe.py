@@ -1,7 +1,8 @@
 """Open a checkpoint root and find its problems at once: ``open_storage``.
 
 At construction, not at the first save an hour later: a malformed URL (``s3:/x``, an unknown
-scheme) or storage options the filesystem does not accept are a ``ValueError``; missing
+scheme, an object key with an empty, ``.`` or ``..`` component: ``Storage``) or storage
+options the filesystem does not accept are a ``ValueError``; missing
 credentials, an unreachable endpoint, a missing bucket or a refused access are a
 ``CheckpointStorageError`` naming what to fix. The probe is one cheap request (S3: HEAD of the
 bucket), sent once, with a short timeout and no retries. A missing bucket is never created.
@@ -10,32 +11,17 @@ bucket), sent once, with a short timeout and no retries. A missing bucket is nev
 from __future__ import annotations
 
 import posixpath
-import re
 from typing import Any
 
 from muon_ckpt._errors import CheckpointError, CheckpointStorageError
 from muon_ckpt.store._catalog import Catalog
 from muon_ckpt.store._layout import parse_step_dirname
-from muon_ckpt.store._storage import DEFAULT_TIMEOUT, Storage, bad_options, is_storage_failure
+from muon_ckpt.store._storage import DEFAULT_TIMEOUT, Storage, is_storage_failure
+from muon_ckpt.store._url import bad_options, check_url
 
 __all__ = ["open_run", "open_storage"]
 
 _PROBE_TIMEOUT = 5.0  # seconds: the probe's connect and read timeout
-# A scheme of 2+ characters followed by ':' but not '://' ("s3:/ckpt", "gs:bucket").
-_HALF_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(?!//)(.*)$")
-
-
-def _check_url(field: str, url: str) -> None:
-    m = _HALF_URL.match(url)
-    if m is not None:
-        scheme, rest = m.groups()
-        raise ValueError(
-            f"{field} {url!r} is not a valid URL: the scheme {scheme!r} must be followed by "
-            f"'://' (did you mean {scheme}://{rest.lstrip('/')}?). A local path whose first "
-            f"part holds ':' can be written ./{url}"
-        )
-
-
 # Options a local path takes (fsspec's own, and the local filesystem's): anything else in
 # storage_options was meant for a remote filesystem, whose URL this is not.
 _LOCAL_OPTIONS = frozenset(
@@ -117,7 +103,7 @@ def open_storage(
     (``probe``: one request to the bucket of an object store)."""
     if not isinstance(url, str) or not url:
         raise ValueError(f"{field} must be a non-empty string, got {url!r}")
-    _check_url(field, url)
+    check_url(field, url)
     options = dict(storage_options or {})
     try:
         storage = Storage(url, options, timeout=timeout)

@@ -5,8 +5,10 @@ Remote paths are joined with ``posixpath`` only (never ``os.path``/``pathlib``, 
 
 Trust: a local file is read only when it is a regular file reached without following a link
 in its last component (``O_NOFOLLOW``; a FIFO, device or symlink is a CheckpointCorruptError,
-and opening never blocks), and small files are read up to a bound. Deleting never follows a
-symlink: the link goes, its target stays. Every other failure of the storage is raised as a
+and opening never blocks), and small files are read up to a bound. A step's reference to the
+run's data is read only when no directory on its way below the root is a symlink
+(``check_unlinked``). Deleting never follows a symlink: the link goes, its target stays;
+nothing is created or deleted through one. Every other failure of the storage is raised as a
 ``CheckpointStorageError`` naming the URL and the cause (a missing file stays a
 ``FileNotFoundError``).
 """
@@ -16,32 +18,26 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-import re
 import stat
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any
 
-import fsspec
-from fsspec.core import split_protocol, url_to_fs
-
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointStorageError
 from muon_ckpt.store._local import link_new, open_regular, rmtree
 from muon_ckpt.store._readahead import ReadAhead
 from muon_ckpt.store._rename import exchange
+from muon_ckpt.store._url import OBJECT_STORES, open_fs
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "Storage",
-    "bad_options",
     "is_storage_failure",
     "open_regular",
     "storage_error",
 ]
 
 DEFAULT_TIMEOUT = 60.0  # seconds: connect and read timeout of one storage request
-# Object stores: no directories (and creating one may create a bucket).
-_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 _STORAGE_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "fsspec")
 
 
@@ -60,26 +56,17 @@ def storage_error(e: BaseException, what: str) -> CheckpointStorageError:
     )
 
 
-def bad_options(url: str, options: dict[str, Any], e: TypeError) -> ValueError:
-    """The ValueError for storage options the filesystem does not accept (a typo)."""
-    m = re.search(r"unexpected keyword argument '([^']+)'", str(e))
-    which = f"the option {m.group(1)!r}" if m else f"one of {sorted(options)}"
-    return ValueError(
-        f"url {url!r}: storage_options: {which} is not accepted ({e}); check the spelling "
-        "against the filesystem's documentation (s3fs: key, secret, token, endpoint_url, "
-        "client_kwargs, config_kwargs, ...)"
-    )
+def _climbs(parts: tuple[str, ...]) -> bool:
+    """Whether ``parts`` has a ``..``: a step's name for a file of the run's data."""
+    return any(".." in part.split("/") for part in parts)
 
 
-def _timeout_options(url: str, options: dict[str, Any], timeout: float | None) -> dict[str, Any]:
-    """``options`` with ``timeout`` as the connect and read timeout of the S3 client, unless
-    the user set those (other schemes: as given)."""
-    if timeout is None or split_protocol(url)[0] not in ("s3", "s3a"):
-        return options
-    cfg = dict(options.get("config_kwargs") or {})
-    cfg.setdefault("connect_timeout", timeout)
-    cfg.setdefault("read_timeout", timeout)
-    return {**options, "config_kwargs": cfg}
+def _target(link: str) -> str:
+    """Where a symbolic link leads, for a message ("?" once it is gone)."""
+    try:
+        return os.readlink(link)
+    except OSError:
+        return "?"
 
 
 class Storage:
@@ -94,26 +81,14 @@ class Storage:
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError(f"url must be a non-empty string, got {url!r}")
-        options = _timeout_options(url, dict(storage_options or {}), timeout)
-        try:
-            fs, root = url_to_fs(url, **options)
-        except TypeError as e:
-            raise bad_options(url, options, e) from e
-        except (ValueError, ImportError) as e:
-            scheme = url.split("://", 1)[0] if "://" in url else "file"
-            known = sorted(fsspec.available_protocols())
-            raise ValueError(
-                f"url {url!r}: cannot open scheme {scheme!r} ({e}). Use a local path or an "
-                f"fsspec URL whose filesystem is installed (e.g. pip install 'muon-ckpt[s3]' "
-                f"for s3://); known schemes: {', '.join(known[:20])}, ..."
-            ) from e
+        fs, root, protocol = open_fs(url, dict(storage_options or {}), timeout)
         self.url = url
         self.storage_options = dict(storage_options or {})
         self.fs = fs
-        self.root = root.rstrip("/") or "/"
-        self.protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        self.root = root
+        self.protocol = protocol
         self.is_local = self.protocol in ("file", "local")
-        self.object_store = self.protocol in _OBJECT_STORES
+        self.object_store = self.protocol in OBJECT_STORES
 
     @contextlib.contextmanager
     def _calling(self, what: str, *parts: str) -> Iterator[None]:
@@ -130,13 +105,57 @@ class Storage:
 
     def path(self, *parts: str) -> str:
         """Filesystem path under the root (posix joins only). A ``..`` in ``parts`` (a step's
-        name for a file of the run's data, ``../data/<dir>/<file>``) is resolved here, in the
-        text: object stores keep ``..`` in a key, and locally the step directory may be a
-        symbolic link (then ``..`` is the run's root, never the link target's parent)."""
-        p = posixpath.join(self.root, *parts)
-        if any(".." in part.split("/") for part in parts):
-            p = posixpath.normpath(p)
-        return p
+        name for a file of the run's data, ``../data/<dir>/<file>``) is resolved here, on the
+        components: it takes the last one off (the root's, once those of ``parts`` are used
+        up), and the root is never rewritten, so a read finds what a write with the same
+        parts wrote whatever the root's text is. Object stores keep ``..`` in a key, and
+        locally the step directory may be a symbolic link (then ``..`` is the run's root,
+        never the link target's parent)."""
+        if not _climbs(parts):
+            return posixpath.join(self.root, *parts)
+        base, names = self._resolved(parts)
+        return posixpath.join(base, *names)
+
+    def _resolved(self, parts: tuple[str, ...]) -> tuple[str, list[str]]:
+        """``parts`` as (where its ``..`` lead, the names below that)."""
+        base, names = self.root, []
+        for name in posixpath.join(*parts).split("/") if parts else []:
+            if name != "..":
+                names.append(name)
+            elif names:
+                names.pop()
+            elif base.strip("/"):
+                base = posixpath.dirname(base)
+            else:
+                raise ValueError(f"{'/'.join(parts)!r} leads out of {self.url!r}")
+        return base, [n for n in names if n not in ("", ".")]
+
+    def link_in(self, *parts: str, last: bool = True) -> str | None:
+        """Locally, the first of the directories ``parts`` names below the root (below
+        where its ``..`` lead), and (``last``) the entry itself, that is a symbolic link;
+        None when none is (or on object stores, which have none)."""
+        if not self.is_local:
+            return None
+        base, names = self._resolved(parts)
+        for i in range(1, len(names) + (1 if last else 0)):
+            p = posixpath.join(base, *names[:i])
+            if os.path.islink(p):
+                return p
+        return None
+
+    def check_unlinked(self, *parts: str) -> None:
+        """A CheckpointCorruptError when ``parts`` is reached through a symbolic link below
+        the root (``link_in``): a step names its run's own data, and a link there leads to
+        another run's, or to a copy that nothing keeps in step with this run."""
+        link = self.link_in(*parts)
+        if link is not None:
+            raise CheckpointCorruptError(
+                f"{self.url_of(*parts)}: reached through the symbolic link {link} (to "
+                f"{_target(link)!r}); a step reads only its own run's data, never "
+                "through a link (two runs never share data), so it cannot be trusted here. "
+                "Load the step from the run that holds its data, or replace the link with a "
+                "copy of what it links to"
+            )
 
     def url_of(self, *parts: str) -> str:
         """A full URL (with scheme) for ``parts`` under the root, for messages and readers."""
@@ -236,6 +255,8 @@ class Storage:
         every other read fetches exactly its bytes). Without it, fsspec's own read-ahead."""
         p = self.path(*parts)
         if self.is_local:
+            if _climbs(parts):  # a step's reference to the run's data
+                self.check_unlinked(*parts)
             return os.fdopen(open_regular(p, self.url_of(*parts), follow=not parts), "rb")
         with self._calling("opening", *parts):
             if ahead is None:
@@ -251,6 +272,8 @@ class Storage:
         CheckpointCorruptError (read no further than that)."""
         p, where = self.path(*parts), self.url_of(*parts)
         if self.is_local:
+            if _climbs(parts):  # a step's reference to the run's data
+                self.check_unlinked(*parts)
             with os.fdopen(open_regular(p, where, follow=not parts), "rb") as f:
                 data = f.read() if limit is None else f.read(limit + 1)
         else:
@@ -281,8 +304,19 @@ class Storage:
 
     # ------------------------------------------------------------------ writes
     def makedirs(self, *parts: str) -> None:
+        """Create directory ``parts`` under the root, never through a symbolic link below
+        it (a CheckpointError naming the link: what a run writes stays in its own root)."""
         if self.object_store:  # no directories; s3fs would even create a missing bucket
             return
+        link = self.link_in(*parts)
+        if link is not None:
+            raise CheckpointError(
+                f"{self.url_of(*parts)}: {link} is a symbolic link (to {_target(link)!r}); "
+                "muon-ckpt writes only into its run's own directories, never through a link "
+                "(two runs never share data, and another run would delete what this one "
+                "wrote there). Replace the link with a copy of what it links to, or use "
+                "another url; nothing was written"
+            )
         with self._calling("creating", *parts):
             self.fs.makedirs(self.path(*parts), exist_ok=True)
 
@@ -364,11 +398,17 @@ class Storage:
             self.fs.copy(self.path(*src), self.path(*dst))
 
     def rm(self, *parts: str) -> None:
-        """Remove a file or a directory tree; a symlink is unlinked, its target kept. What is
-        gone already, or goes meanwhile (another process deleting the same step), is no
-        error."""
+        """Remove a file or a directory tree; a symlink is unlinked, its target kept, and
+        nothing is deleted through one (a CheckpointError). What is gone already, or goes
+        meanwhile (another process deleting the same step), is no error."""
         p = self.path(*parts)
         if self.is_local:
+            link = self.link_in(*parts, last=False)
+            if link is not None:  # (the link itself may go: rm of the link's own parts)
+                raise CheckpointError(
+                    f"{self.url_of(*parts)}: not deleted: it is reached through the symbolic "
+                    f"link {link}, and deleting never follows a link out of the run's root"
+                )
             with self._calling("deleting", *parts):
                 try:
                     st = os.lstat(p)

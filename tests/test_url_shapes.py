@@ -1,0 +1,121 @@
+"""Urls spelled with ``//``, ``/./``, ``..`` or a trailing slash (issue 49, point 6).
+
+Before the fix a save's data went to the url's own keys (``runs//run7/data/...``) while the
+size check, the read-back and every read looked at the keys normalised in the text
+(``runs/run7/data/...``): every save with dedup on failed with a CheckpointCorruptError
+that blamed the storage, and the data it left was never collected. A step's references are
+now resolved on the components, the root never rewritten, and an object store's url whose
+key has an empty, ``.`` or ``..`` component is refused when the manager is made, naming the
+plain url. Locally the operating system resolves those, the same way for writes and reads:
+each shape saves, loads bitwise, finds the steps saved through the plain path, and keeps
+only the data its steps refer to.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from muon_ckpt import CheckpointManager
+from muon_ckpt.store import DATA, MANIFEST, Manifest, Storage, data_ref, step_dirname
+from tests._ckpt import TinyNet, make_muon, muon_state_sd, train
+
+
+def _model() -> tuple[torch.nn.Module, Any]:
+    torch.manual_seed(0)
+    model = TinyNet()
+    model.register_buffer("frozen", torch.randn(64, 64))  # 16 KiB: later steps refer to it
+    return model, make_muon(model)
+
+
+def _save_three(url: str, opts: dict[str, Any]) -> dict[int, dict[str, torch.Tensor]]:
+    """Steps 1-3 with keep_last=1 (dedup on, the default); the state saved at each."""
+    model, opt = _model()
+    want = {}
+    with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts, keep_last=1) as m:
+        for step in (1, 2, 3):
+            train(model, opt, 1, seed=step)
+            m.save(step)
+            want[step] = muon_state_sd(model, opt)  # (clones)
+            want[step]["frozen"] = model.frozen.clone()
+    return want
+
+
+def _check_run(url: str, opts: dict[str, Any], want: dict[str, torch.Tensor]) -> None:
+    """Step 3 alone, loading bitwise through ``url``; the run's data is exactly what it
+    refers to (step 2's went with it, step 1's frozen tensor stays)."""
+    model, opt = _model()
+    mgr = CheckpointManager(url, model=model, optimizer=opt, storage_options=opts)
+    assert mgr.steps() == [3]
+    assert mgr.load() == 3
+    got = muon_state_sd(model, opt)
+    got["frozen"] = model.frozen
+    assert sorted(got) == sorted(want)
+    assert all(
+        torch.equal(got[k], v) if torch.is_tensor(v) else got[k] == v for k, v in want.items()
+    )
+    st = Storage(url, opts)
+    m = Manifest.from_json(st.read_bytes(step_dirname(3), MANIFEST), url)
+    named = {ref[0] for n in m.files if (ref := data_ref(n)) is not None}
+    assert len(named) == 2, named  # its own, and step 1's for the frozen tensor
+    assert set(st.listdir(DATA)) == named
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(
+    ("key", "what"),
+    [
+        ("runs//run7", "an empty component ('//')"),
+        ("runs/./run7", "a '.' component"),
+        ("runs/x/../run7", "a '..' component"),
+        ("/runs/run7", "an empty component ('//')"),
+    ],
+)
+def test_an_object_store_key_that_is_not_plain_is_refused(s3_bucket, key, what):
+    bucket, opts = s3_bucket
+    url = f"s3://{bucket}/{key}"
+    model, opt = _model()
+    with pytest.raises(ValueError) as e:
+        CheckpointManager(url, model=model, optimizer=opt, storage_options=opts)
+    msg = str(e.value)
+    assert url in msg and what in msg and f"use s3://{bucket}/runs/run7" in msg, msg
+    assert Storage(f"s3://{bucket}", opts).walk_files() == {}  # nothing written
+
+
+def test_a_key_above_the_bucket_is_refused():
+    with pytest.raises(ValueError, match=r"'\.\.' leads above the bucket.*a prefix inside"):
+        Storage("memory://bucket/../run7")
+
+
+@pytest.mark.s3
+def test_a_trailing_slash_is_the_plain_url(s3_bucket):
+    bucket, opts = s3_bucket
+    want = _save_three(f"s3://{bucket}/runs/run7/", opts)
+    _check_run(f"s3://{bucket}/runs/run7", opts, want[3])
+    keys = Storage(f"s3://{bucket}", opts).walk_files()
+    assert keys and all(k.startswith("runs/run7/") for k in keys), sorted(keys)[:5]
+
+
+@pytest.mark.parametrize("shape", ["a//run7", "a/./run7", "a/run7/", "a/x/../run7"])
+def test_a_local_path_of_any_shape_saves_loads_and_collects(tmp_path, shape):
+    os.makedirs(tmp_path / "a" / "x")
+    url = f"{tmp_path}/{shape}"
+    want = _save_three(url, {})
+    _check_run(url, {}, want[3])
+    _check_run(str(tmp_path / "a" / "run7"), {}, want[3])
+
+
+def test_a_dot_dot_after_a_linked_directory_is_resolved_where_the_system_does(tmp_path):
+    """``x`` links elsewhere: ``a/x/../run7`` is ``elsewhere/run7`` for the operating system.
+    The references used to be resolved in the text (``a/run7``): no save committed."""
+    os.makedirs(tmp_path / "a")
+    os.makedirs(tmp_path / "elsewhere" / "deep")
+    os.symlink(tmp_path / "elsewhere" / "deep", tmp_path / "a" / "x")
+    url = f"{tmp_path}/a/x/../run7"
+    want = _save_three(url, {})
+    _check_run(url, {}, want[3])
+    _check_run(str(tmp_path / "elsewhere" / "run7"), {}, want[3])
+    assert not os.path.exists(tmp_path / "a" / "run7")
