@@ -214,3 +214,30 @@ def test_a_blob_converts_numpy_and_refuses_what_a_load_cannot_read():
     state["callbacks"]["Counter"]["gen"] = Opaque(1)
     with pytest.raises(CheckpointError, match=r"blob\['callbacks'\]\['Counter'\]\['gen'\] is a"):
         pack(state, "blob")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_zero_dim_tensors_in_extra_and_rank_extra_save_and_load(tmp_path, async_save):
+    """A 0-dim tensor (a counter, a loss scale) in ``extra`` is staged and digested like any
+    other: ``save()`` commits it and ``load()`` gives it back, dtype and shape included."""
+    url = str(tmp_path / "run")
+    model = torch.nn.Linear(2, 2)
+    saved = Holder({"n": torch.tensor(3), "scale": torch.tensor(2.5, dtype=torch.bfloat16)})
+    mgr = CheckpointManager(
+        url,
+        model=model,
+        extra={"c": saved},
+        rank_extra={"r": Holder(torch.tensor(7.0))},
+        async_save=async_save,
+    )
+    assert mgr.save(1, force=True)
+    mgr.close()
+    got = Holder({"n": torch.tensor(0), "scale": torch.tensor(0.0, dtype=torch.bfloat16)})
+    own = Holder(torch.tensor(0.0))
+    mgr = CheckpointManager(url, model=model, extra={"c": got}, rank_extra={"r": own})
+    assert mgr.load() == 1
+    mgr.close()
+    for k, v in saved.value.items():
+        assert got.value[k].shape == () and got.value[k].dtype == v.dtype
+        assert torch.equal(got.value[k], v)
+    assert torch.equal(own.value, torch.tensor(7.0))

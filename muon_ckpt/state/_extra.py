@@ -133,7 +133,7 @@ def _feed(h: Any, v: Any) -> None:
         h.update(f"T{v.dtype}{tuple(v.shape)}".encode())
         if not hasattr(v, "_local_tensor"):  # a DTensor's shards differ by rank: shape only
             t = v.detach().cpu().contiguous()
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     elif isinstance(v, dict):
         h.update(b"D%d" % len(v))
         for k, x in sorted(v.items(), key=lambda kv: repr(kv[0])):

@@ -107,7 +107,8 @@ class HostStaging:
             for key, src, off in items:
                 # Storage == exactly this range (a numpy slice), so DCP does not clone it.
                 dst = torch.from_numpy(flat[off : off + _nbytes(src)])
-                out.append((dev, key, src, dst.view(src.dtype).view(src.shape)))
+                # (bytes -> dtype needs a dimension: a 0-dim tensor's range is viewed flat first)
+                out.append((dev, key, src, dst.view(src.dtype).reshape(src.shape)))
         return out
 
     def reserve(self, sd: dict[str, Any], *, copy_cpu: bool = False) -> dict[str, Any]:
