@@ -162,6 +162,8 @@ class CheckpointManager:
             finish_at_exit(self, pending=True)  # the interpreter's exit waits for it (_exit)
             name = optimizer_name(self._optimizer)
             return self._memory.save_only(step, self._saves, self._catalog, name)[0]
+        if memory and self._memory is not None:
+            self._memory.supersede(step)  # (a queued memory step is older than this one)
         self.wait()
         return self._save(step, overwrite, bool(self.config.async_save), memory=memory)
 

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -38,9 +38,33 @@ from muon_ckpt.save._deferred import DeferredCopies
 from muon_ckpt.save._snapshot import Snapshot
 from muon_ckpt.save._writer import ChecksumWriter, FileRecords
 from muon_ckpt.state import HostStaging
-from muon_ckpt.store import Catalog, FileEntry, SavePlan, confirm_files, step_dirname, write_dirname
+from muon_ckpt.store import (
+    METADATA,
+    Catalog,
+    FileEntry,
+    SavePlan,
+    confirm_files,
+    step_dirname,
+    write_dirname,
+)
 
-__all__ = ["SaveJob", "WriteSpec", "spec_for", "write_and_commit"]
+__all__ = ["Prebuilt", "SaveJob", "WriteSpec", "spec_for", "write_and_commit"]
+
+
+class Prebuilt(Protocol):
+    """A step's files written and checksummed elsewhere (the memory tier's parts), which a
+    save copies as they are instead of writing a snapshot: each rank copies its own, rank 0
+    writes the step's ``.metadata`` from every rank's share of it."""
+
+    keys: int  # this rank's keys (the manifest's "keys", as len(sd) of a snapshot)
+
+    def copy(self, writer: ChecksumWriter) -> Any:
+        """This rank's files copied through ``writer.copy_file``; its share of the metadata."""
+        ...
+
+    def metadata(self, shares: list[Any]) -> tuple[Any, list[Any]]:
+        """Rank 0: the step's DCP metadata and each rank's write results, from the shares."""
+        ...
 
 
 class StagedSavePlanner(DefaultSavePlanner):
@@ -81,6 +105,7 @@ class WriteSpec:
     data_dir: str | None = None
     base: DedupBase | None = None
     compress: bool = False  # tensors stored compressed (store.codec; format 4)
+    parts: Prebuilt | None = None  # files copied as they are instead of ``sd`` written
     timings: dict[str, float] = field(default_factory=dict)
     committed_at: float | None = None  # time.perf_counter() once the step was committed
     next_base: DedupBase | None = None  # once committed with data_dir: the next save's base
@@ -149,14 +174,19 @@ def write_and_commit(w: WriteSpec) -> None:
         base=w.base,
         compress=w.compress,
     )
+    share, failed = None, None
     try:
         what = f"saving step {step} to {storage.url!r}"
-        _dcp.save(w.sd, writer, StagedSavePlanner(w.staging), w.group, what)
+        if w.parts is None:
+            _dcp.save(w.sd, writer, StagedSavePlanner(w.staging), w.group, what)
+        else:  # (no collective: a failure goes to the gather below, where every rank is)
+            share, failed = _copied(w.parts, writer, since)
     finally:
         w.staging.finish()
     t1 = time.perf_counter()
-    failed: Exception | None = None
     try:
+        if failed is not None:
+            raise failed
         if w.deferred is not None:  # every copy has landed (finish): was a source changed?
             w.deferred.verify()
         confirm_files(storage, dirname, records.files, w.confirm, w.io_threads)
@@ -167,15 +197,21 @@ def write_and_commit(w: WriteSpec) -> None:
         failed = e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")
     w.timings["confirm"] = time.perf_counter() - t1
     refs = writer.dedup.refs  # files of earlier saves the step refers to (not confirmed again)
-    gathered = coll.gather_to_rank0(({**refs, **records.files}, failed), w.group)
+    gathered = coll.gather_to_rank0(({**refs, **records.files}, failed, share), w.group)
 
     def commit() -> None:
         files: dict[str, FileEntry] = {}
-        for part, err in gathered or []:
+        for part, err, _ in gathered or []:
             if err is not None:
                 raise err
             files.update(part)
-        extra: dict[str, Any] = {"io_threads": w.io_threads, "keys": len(w.sd)}
+        if w.parts is not None:  # the step's .metadata, written as DCP's finish writes it
+            writer.finish(*w.parts.metadata([s for _, _, s in gathered or []]))
+            md = {METADATA: records.files[METADATA]}
+            confirm_files(storage, dirname, md, w.confirm, w.io_threads)
+            files.update(md)
+        keys = len(w.sd) if w.parts is None else w.parts.keys
+        extra: dict[str, Any] = {"io_threads": w.io_threads, "keys": keys}
         if w.optimizer is not None:
             extra["optimizer"] = w.optimizer
         m = w.catalog.commit(
@@ -238,6 +274,19 @@ def write_and_commit(w: WriteSpec) -> None:
         stage_wait=w.staging.wait_seconds,
         **records.thread_seconds(),
     )
+
+
+def _copied(
+    parts: Prebuilt, writer: ChecksumWriter, since: BaseException | None
+) -> tuple[Any, CheckpointError | None]:
+    """This rank's prebuilt files copied: (its share of the metadata, None), or (None, why)."""
+    try:
+        writer.fs.mkdir(writer.path)  # (as DCP's prepare_local_plan makes the step directory)
+        return parts.copy(writer), None
+    except Exception as e:
+        if interrupt_in(e, since) is not None:
+            raise
+        return None, e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")
 
 
 class SaveJob:
