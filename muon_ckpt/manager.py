@@ -189,7 +189,8 @@ class CheckpointManager:
     @passes_interrupts
     def wait(self) -> int | None:
         """Block until the pending asynchronous save is complete in every tier it goes to
-        (committed to ``url``; in the memory tier, replicas included) and return its step
+        (committed to ``url``; in the memory tier, replicas included, and the memory step
+        queued behind it written) and return its step
         (None when nothing was pending); a failure to commit is raised here (CheckpointError
         naming the step); the memory tier's are WARNINGs."""
         self._check_open()

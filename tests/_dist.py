@@ -182,20 +182,28 @@ def run_then_kill(
     *args: Any,
     timeout: float = 180.0,
     kill_after: float | None = None,
+    kill_when: Callable[[], bool] | None = None,
 ) -> list[Any] | None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks as ``run_on_ranks`` does;
     once every rank's ``fn`` has returned, SIGKILL them all: no ``close()``, no exit hooks, no
     process-group teardown (a crashed job). Returns what each ``fn`` returned; a rank that
     failed is raised as by ``run_on_ranks``. With ``kill_after``, they are killed that many
-    seconds after they started, wherever they are (then None is returned)."""
+    seconds after they started, wherever they are (then None is returned); with
+    ``kill_when``, as soon as it returns True (polled; a marker the ranks write, so that the
+    kill never races the machine's speed), within ``timeout``."""
     procs, results, stack_files = _spawn(_child_then_wait, fn, world_size, args, timeout)
     outs: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + (timeout if kill_after is None else kill_after)
+    when = kill_when is not None
+    if when:
+        kill_after = 0.0  # (killed wherever they are: nothing is returned)
     try:
         while len(outs) + len(failures) < world_size and time.monotonic() < deadline:
+            if when and kill_when():
+                break
             try:
-                rank, ok, payload = results.get(timeout=1.0)
+                rank, ok, payload = results.get(timeout=0.05 if when else 1.0)
             except queue.Empty:
                 continue
             if ok:
@@ -209,6 +217,8 @@ def run_then_kill(
                 os.kill(p.pid, 9)
             p.join()
     try:
+        if when and not failures and not kill_when():
+            raise AssertionError(f"{fn.__name__}: not ready to be killed within {timeout:.0f}s")
         if kill_after is None or failures:
             _raise_failures(fn, world_size, outs, failures, stack_files, timeout)
     finally:

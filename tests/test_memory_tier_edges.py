@@ -325,7 +325,7 @@ def _memory_only(url, root, rank, model, opt, **kw):
     )
 
 
-def body_save_forever(rank, world_size, url, root, progress):
+def body_save_forever(rank, world_size, url, root, progress, saves):
     model, opt = _fresh()
     opt.init_state()
     mgr = _memory_only(url, root, rank, model, opt, async_save=True)
@@ -347,6 +347,8 @@ def body_save_forever(rank, world_size, url, root, progress):
                     if torch.is_tensor(v):
                         v.fill_(step)
         mgr.save(step)
+        with open(saves, "a") as f:  # (the parent kills after a random number of these)
+            f.write(f"{rank} {step}\n")
 
 
 def body_load_once(rank, world_size, url, root):
@@ -373,8 +375,16 @@ def test_sigkills_while_writing_and_replicating_never_load_a_torn_step(tmp_path)
     with CheckpointManager(url, model=model, optimizer=opt) as mgr:
         mgr.save(0)
     rng = random.Random(7)
+    saves = tmp_path / "saves"
+    saves.touch()
+
+    def count() -> int:
+        return len(saves.read_text().splitlines())
+
     for _ in range(10):
-        run_then_kill(body_save_forever, 2, url, root, progress, kill_after=rng.uniform(3, 6))
+        target = count() + rng.randint(2, 12)  # save() calls of both ranks, then SIGKILL
+        args = (url, root, progress, str(saves))
+        run_then_kill(body_save_forever, 2, *args, kill_when=lambda t=target: count() >= t)
     got = run_on_ranks(body_load_once, 2, url, root)
     with open(progress) as f:
         lines = f.read().splitlines()

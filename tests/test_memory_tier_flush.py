@@ -113,13 +113,17 @@ def test_a_run_resumes_from_a_flushed_step_and_saves_on(tmp_path):
     assert_same_nested(want, _from_url(str(tmp_path / "run"), 10))
 
 
-def test_the_exit_hook_commits_the_memory_steps_own_bytes(tmp_path):
+@pytest.mark.parametrize("mode,step", [("moved-on", 7), ("queued", 8)])
+def test_the_exit_hook_commits_the_memory_steps_own_bytes(tmp_path, mode, step):
+    """A script that returns without close(): the exit writes a queued memory step and
+    flushes the newest one's own bytes."""
     url, mem, state = str(tmp_path / "run"), str(tmp_path / "mem"), str(tmp_path / "want.pt")
-    out = run_script(["-m", "tests._flush_job", url, mem, state], env={"PYTHONPATH": _REPO})
+    args = ["-m", "tests._flush_job", mode, url, mem, state]
+    out = run_script(args, env={"PYTHONPATH": _REPO})
     assert out.returncode == 0, out.stderr
-    assert Storage(url).listdir().count("step-00000007") == 1, out.stderr
+    assert Storage(url).listdir().count(f"step-{step:08d}") == 1, out.stderr
     shutil.rmtree(mem)
-    assert_same_nested(torch.load(state), _from_url(url, 7))
+    assert_same_nested(torch.load(state), _from_url(url, step))
 
 
 @pytest.mark.parametrize("how", ["flipped", "missing", "file-gone"])

@@ -158,6 +158,18 @@ class MemorySaves:
         src.group = group
         snap = take(src, step, background=True)
         saves.deferred = snap.deferred
+        if busy and not snap.background:  # (max_staging_bytes: the live state cannot wait)
+            snap.staging.finish()
+            snap.reader_done()
+            self.tier.skipped += 1
+            if coll.rank() == 0:
+                _log.warning(
+                    "step %d is not kept in host memory: the previous memory save is still "
+                    "running, and a snapshot to wait beside it would exceed "
+                    "max_staging_bytes",
+                    step,
+                )
+            return False, None
         if busy:
             self.queued = _Queued(
                 step, snap, src, plan, line_id, save_id, calls, optimizer, saves.gate
