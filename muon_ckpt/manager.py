@@ -279,7 +279,7 @@ class CheckpointManager:
             return None
         self._line.loaded(self.url, got.decision)
         if self._memory is not None:  # the state is the loaded step's: no memory step to flush
-            self._memory.mark = None
+            self._memory.loaded()
         self.last_load_report, self.last_load_timings = got.report, got.timings
         self.last_load_bytes_read = got.bytes_read if got.tier == "storage" else 0
         self.last_load_tier = got.tier

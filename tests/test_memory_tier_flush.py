@@ -126,6 +126,26 @@ def test_the_exit_hook_commits_the_memory_steps_own_bytes(tmp_path, mode, step):
     assert_same_nested(torch.load(state), _from_url(url, step))
 
 
+def test_a_failed_newer_memory_save_flushes_the_complete_one_before_it(tmp_path, caplog):
+    """Step 7's part cannot be written (a file where its directory goes): close() commits
+    step 6, the newest memory step complete on every rank, with its own bytes."""
+    model, opt = _fresh()
+    data, rng = Position(1), Position(2)
+    mgr = _mgr(tmp_path, model, opt, extra={"data": data}, rank_extra={"rng": rng})
+    assert mgr.load() is None
+    train_and_save(mgr, model, opt, data, rng, range(1, 7))
+    want = everything(model, opt, data, rng)
+    (_run_dir(tmp_path) / "step-00000007").write_bytes(b"in the way")
+    with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
+        train_and_save(mgr, model, opt, data, rng, [7])
+    assert any("step 7 is not kept" in r.getMessage() for r in caplog.records)
+    moved_on(model, data, rng)
+    mgr.close()
+    assert mgr.steps() == [5, 6]
+    shutil.rmtree(tmp_path / "mem")
+    assert_same_nested(want, _from_url(str(tmp_path / "run"), 6))
+
+
 @pytest.mark.parametrize("how", ["flipped", "missing", "file-gone"])
 def test_a_damaged_or_missing_part_flushes_nothing(how, tmp_path, caplog):
     mgr, _ = _run(tmp_path)

@@ -33,6 +33,10 @@ __all__ = ["MemorySaves"]
 
 _log = logging.getLogger("muon_ckpt")
 
+# Memory saves whose ids are kept for the flush: one job runs at a time, so the newest
+# complete step is one of the last few started.
+_IDS_KEPT = 8
+
 
 @dataclasses.dataclass
 class _Queued:
@@ -70,9 +74,10 @@ class MemorySaves:
         self.job: MemoryJob | None = None
         self._job_src: SaveSources | None = None  # the buffers the running job reads
         self.queued: _Queued | None = None
-        # (step, save id) of the newest memory save since the last load: what close() flushes
-        # once it is complete (None: nothing; a load's state is that step's own).
+        # (step, save id) of the newest memory save since the last load (None: none, or
+        # nothing to flush), and the ids of all of them: close() flushes the newest complete.
         self.mark: tuple[int, str] | None = None
+        self._ids: dict[int, str] = {}
 
     def close(self) -> None:
         """Drop a queued save; the buffers of memory-only snapshots are freed."""
@@ -81,14 +86,19 @@ class MemorySaves:
         if self._spare is not None:
             self._spare.staging.release()
 
+    def loaded(self) -> None:
+        """A load: the state is the loaded step's; no memory save before it is flushed."""
+        self.mark = None
+        self._ids.clear()
+
     def flush(self, saves: UrlSaves, url: str) -> None:
-        """``MemoryOptions.flush`` at ``close()``: the newest memory save, complete on every rank,
-        committed to ``url`` with its own bytes when the url's newest step is older."""
-        if not self.tier.opts.flush or self.mark is None:
+        """``MemoryOptions.flush`` at ``close()``: the newest memory step complete on every rank
+        (saved since the last load) committed to ``url`` with its own bytes when the url's
+        newest step is older (a newer memory save that failed is passed over)."""
+        step = self.tier.last_complete
+        if not self.tier.opts.flush or self.mark is None or step not in self._ids:
             return
-        step, save_id = self.mark
-        if self.tier.last_complete == step:
-            flush(self.tier, step, save_id, saves, url)
+        flush(self.tier, step, self._ids[step], saves, url)
 
     def reap(self) -> int | None:
         """Finish the memory job if it has ended (its release runs in this thread); its step."""
@@ -209,9 +219,9 @@ class MemorySaves:
         if coll.rank() == 0:
             _log.warning(
                 "step %d is not kept in host memory: step %d replaced it while the memory save "
-                "before it was still running (%d dropped so far); a restart after a crash "
-                "now resumes at most the step being written. A larger MemoryOptions.interval, "
-                "or a faster tier, avoids this",
+                "before it was still running (%d dropped so far); until a newer memory step is "
+                "complete, a crash resumes an older one. A larger MemoryOptions.interval, or a "
+                "faster tier, avoids this",
                 q.step,
                 by,
                 self.tier.skipped,
@@ -267,6 +277,10 @@ class MemorySaves:
         job.start()
         self.job, self._job_src = job, src
         self.mark = (step, save_id)
+        self._ids.pop(step, None)
+        self._ids[step] = save_id
+        while len(self._ids) > _IDS_KEPT:
+            del self._ids[next(iter(self._ids))]
         if not snap.background:  # it reads the live state: done before training goes on
             job.wait_written()
         return job
