@@ -23,6 +23,7 @@ from tests._dist import run_on_ranks, run_script
 from tests._memtier import (
     Position,
     _fresh,
+    _memory,
     _mgr,
     _run_dir,
     assert_same_nested,
@@ -47,12 +48,17 @@ def _run(tmp_path, **kw):
     return mgr, want
 
 
-def _from_url(url, step):
+def _from_url(url, step, options=None):
     """The url's ``step`` loaded without a tier: everything it holds."""
     model, opt = _fresh(seed=9)
     data, rng = Position(5), Position(6)
     with CheckpointManager(
-        url, model=model, optimizer=opt, extra={"data": data}, rank_extra={"rng": rng}
+        url,
+        model=model,
+        optimizer=opt,
+        extra={"data": data},
+        rank_extra={"rng": rng},
+        storage_options=options,
     ) as mgr:
         assert mgr.load() == step
     return everything(model, opt, data, rng)
@@ -90,6 +96,31 @@ def test_close_commits_the_memory_steps_own_bytes_not_the_live_state(tmp_path, o
     assert _entries(os.path.join(url, "step-00000007", "manifest.json")) == held
     shutil.rmtree(tmp_path / "mem")
     assert_same_nested(want, _from_url(url, 7))
+
+
+def test_the_flush_copies_the_parts_to_every_kind_of_storage(storage_url, tmp_path):
+    """Local, ``memory://`` and S3 (moto): the url's step 7 is the tier's bytes."""
+    url, opts = storage_url
+    model, opt = _fresh()
+    data, rng = Position(1), Position(2)
+    mgr = CheckpointManager(
+        url,
+        model=model,
+        optimizer=opt,
+        extra={"data": data},
+        rank_extra={"rng": rng},
+        interval=5,
+        storage_options=opts,
+        memory=_memory(tmp_path),
+    )
+    assert mgr.load() is None
+    train_and_save(mgr, model, opt, data, rng, range(1, 8))
+    want = everything(model, opt, data, rng)
+    moved_on(model, data, rng)
+    mgr.close()
+    assert mgr.steps() == [5, 7]
+    shutil.rmtree(tmp_path / "mem")
+    assert_same_nested(want, _from_url(url, 7, opts))
 
 
 def test_a_run_resumes_from_a_flushed_step_and_saves_on(tmp_path):
