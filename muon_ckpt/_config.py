@@ -121,7 +121,7 @@ MEMORY_OPTIONS: dict[str, str] = {
     "node_size": "consecutive ranks per node, for replicas (None: `LOCAL_WORLD_SIZE`)",
     "keep": "steps kept (older ones are deleted once a newer one is complete on every rank)",
     "flush": "`close()` saves the newest memory step to `url` when it is newer than the "
-    "newest committed one (the state must still be that step's)",
+    "newest committed one: the bytes the tier holds of it (nothing when a part is damaged)",
 }
 
 

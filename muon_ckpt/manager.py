@@ -163,6 +163,8 @@ class CheckpointManager:
             finish_at_exit(self, pending=True)  # the interpreter's exit waits for it (_exit)
             name = optimizer_name(self._optimizer)
             return self._memory.save_only(step, self._saves, self._catalog, name)[0]
+        if memory and self._memory is not None:
+            self._memory.supersede(step)  # (a queued memory step is older than this one)
         self.wait()
         return self._save(step, overwrite, bool(self.config.async_save), memory=memory)
 
@@ -188,9 +190,9 @@ class CheckpointManager:
     @passes_interrupts
     def wait(self) -> int | None:
         """Block until the pending asynchronous save is complete in every tier it goes to
-        (committed to ``url``; in the memory tier, replicas included) and return its step
-        (None when nothing was pending); a failure to commit is raised here (CheckpointError
-        naming the step); the memory tier's are WARNINGs."""
+        (committed to ``url``; in the memory tier, replicas and a queued memory step included)
+        and return its step (None when nothing was pending); a failure to commit is raised
+        here (CheckpointError naming the step); the memory tier's are WARNINGs."""
         self._check_open()
         try:
             kept = self._memory.wait() if self._memory is not None else None
@@ -277,7 +279,7 @@ class CheckpointManager:
             return None
         self._line.loaded(self.url, got.decision)
         if self._memory is not None:  # the state is the loaded step's: no memory step to flush
-            self._memory.mark = None
+            self._memory.loaded()
         self.last_load_report, self.last_load_timings = got.report, got.timings
         self.last_load_bytes_read = got.bytes_read if got.tier == "storage" else 0
         self.last_load_tier = got.tier

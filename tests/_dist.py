@@ -188,20 +188,22 @@ def run_then_kill(
     once every rank's ``fn`` has returned, SIGKILL them all: no ``close()``, no exit hooks, no
     process-group teardown (a crashed job). Returns what each ``fn`` returned; a rank that
     failed is raised as by ``run_on_ranks``. With ``kill_after``, they are killed that many
-    seconds after they started, wherever they are; with ``kill_when``, as soon as it returns
-    True (a progress marker the ranks write: a loaded host only delays it), or after
-    ``timeout``, which then fails. Either way None is returned."""
+    seconds after they started, wherever they are (then None is returned); with
+    ``kill_when``, as soon as it returns True (polled; a marker the ranks write, so that the
+    kill never races the machine's speed), within ``timeout``."""
     procs, results, stack_files = _spawn(_child_then_wait, fn, world_size, args, timeout)
     outs: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + (timeout if kill_after is None else kill_after)
-    poll = 1.0 if kill_when is None else 0.05
+    when = kill_when is not None
+    if when:
+        kill_after = 0.0  # (killed wherever they are: nothing is returned)
     try:
         while len(outs) + len(failures) < world_size and time.monotonic() < deadline:
-            if kill_when is not None and kill_when():
+            if when and kill_when():
                 break
             try:
-                rank, ok, payload = results.get(timeout=poll)
+                rank, ok, payload = results.get(timeout=0.05 if when else 1.0)
             except queue.Empty:
                 continue
             if ok:
@@ -214,18 +216,14 @@ def run_then_kill(
             if p.is_alive():
                 os.kill(p.pid, 9)
             p.join()
-    killed = kill_after is not None or kill_when is not None
     try:
-        if kill_when is not None and not failures and not kill_when():
-            raise AssertionError(
-                f"{fn.__name__}: the ranks never reached the point to kill them at "
-                f"within {timeout:.0f} s"
-            )
-        if not killed or failures:
+        if when and not failures and not kill_when():
+            raise AssertionError(f"{fn.__name__}: not ready to be killed within {timeout:.0f}s")
+        if kill_after is None or failures:
             _raise_failures(fn, world_size, outs, failures, stack_files, timeout)
     finally:
         shutil.rmtree(os.path.dirname(stack_files[0]), ignore_errors=True)
-    return None if killed else [outs[r] for r in range(world_size)]
+    return None if kill_after is not None else [outs[r] for r in range(world_size)]
 
 
 def _child_then_wait(fn, rank, world_size, port, args, results, stack_file, timeout):

@@ -7,7 +7,8 @@ node 1's memory directory deleted; a restart on 4 ranks loads step 7 (ranks 0-1 
 memory, ranks 2-3 from the replicas on node 0), bitwise the state of the run at step 7,
 reading no step data from storage. With both nodes' memory gone, step 5 from storage; on 3
 ranks, the url's step, without error. A flipped byte in a memory-tier file: that rank's part
-comes from its replica; flipped in both copies: the url's step. Never a wrong value.
+comes from its replica; flipped in both copies: the url's step. Never a wrong value. Saves
+that outrun the tier (each due while the one before still runs) keep the newest step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -60,6 +62,36 @@ def body_train(rank, world_size, url, root, offload, node_size=NODE):
         states[s] = _state(model, opt)
     assert mgr.durable_step == 5
     return {s: states[s] for s in (5, 7)}
+
+
+def body_train_past_a_slow_tier(rank, world_size, url, root):
+    """Steps 1-7 to the tier only (step 0 to the url too), step 1's memory job held until
+    step 7's save() returned: every later step comes while a memory save runs."""
+    from optim.newton_schulz import set_ns_compile
+
+    set_ns_compile(False)
+    model, opt = build(world_size)
+    mgr = CheckpointManager(
+        url,
+        model=model,
+        optimizer=opt,
+        interval=100,
+        memory=MemoryOptions(interval=1, dir=_mem(root, rank), node_size=NODE),
+        async_save=True,
+    )
+    assert mgr.load() is None
+    assert mgr.save(0) and mgr.wait() == 0  # (memory steps load on a line the url holds)
+    gate = mgr._saves.gate = threading.Event()
+    try:
+        for s in range(1, 8):
+            train(model, range(s, s + 1), opt)
+            assert mgr.save(s)
+        want = _state(model, opt)
+        train(model, range(8, 9), opt)  # the queued step's bytes are step 7's
+    finally:
+        gate.set()
+    assert mgr.wait() == 7
+    return want
 
 
 def body_restore(rank, world_size, url, root, offload, node_size=NODE):
@@ -207,3 +239,17 @@ def test_nodes_numbered_otherwise_load_the_replicas_they_hold(tmp_path):
     assert [g[2] for g in got] == [0, 0]
     for r, g in enumerate(got):
         _assert_state(want[7], g[3], f"rank {r}, step 7 from the replica it holds")
+
+
+def test_the_newest_step_is_kept_when_saves_outrun_the_tier(tmp_path):
+    """interval=1 on 4 ranks as 2 nodes, each memory save arriving while the one before still
+    runs: after wait(), the tier holds step 7 (not an older one), which a restart loads
+    bitwise, ranks 2-3 from the replicas on node 0."""
+    url, root = str(tmp_path / "run"), str(tmp_path / "mem")
+    want = run_then_kill(body_train_past_a_slow_tier, 4, url, root)[0]
+    shutil.rmtree(os.path.join(root, "node1"))
+    got = run_on_ranks(body_restore, 4, url, root, False)
+    assert [g[0] for g in got] == [7] * 4
+    assert [g[1] for g in got] == ["memory", "memory", "peer", "peer"]
+    for r, g in enumerate(got):
+        _assert_state(want, g[3], f"rank {r}, step 7 from memory")

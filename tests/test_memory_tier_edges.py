@@ -1,6 +1,6 @@
 """The memory tier's edges, in one process unless said: its bound (``MemoryOptions.keep``), a memory
-save that finds the previous one still running (skipped) or a write in flight (not waited
-for), directories it must not read, steps of another line, the budget, ``close()``'s flush,
+save that finds the previous one still running (queued, the newest kept) or a write in flight
+(not waited for), directories it must not read, steps of another line, the budget, ``close()``'s flush,
 SIGKILLs while parts are written and replicated, and ``muon-ckpt ls/prune --memory``."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import threading
 
 import pytest
@@ -62,20 +63,71 @@ def test_the_tier_keeps_its_newest_keep_steps(tmp_path, caplog):
     assert all(one <= n < 2 * one + (1 << 20) for n in sizes), (sizes, one)
 
 
-def test_a_memory_save_is_skipped_while_the_previous_one_runs(tmp_path, caplog):
-    model, opt = _fresh()
+def _not_kept(caplog):
+    return [r.getMessage() for r in caplog.records if "not kept in host memory" in r.getMessage()]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["offload-off", "offload-on"])
+def test_a_memory_save_while_one_runs_is_queued_and_the_newest_kept(tmp_path, caplog, offload):
+    """The job of step 1 is held: step 2 is queued with its own bytes (nothing said), step 3
+    replaces it (a WARNING names step 2); training on changes nothing queued; wait() keeps
+    step 3, which a restart loads bitwise."""
+    model, opt = _fresh(offload=offload)
     mgr = _mgr(tmp_path, model, opt, interval=100)
     mgr.load()
+    assert mgr.save(0) and mgr.wait() == 0  # (the url holds the run's line)
     gate = mgr._saves.gate = threading.Event()
-    assert mgr.save(1)  # held at the gate
-    with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
-        assert not mgr.save(2)
-    assert mgr._memory.tier.skipped == 1
-    assert any("still running" in r.getMessage() for r in caplog.records)
-    gate.set()
-    assert mgr.wait() == 1
-    assert mgr.save(3) and mgr.wait() == 3
+    try:
+        train(model, opt, 1, seed=1)
+        assert mgr.save(1)  # its job waits at the gate
+        with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
+            train(model, opt, 1, seed=2)
+            assert mgr.save(2)
+            assert _not_kept(caplog) == []
+            train(model, opt, 1, seed=3)
+            assert mgr.save(3)
+            want = _state(model, opt)
+            train(model, opt, 1, seed=4)
+        said = _not_kept(caplog)
+        assert len(said) == 1 and "step 2 " in said[0] and "step 3 replaced" in said[0], said
+        assert mgr._memory.tier.skipped == 1
+    finally:
+        gate.set()  # (a failure here must not leave the job waiting at exit)
+    assert mgr.wait() == 3
+    mgr._memory.mark = None
     mgr.close()
+    step, tier, got = _load_fresh(tmp_path, offload=offload)
+    assert (step, tier) == (3, "memory")
+    _assert_same(want, got)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["offload-off", "offload-on"])
+def test_a_queued_memory_save_beside_a_write_in_flight_is_the_newest_kept(tmp_path, offload):
+    """Step 5's write to the url is held, step 6's memory job too (its buffers are its own):
+    step 7 is queued into a third set of buffers, and kept."""
+    model, opt = _fresh(offload=offload)
+    mgr = _mgr(tmp_path, model, opt, async_save=True)
+    mgr.load()
+    train(model, opt, 1, seed=0)
+    gate = mgr._saves.gate = threading.Event()
+    try:
+        assert mgr.save(5)  # due for both tiers; the url's write waits at the gate
+        mgr._memory.job.wait()  # (the memory part of step 5 is not gated)
+        train(model, opt, 1, seed=1)
+        assert mgr.save(6)  # memory only, beside the write: held at the gate
+        train(model, opt, 1, seed=2)
+        assert mgr.save(7)  # queued
+        want = _state(model, opt)
+        train(model, opt, 1, seed=3)
+    finally:
+        gate.set()
+    assert mgr.wait() == 7
+    assert mgr.steps() == [5]
+    mgr._memory.mark = None
+    mgr.close()
+    step, tier, got = _load_fresh(tmp_path, offload=offload)
+    assert (step, tier) == (7, "memory")
+    _assert_same(want, got)
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["offload-off", "offload-on"])
@@ -227,7 +279,7 @@ def test_the_budget_counts_this_ranks_parts_only(tmp_path):
     mgr.close()
 
 
-def test_close_saves_the_newest_memory_step_to_the_url(tmp_path, caplog):
+def test_close_saves_the_newest_memory_step_to_the_url(tmp_path):
     model, opt = _fresh()
     mgr = _mgr(tmp_path, model, opt)
     mgr.load()
@@ -239,23 +291,26 @@ def test_close_saves_the_newest_memory_step_to_the_url(tmp_path, caplog):
     assert mgr.durable_step == 5
     mgr.close()  # step 7 is the state's: it goes to the url
     assert mgr.steps() == [5, 7]
-    import shutil
-
     shutil.rmtree(tmp_path / "mem")
     step, tier, got = _load_fresh(tmp_path)
     assert (step, tier) == (7, "storage")
     _assert_same(want, got)
-    # The state moved on after the newest memory step: nothing is flushed, and it says so.
+    # The optimizer stepped after the newest memory step: the flush is still step 8's own
+    # bytes, never the state trained on after it.
     model, opt = _fresh()
     mgr = _mgr(tmp_path, model, opt)
     assert mgr.load() == 7
+    train(model, opt, 1, seed=8)
     mgr.save(8)
     mgr.wait()
+    want = _state(model, opt)
     train(model, opt, 1, seed=9)
-    with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
-        mgr.close()
-    assert mgr.steps() == [5, 7]
-    assert any("optimizer stepped" in r.getMessage() for r in caplog.records)
+    mgr.close()
+    assert mgr.steps() == [5, 7, 8]
+    shutil.rmtree(tmp_path / "mem")
+    step, tier, got = _load_fresh(tmp_path)
+    assert (step, tier) == (8, "storage")
+    _assert_same(want, got)
 
 
 def _memory_only(url, root, rank, model, opt, **kw):
@@ -270,9 +325,7 @@ def _memory_only(url, root, rank, model, opt, **kw):
     )
 
 
-def body_save_forever(rank, world_size, url, root, progress):
-    """Load, then save step after step until killed; each save returned is a line in
-    ``progress + ".saved"`` (the parent kills after a random number of them)."""
+def body_save_forever(rank, world_size, url, root, progress, saves):
     model, opt = _fresh()
     opt.init_state()
     mgr = _memory_only(url, root, rank, model, opt, async_save=True)
@@ -294,8 +347,8 @@ def body_save_forever(rank, world_size, url, root, progress):
                     if torch.is_tensor(v):
                         v.fill_(step)
         mgr.save(step)
-        with open(progress + ".saved", "a") as f:
-            f.write(f"rank {rank} saved {step}\n")
+        with open(saves, "a") as f:  # (the parent kills after a random number of these)
+            f.write(f"{rank} {step}\n")
 
 
 def body_load_once(rank, world_size, url, root):
@@ -322,26 +375,16 @@ def test_sigkills_while_writing_and_replicating_never_load_a_torn_step(tmp_path)
     with CheckpointManager(url, model=model, optimizer=opt) as mgr:
         mgr.save(0)
     rng = random.Random(7)
+    saves = tmp_path / "saves"
+    saves.touch()
 
-    def saves_returned() -> int:
-        try:
-            with open(progress + ".saved") as f:
-                return len(f.read().splitlines())
-        except FileNotFoundError:
-            return 0
+    def count() -> int:
+        return len(saves.read_text().splitlines())
 
     for _ in range(10):
-        # Killed after a random number of save() calls returned (the next ones in flight:
-        # parts written and replicated), never after a time a loaded host may not reach.
-        target = saves_returned() + rng.randint(2, 12)
-        run_then_kill(
-            body_save_forever,
-            2,
-            url,
-            root,
-            progress,
-            kill_when=lambda t=target: saves_returned() >= t,
-        )
+        target = count() + rng.randint(2, 12)  # save() calls of both ranks, then SIGKILL
+        args = (url, root, progress, str(saves))
+        run_then_kill(body_save_forever, 2, *args, kill_when=lambda t=target: count() >= t)
     got = run_on_ranks(body_load_once, 2, url, root)
     with open(progress) as f:
         lines = f.read().splitlines()

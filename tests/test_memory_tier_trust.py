@@ -233,19 +233,22 @@ def _full_tier(tmp: str) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     with open(os.path.join(tmp, "failed"), "w") as f:
         f.write(str(mgr._memory.tier.failed))
-    mgr.close()  # the tier's flush: step 4 is not in memory, so nothing goes to the url
+    mgr.close()  # the tier's flush: step 4 is not in memory, step 3 goes to the url
 
 
 def test_a_full_tier_skips_the_step_and_loses_nothing(tmp_path):
     """A memory save whose part cannot be written (the tier is full) is a WARNING: the step
     is not kept, the older memory step stays whole and is what a restart loads, bitwise;
-    ``close()`` writes nothing to the url under the lost step's number; the next memory save
-    is kept."""
+    ``close()`` writes nothing to the url under the lost step's number, and flushes step 3
+    (the newest step the tier holds) with its own bytes; the next memory save is kept."""
     assert _in_child(_full_tier, str(tmp_path)) == 0
     assert (tmp_path / "failed").read_text() == "1"
     assert not glob.glob(str(_run_dir(tmp_path) / "step-00000004" / "*" / MANIFEST))
-    with CheckpointManager(str(tmp_path / "run")) as mgr:
-        assert mgr.steps() == [1]
+    model, opt = _fresh(seed=6)
+    with CheckpointManager(str(tmp_path / "run"), model=model, optimizer=opt) as mgr:
+        assert mgr.steps() == [1, 3]
+        assert mgr.load() == 3
+    _assert_same(torch.load(tmp_path / "want-3.pt"), _state(model, opt))
     model, opt = _fresh(seed=5)
     mgr = _mgr(tmp_path, model, opt, interval=100)
     assert mgr.load() == 3 and mgr.last_load_tier == "memory"

@@ -48,7 +48,7 @@ from muon_ckpt.store import (
 )
 from muon_ckpt.store.dcp import check_files
 
-__all__ = ["TierView", "restore_from_memory"]
+__all__ = ["TierView", "check_part", "restore_from_memory"]
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -143,7 +143,7 @@ def restore_from_memory(
     where = os.path.join(tier.run_dir, rel)
     while True:
         problem = _fetch(tier, chosen, save, sources, cur, group)
-        checked = _check(storage, rel, chosen, save, since) if problem is None else problem
+        checked = check_part(storage, rel, chosen, save, since) if problem is None else problem
         problems = coll.all_gather(checked if isinstance(checked, str) else None, group)
         if _advance(problems, sources, cur, chosen, "memory tier"):
             continue
@@ -286,7 +286,7 @@ def _choose(
     return s, save
 
 
-def _check(
+def check_part(
     storage: Storage, rel: str, step: int, save: str, since: BaseException | None
 ) -> str | tuple[Manifest, Any]:
     """This rank's own part of ``step`` as far as its manifest and sizes tell (the load
@@ -313,7 +313,7 @@ def _fetch(
     """Every part whose current source is a replica moves from its holder to its rank (the
     same transfers, in rank order, on every rank; a replica this rank holds of its own part
     is moved in place). Returns why this rank's fetch failed, or None (also when it fetched
-    nothing; ``_check`` then looks at its own part)."""
+    nothing; ``check_part`` then looks at its own part)."""
     rank, problem = coll.rank(), None
     for r, slot in enumerate(sources):
         if cur[r] >= len(slot):

@@ -4,7 +4,7 @@ old steps deleted (``SaveJob``, here or in a thread); what the run's line retire
 (``RunLine``); a manager's saves one after another (``UrlSaves``)."""
 
 from muon_ckpt.save._deferred import hook_step
-from muon_ckpt.save._job import SaveJob, StagedSavePlanner, WriteSpec, spec_for
+from muon_ckpt.save._job import Prebuilt, SaveJob, StagedSavePlanner, WriteSpec, spec_for
 from muon_ckpt.save._line import RunLine
 from muon_ckpt.save._saves import UrlSaves, new_id
 from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
@@ -13,6 +13,7 @@ from muon_ckpt.save._writer import ChecksumWriter, FileRecords
 __all__ = [
     "ChecksumWriter",
     "FileRecords",
+    "Prebuilt",
     "RunLine",
     "SaveJob",
     "SaveSources",

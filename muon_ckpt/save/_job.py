@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -39,6 +39,7 @@ from muon_ckpt.save._snapshot import Snapshot
 from muon_ckpt.save._writer import ChecksumWriter, FileRecords
 from muon_ckpt.state import HostStaging
 from muon_ckpt.store import (
+    METADATA,
     Catalog,
     FileEntry,
     SavePlan,
@@ -48,7 +49,23 @@ from muon_ckpt.store import (
     write_dirname,
 )
 
-__all__ = ["SaveJob", "WriteSpec", "spec_for", "write_and_commit"]
+__all__ = ["Prebuilt", "SaveJob", "WriteSpec", "spec_for", "write_and_commit"]
+
+
+class Prebuilt(Protocol):
+    """A step's files written and checksummed elsewhere (the memory tier's parts), which a
+    save copies as they are instead of writing a snapshot: each rank copies its own, rank 0
+    writes the step's ``.metadata`` from every rank's share of it."""
+
+    keys: int  # this rank's keys (the manifest's "keys", as len(sd) of a snapshot)
+
+    def copy(self, writer: ChecksumWriter) -> Any:
+        """This rank's files copied through ``writer.copy_file``; its share of the metadata."""
+        ...
+
+    def metadata(self, shares: list[Any]) -> tuple[Any, list[Any]]:
+        """Rank 0: the step's DCP metadata and each rank's write results, from the shares."""
+        ...
 
 
 class StagedSavePlanner(DefaultSavePlanner):
@@ -91,6 +108,7 @@ class WriteSpec:
     max_age: int = 1  # a save refers only to data written fewer saves before it (dedup_max_age)
     verified: tuple[int, int] | None = None  # the newest step known to verify: retention keeps it
     compress: bool = False  # tensors stored compressed (store.codec; format 4)
+    parts: Prebuilt | None = None  # files copied as they are instead of ``sd`` written
     timings: dict[str, float] = field(default_factory=dict)
     committed_at: float | None = None  # time.perf_counter() once the step was committed
     next_base: DedupBase | None = None  # once committed with data_dir: the next save's base
@@ -165,14 +183,19 @@ def write_and_commit(w: WriteSpec) -> None:
         max_age=w.max_age,
         confirm=w.confirm,
     )
+    share, failed = None, None
     try:
         what = f"saving step {step} to {storage.url!r}"
-        _dcp.save(w.sd, writer, StagedSavePlanner(w.staging), w.group, what)
+        if w.parts is None:
+            _dcp.save(w.sd, writer, StagedSavePlanner(w.staging), w.group, what)
+        else:  # (no collective: a failure goes to the gather below, where every rank is)
+            share, failed = _copied(w.parts, writer, since)
     finally:
         w.staging.finish()
     t1 = time.perf_counter()
-    failed: Exception | None = None
     try:
+        if failed is not None:
+            raise failed
         if w.deferred is not None:  # every copy has landed (finish): was a source changed?
             w.deferred.verify()
         confirm_files(storage, dirname, records.files, w.confirm, w.io_threads)
@@ -184,18 +207,24 @@ def write_and_commit(w: WriteSpec) -> None:
     w.timings["confirm"] = time.perf_counter() - t1
     refs = writer.dedup.refs  # files of earlier saves the step refers to (checked before)
     gens = writer.dedup.gens(w.base, w.data_dir, w.plan.gen)
-    gathered = coll.gather_to_rank0(({**refs, **records.files}, failed, gens), w.group)
+    gathered = coll.gather_to_rank0(({**refs, **records.files}, failed, gens, share), w.group)
 
     def commit() -> None:
         files: dict[str, FileEntry] = {}
         data_gens: dict[str, int] = {}
-        for part, err, part_gens in gathered or []:
+        for part, err, part_gens, _ in gathered or []:
             if err is not None:
                 raise err
             files.update(part)
             data_gens.update(part_gens)
+        if w.parts is not None:  # the step's .metadata, written as DCP's finish writes it
+            writer.finish(*w.parts.metadata([s for *_, s in gathered or []]))
+            md = {METADATA: records.files[METADATA]}
+            confirm_files(storage, dirname, md, w.confirm, w.io_threads)
+            files.update(md)
         listed = {ref[0] for n in files if (ref := data_ref(n)) is not None}
-        extra: dict[str, Any] = {"io_threads": w.io_threads, "keys": len(w.sd)}
+        keys = len(w.sd) if w.parts is None else w.parts.keys
+        extra: dict[str, Any] = {"io_threads": w.io_threads, "keys": keys}
         if w.optimizer is not None:
             extra["optimizer"] = w.optimizer
         m = w.catalog.commit(
@@ -261,6 +290,19 @@ def write_and_commit(w: WriteSpec) -> None:
         stage_wait=w.staging.wait_seconds,
         **records.thread_seconds(),
     )
+
+
+def _copied(
+    parts: Prebuilt, writer: ChecksumWriter, since: BaseException | None
+) -> tuple[Any, CheckpointError | None]:
+    """This rank's prebuilt files copied: (its share of the metadata, None), or (None, why)."""
+    try:
+        writer.fs.mkdir(writer.path)  # (as DCP's prepare_local_plan makes the step directory)
+        return parts.copy(writer), None
+    except Exception as e:
+        if interrupt_in(e, since) is not None:
+            raise
+        return None, e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")
 
 
 class SaveJob:

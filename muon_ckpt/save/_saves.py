@@ -17,10 +17,10 @@ from typing import Any
 import muon_ckpt._collective as coll
 from muon_ckpt._config import ManagerConfig
 from muon_ckpt._interrupts import interrupts_deferred
-from muon_ckpt.save._job import SaveJob, WriteSpec, spec_for
+from muon_ckpt.save._job import Prebuilt, SaveJob, WriteSpec, spec_for
 from muon_ckpt.save._line import RunLine
 from muon_ckpt.save._snapshot import SaveSources, Snapshot, take
-from muon_ckpt.state import optimizer_name
+from muon_ckpt.state import HostStaging, optimizer_name
 from muon_ckpt.store import Catalog, SavePlan, data_dirname
 
 __all__ = ["UrlSaves", "new_id"]
@@ -64,13 +64,9 @@ class UrlSaves:
         """Save ``step`` (``background``: its job in a thread, pending); whether it is
         pending. ``also``: another job writes the same snapshot (the memory tier's)."""
         t0 = time.perf_counter()
-        group = self.calls.group
-        plan, line, save_id = coll.on_rank0(
-            lambda: (*self.line.begin(self.catalog, step, overwrite), new_id()), group
-        )
-        base = self.line.saving(plan, line)
+        plan, line, save_id, base = self._begin(step, overwrite)
         t1 = time.perf_counter()
-        self.sources.group = group
+        self.sources.group = self.calls.group
         # A memory save writes in the background: it needs host copies, as an async save.
         snap = take(self.sources, step, background or also is not None)
         self.deferred = snap.deferred
@@ -100,6 +96,34 @@ class UrlSaves:
             return True
         job.run()
         return False
+
+    def copy_in(self, step: int, parts: Prebuilt) -> None:
+        """Commit ``step`` from files written elsewhere (``parts``: the memory tier's), copied
+        as they are, through the same begin, commit and retention as a snapshot's save."""
+        plan, line, save_id, _ = self._begin(step, overwrite=False)
+        snap = Snapshot({}, HostStaging(), background=False)
+        spec = spec_for(
+            self.catalog,
+            self.config,
+            step,
+            snap,
+            plan,
+            line,
+            optimizer=optimizer_name(self.sources.optimizer),
+            group=self.calls.write_group,
+            gate=None,
+            data_dir=data_dirname(step, save_id) if self.config.dedup else None,
+        )
+        spec.parts = parts
+        SaveJob(spec, finish=lambda: self._finished(spec, snap.reader_done)).run()
+
+    def _begin(self, step: int, overwrite: bool) -> tuple[SavePlan, str, str, Any]:
+        """Rank 0 readies ``step`` (``RunLine.begin``) and draws the save's id; every rank
+        learns them, and what the save may refer to (``RunLine.saving``)."""
+        plan, line, save_id = coll.on_rank0(
+            lambda: (*self.line.begin(self.catalog, step, overwrite), new_id()), self.calls.group
+        )
+        return plan, line, save_id, self.line.saving(plan, line)
 
     def _finished(self, spec: WriteSpec, release: Callable[[], None]) -> None:
         """In the caller's thread, once a save's job has ended (committed or not)."""

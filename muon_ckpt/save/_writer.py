@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from muon_ckpt._errors import CheckpointError
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt._threads import beside, run_all
 from muon_ckpt.save._dedup import MIN_REF_BYTES, DedupBase, DedupRecords, Stored, tensor_digest
 from muon_ckpt.save._writeback import start_writeback
@@ -55,6 +55,7 @@ _PARALLEL_CRC_BYTES = 4 << 20  # buffers at least this big: crc in a helper thre
 # of its rows then reads at most one chunk more before them, and the zip records around it
 # (small chunks of their own), not the neighbouring megabytes.
 _CUT_BYTES = 64 << 10
+_COPY_BYTES = 16 << 20  # a copied file's bytes go through one buffer of this size
 
 
 class FileRecords:
@@ -315,6 +316,35 @@ class ChecksumWriter(FileSystemWriter):
         fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         fut.set_result(results)
         return fut
+
+    def copy_file(self, fname: str, src: Any, entry: FileEntry, where: str) -> str:
+        """A file written and checksummed elsewhere (a memory-tier part's), copied from the
+        open binary file ``src`` as this rank's data file ``fname``: its bytes checked
+        against ``entry`` on the way (CheckpointCorruptError naming ``where`` when they
+        differ), and ``entry`` recorded for it. Returns its name from the step directory."""
+        name, path = self._where(fname)
+        if self.data_dir is not None:
+            self.storage.makedirs(DATA, self.data_dir)
+        check = Checksum.like(entry, where)
+        buf = memoryview(bytearray(_COPY_BYTES))
+        try:
+            with self.fs.inner.create_stream(path, "wb") as out:
+                while n := src.readinto(buf):
+                    check.update(buf[:n])
+                    out.write(buf[:n])
+                if self.sync_files:
+                    out.flush()
+                    os.fsync(out.fileno())
+        except BaseException as e:
+            self.fs.records.fail(name, e)
+            raise
+        if check.size != entry.size or check.hexdigest() != entry.digest:
+            raise CheckpointCorruptError(
+                f"{where}: {check.size} bytes with {entry.algorithm} {check.hexdigest()}, its "
+                f"manifest says {entry.size} bytes with {entry.digest}: damaged, not copied"
+            )
+        self.fs.records.put(name, entry)
+        return name
 
     def _where(self, fname: str) -> tuple[str, str]:
         """A data file's name from the step directory, and its path."""
