@@ -1,0 +1,151 @@
+"""Muon on the meshes FSDP2 and tensor parallelism make: every layout gives bitwise the params and
+states of one process, offload on, off or toggled, and each matrix is orthogonalised on
+exactly one rank of the whole mesh (replicas share the work).
+
+The layouts are made with torch's own APIs (``fully_shard``, ``parallelize_module``;
+``tests/_meshes.py``); gradients are set directly, each rank taking the local shard of the
+same full gradient as torch lays it out, as the seed offload test does. All 4-rank cases run
+in one set of processes (process start-up dominates on 2 cores)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from tests._dist import eight_ranks_reason, run_on_ranks
+from tests._meshes import Net, build, groups, shard_like
+
+STEPS = 3
+MODES = ("off", "on", "toggled")
+LAYOUTS_4 = ("fsdp4", "hsdp2x2", "tp2xfsdp2", "tp2", "hsdp2x1xtp2")
+KEYS = ("momentum_buffer", "moment1", "moment2")
+
+
+def _muon(model):
+    from optim import Muon
+
+    return Muon(groups(model), chunk_size=2, warmup_step=1)
+
+
+def _full_grads() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    shapes = [(n, p.shape) for n, p in Net().named_parameters()]
+    return [{n: torch.randn(s, generator=g) for n, s in shapes} for _ in range(STEPS)]
+
+
+def _reference(grads):
+    """One process: the params and states after the steps."""
+    model = build(None)
+    opt = _muon(model)
+    params = dict(model.named_parameters())
+    for step in grads:
+        for n, p in params.items():
+            p.grad = step[n].clone()
+        opt.step()
+    states = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in params.items()}
+    return {n: p.detach().clone() for n, p in params.items()}, states
+
+
+def _grad_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if isinstance(p, DTensor):
+        return DTensor.from_local(
+            local.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+        )
+    return local.clone()
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _run(layout, mode, grads, ref):
+    """The steps on ``layout`` with offload ``mode``; what differs from one process."""
+    params_ref, states_ref = ref
+    model = build(layout)
+    opt = _muon(model)
+    params = dict(model.named_parameters())
+    local_grads = [shard_like(layout, step) for step in grads]
+    if mode == "on":
+        opt.turn_on_cpu_offload()
+    for s, step in enumerate(local_grads):
+        if mode == "toggled":
+            (opt.turn_on_cpu_offload if s % 2 == 0 else opt.turn_off_cpu_offload)()
+        for n, p in params.items():
+            p.grad = _grad_like(p, step[n])
+        opt.step()
+    opt.turn_off_cpu_offload()
+    bad = []
+    want = shard_like(layout, params_ref)
+    for n, p in params.items():
+        if not torch.equal(_local(p.detach()), want[n]):
+            bad.append(f"param {n}")
+    for key in KEYS:
+        full = {n: states_ref[n].get(key, torch.zeros_like(params_ref[n])) for n in params}
+        want = shard_like(layout, full)
+        for n, p in params.items():
+            if key in states_ref[n] and not torch.equal(_local(opt.state[p][key]), want[n]):
+                bad.append(f"state {n}.{key}")
+    return bad
+
+
+def body_layouts(rank, world_size, layouts, modes):
+    from optim.newton_schulz import set_ns_compile
+
+    set_ns_compile(False)
+    grads = _full_grads()
+    ref = _reference(grads)
+    out = {}
+    for layout in layouts:
+        for mode in modes:
+            out[(layout, mode)] = _run(layout, mode, grads, ref)
+    out["ns_work"] = _ns_work("hsdp2x2", grads) if "hsdp2x2" in layouts else None
+    return out
+
+
+def _ns_work(layout, grads):
+    """This rank's Newton-Schulz work in one step on ``layout``."""
+    model = build(layout)
+    opt = _muon(model)
+    for n, p in model.named_parameters():
+        p.grad = _grad_like(p, shard_like(layout, grads[0])[n])
+    opt.step()
+    return opt.ns_work()
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_on_ranks(body_layouts, 4, LAYOUTS_4, MODES, timeout=600)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"offload-{m}")
+@pytest.mark.parametrize("layout", LAYOUTS_4)
+def test_every_layout_gives_bitwise_the_params_and_states_of_one_process(four_ranks, layout, mode):
+    got = [res[(layout, mode)] for res in four_ranks]
+    assert got == [[]] * 4, got
+
+
+def test_under_hsdp_each_matrix_is_orthogonalised_on_exactly_one_rank_of_the_whole_mesh(
+    four_ranks,
+):
+    from tests._meshes import build as _build
+
+    matrices = [n for n, p in _build(None).named_parameters() if p.ndim >= 2]
+    work = [res["ns_work"] for res in four_ranks]
+    done = [n for w in work for n in w.params]
+    assert sorted(done) == sorted(matrices), [w.params for w in work]
+    assert sum(w.matrices for w in work) == len(matrices)
+    # Spread over the 4 ranks, replicas included: not 2 shard groups that each do it all.
+    assert all(w.matrices > 0 and w.flops > 0 for w in work), work
+    total = sum(w.flops for w in work)
+    assert max(w.flops for w in work) < total / 2, [w.flops for w in work]
+
+
+@pytest.mark.skipif(eight_ranks_reason() is not None, reason=str(eight_ranks_reason()))
+def test_eight_ranks_layouts_give_bitwise_the_params_of_one_process():
+    # tp 2 x dp 4: the 9-row column-parallel weights are where torch's left-to-right reading of
+    # _StridedShard would misplace rows; FSDP2's order is what Muon reads.
+    layouts = ("tp2xfsdp4", "hsdp2x4")
+    results = run_on_ranks(body_layouts, 8, layouts, ("off", "on"), timeout=900)
+    for res in results:
+        assert all(v == [] for k, v in res.items() if k != "ns_work"), res
