@@ -89,7 +89,7 @@ def check_placements(p: DTensor, label: str) -> None:
     for m, pl in enumerate(p.placements):
         if not (_shards(pl) or isinstance(pl, Replicate)):
             raise ValueError(
-                f"param {label} has placement {pl} on mesh dim {m}; Muon takes Shard(dim), "
+                f"param {label} has placement {pl!r} on mesh dim {m}; Muon takes Shard(dim), "
                 "_StridedShard (fully_shard over tensor parallelism) and Replicate()"
             )
         if _strided(pl):
@@ -97,7 +97,7 @@ def check_placements(p: DTensor, label: str) -> None:
             before = math.prod(mesh.shape[k] for k in order[: order.index(m)])
             if pl.split_factor != before:
                 raise ValueError(
-                    f"param {label} has placements {tuple(p.placements)}: {pl} on mesh dim {m} "
+                    f"param {label} has placements {tuple(p.placements)}: {pl!r} on mesh dim {m} "
                     f"has split_factor {pl.split_factor}, but the shards of dim {pl.dim} applied "
                     f"before it (Shard dims, then strided ones right to left) number {before}; "
                     "Muon reads the layout fully_shard makes over tensor parallelism only"

@@ -149,3 +149,95 @@ def test_eight_ranks_layouts_give_bitwise_the_params_of_one_process():
     results = run_on_ranks(body_layouts, 8, layouts, ("off", "on"), timeout=900)
     for res in results:
         assert all(v == [] for k, v in res.items() if k != "ns_work"), res
+
+
+def _chunks(rows: list[int], k: int) -> list[list[int]]:
+    """``torch.chunk``'s split into ``k`` (ceil-sized, the missing ones empty), as FSDP2 and
+    DTensor's ``Shard`` split a dim."""
+    step = -(-len(rows) // k) if rows else 1
+    return [rows[i * step : (i + 1) * step] for i in range(k)]
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(2, 2), (3, 2), (4, 2), (3, 3), (2, 4)])
+def test_each_rank_piece_is_where_tp_then_fully_shard_put_its_rows(dp, tp):
+    """TP splits the rows first, FSDP2 then splits each TP shard: (_StridedShard(0, tp),
+    Shard(0)) on (dp, tp), and under HSDP (Replicate(), _StridedShard(0, tp), Shard(0))."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from optim._mesh import piece
+
+    two = (_StridedShard(0, split_factor=tp), Shard(0))
+    three = (Replicate(), *two)
+    for n in range(0, 30):
+        for t, tp_rows in enumerate(_chunks(list(range(n)), tp)):
+            for d, rows in enumerate(_chunks(tp_rows, dp)):
+                for start, size in (
+                    piece((n, 5), two, (dp, tp), (d, t)),
+                    piece((n, 5), three, (2, dp, tp), (1, d, t)),
+                ):
+                    assert size == (len(rows), 5), (n, d, t, size, rows)
+                    assert not rows or start == (rows[0], 0), (n, d, t, start, rows)
+
+
+def body_refusals(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+
+    from optim import Muon
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    out = {}
+    w_a = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh["a"], [Shard(0)]))
+    w_b = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh["b"], [Shard(0)]))
+    try:
+        Muon([w_a, w_b])
+    except ValueError as e:
+        out["two meshes"] = str(e)
+    partial = DTensor.from_local(torch.ones(4, 4), mesh, [Shard(0), Partial()])
+    try:
+        Muon([{"params": [torch.nn.Parameter(partial)], "names": ["w"]}])
+    except ValueError as e:
+        out["partial"] = str(e)
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    odd = DTensor.from_local(torch.ones(2, 4), mesh, [_StridedShard(0, split_factor=3), Shard(0)])
+    try:
+        Muon([{"params": [torch.nn.Parameter(odd)], "names": ["v"]}])
+    except ValueError as e:
+        out["split factor"] = str(e)
+    # 10 rows over 4 ranks are 3/3/3/1; a local shard of 3 rows on every rank is not that.
+    flat = init_device_mesh("cpu", (4,))
+    wrong = DTensor.from_local(torch.ones(3, 4), flat, [Shard(0)], shape=(10, 4), stride=(4, 1))
+    w = torch.nn.Parameter(wrong)
+    w.grad = torch.ones_like(w)
+    try:
+        Muon([w]).step()
+    except RuntimeError as e:
+        out["wrong shard"] = str(e)
+    return out
+
+
+def test_what_muon_cannot_read_is_refused_with_the_reason_on_every_rank():
+    results = run_on_ranks(body_refusals, 4, timeout=120)
+    for res in results:
+        assert "is not a slice of the second" in res["two meshes"], res
+        assert "put the params on one mesh" in res["two meshes"], res
+        assert res["partial"].startswith(
+            "param group 0: param 'w' has placement Partial(sum) on mesh dim 1; Muon takes "
+            "Shard(dim), _StridedShard"
+        ), res
+        assert res["split factor"] == (
+            "param group 0: param 'v' has placements (_StridedShard(dim=0, sf=3), "
+            "Shard(dim=0)): _StridedShard(dim=0, sf=3) on mesh dim 0 has split_factor 3, but "
+            "the shards of dim 0 applied before it (Shard dims, then strided ones right to "
+            "left) number 2; Muon reads the layout fully_shard makes over tensor parallelism "
+            "only"
+        ), res
+        assert (
+            "a Muon param of shape (10, 4) with placements (Shard(dim=0),) on DeviceMesh"
+        ) in res["wrong shard"], res
+        assert (
+            "rank 3 (mesh coordinate (3,)) holds a local shard of shape (3, 4), but its "
+            "placements give (1, 4)"
+        ) in res["wrong shard"], res
