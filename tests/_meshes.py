@@ -22,13 +22,13 @@ DIM, HID, OUT = 9, 13, 7
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dim: int, hid: int) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, HID)  # column-parallel: (13, 9), rows 7/6 then 4/3 and 3/3
-        self.down = nn.Linear(HID, DIM)  # row-parallel: (9, 13), columns 7/6
-        self.gate = nn.Linear(DIM, DIM, bias=False)  # column-parallel, 9 rows
-        self.mix = nn.Linear(DIM, DIM, bias=False)  # row-parallel
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hid)  # column-parallel: (13, 9), rows 7/6 then 4/3 and 3/3
+        self.down = nn.Linear(hid, dim)  # row-parallel: (9, 13), columns 7/6
+        self.gate = nn.Linear(dim, dim, bias=False)  # column-parallel, 9 rows
+        self.mix = nn.Linear(dim, dim, bias=False)  # row-parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
@@ -36,15 +36,19 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    """``dim`` and ``hid`` 9 and 13 by default: uneven under TP too. A forward through TP
+    needs even TP shards (DTensor's ``from_local`` in RowwiseParallel assumes them): the
+    training script takes 10 and 14, uneven under ``fully_shard`` only."""
+
+    def __init__(self, dim: int = DIM, hid: int = HID) -> None:
         super().__init__()
         self.conv = nn.Conv1d(3, 5, 3, bias=False)  # (5, 3, 3): a 3-D Muon param, no TP
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.proj = nn.Linear(DIM, OUT, bias=False)  # no TP: on the data-parallel slice
+        self.blocks = nn.ModuleList([Block(dim, hid), Block(dim, hid)])
+        self.proj = nn.Linear(dim, OUT, bias=False)  # no TP: on the data-parallel slice
         self.head = nn.Linear(OUT, 2)  # 2 rows: empty shards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv(x)  # (batch, 3, DIM + 2) -> (batch, 5, DIM)
+        h = self.conv(x)  # (batch, 3, dim + 2) -> (batch, 5, dim)
         for b in self.blocks:
             h = b(h)
         return self.head(self.proj(h))
@@ -79,17 +83,19 @@ LAYOUTS = {
 _MESHES: dict = {}
 
 
-def build(layout: str | None, seed: int = 0) -> Net:
-    """The model with its init from ``seed``, laid out as ``layout`` (None: one process)."""
-    torch.manual_seed(seed)
-    model = Net().to(dist_device())
+def build(layout: str | None, dims: tuple[int, int] = (DIM, HID)) -> Net:
+    """The model of ``dims`` (dim, hid) with a fixed init, laid out as ``layout`` (None: one
+    process)."""
+    torch.manual_seed(0)
+    model = Net(*dims).to(dist_device())
     return model if layout is None else build_from(model, layout)
 
 
 def shard_like(layout: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` (full, by param name) as ``layout`` holds them on this rank: the local
     tensors torch's own sharding gives a model whose params have these values."""
-    model = Net().to(dist_device())
+    dims = (tensors["blocks.0.gate.weight"].shape[0], tensors["blocks.0.up.weight"].shape[0])
+    model = Net(*dims).to(dist_device())
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(tensors[n])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tests._dist import eight_ranks_reason, run_on_ranks
+from tests._dist import eight_ranks_reason, run_on_ranks, run_script
 from tests._meshes import Net, build, groups, shard_like
 
 STEPS = 3
@@ -149,6 +149,34 @@ def test_eight_ranks_layouts_give_bitwise_the_params_of_one_process():
     results = run_on_ranks(body_layouts, 8, layouts, ("off", "on"), timeout=900)
     for res in results:
         assert all(v == [] for k, v in res.items() if k != "ns_work"), res
+
+
+@pytest.mark.parametrize("layout", ["hsdp2x2", "tp2xfsdp2"])
+def test_a_training_script_with_torch_apis_steps_bitwise_as_one_process(tmp_path, layout):
+    """torchrun, 4 ranks: forward and backward through fully_shard on a 2-D mesh (or
+    parallelize_module then fully_shard), Muon with offload on. One process given the same
+    full gradients ends with bitwise the params every rank holds (each rank's gather of its
+    replica, so replicas are checked too)."""
+    four = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    job = ["-m", "tests._mesh_train_job", layout, str(tmp_path), str(STEPS)]
+    r = run_script([*four, *job], timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    runs = [torch.load(tmp_path / f"rank{k}.pt") for k in range(4)]
+    from tests._mesh_train_job import DIMS
+
+    model = build(None, DIMS)
+    opt = _muon(model)
+    params = dict(model.named_parameters())
+    for n, p in params.items():
+        assert torch.equal(runs[0]["init"][n], p.detach()), n  # (the same init)
+    for step in runs[0]["grads"]:
+        for n, p in params.items():
+            p.grad = step[n].clone()
+        opt.step()
+    for k, run in enumerate(runs):
+        for n, p in params.items():
+            assert torch.equal(run["params"][n], p.detach()), (k, n)
+        assert not torch.equal(run["params"]["head.weight"], runs[0]["init"]["head.weight"])
 
 
 def _chunks(rows: list[int], k: int) -> list[list[int]]:
