@@ -1,7 +1,7 @@
 """The two exchanges of a Muon chunk over the main mesh's group: pieces to owners, results back.
 
 Gather: each exchanged matrix's owner receives the pieces of its own replica
-(``Item.senders``: the ranks at its coordinates on every mesh dim that does not split the
+(``Item.sends``: the ranks at its coordinates on every mesh dim that does not split the
 matrix), one ``all_to_all_single`` per chunk, and copies each into its box of the full matrix
 (``assemble``): a copy, so the owner orthogonalises the very matrix one process would.
 Scatter: the owner sends EVERY rank that holds a piece of the matrix, replicas included, its
@@ -94,12 +94,12 @@ def start_gather(plan: Plan, items: list[Item], updates: list[Tensor]) -> Inflig
     for d in range(plan.world):
         n = 0
         for i in by_owner[d]:
-            if me in items[i].senders():
+            if items[i].sends(me):
                 parts.append(_as(updates[i].reshape(-1), wire))
                 n += items[i].piece_numel(me)
         send_sizes.append(n)
     recv_sizes = [
-        sum(items[i].piece_numel(s) for i in by_owner[me] if s in items[i].senders())
+        sum(items[i].piece_numel(s) for i in by_owner[me] if items[i].sends(s))
         for s in range(plan.world)
     ]
     like = updates[ex[0]].new_empty(0, dtype=wire)
@@ -114,7 +114,7 @@ def assemble(plan: Plan, fl: Inflight) -> dict[int, Tensor]:
     mine = _by_owner(plan, items)[me]
     fulls = {
         i: torch.empty(items[i].gshape, dtype=items[i].ns_dtype, device=updates[i].device)
-        if items[i].senders()
+        if items[i].gathered()
         else updates[i]  # (the owner holds the whole matrix)
         for i in mine
     }
@@ -123,7 +123,7 @@ def assemble(plan: Plan, fl: Inflight) -> dict[int, Tensor]:
     for s in range(plan.world):
         for i in mine:
             it = items[i]
-            if s in it.senders():
+            if it.sends(s):
                 box = it.box(s)
                 n = it.piece_numel(s)
                 region(fulls[i], box).copy_(buf[off : off + n].view(box[1]))  # (exact cast)

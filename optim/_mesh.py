@@ -174,13 +174,12 @@ class Exchange:
     world: int
     coords: list[tuple[int, ...]]
 
-    def senders(self, owner: int, dims: frozenset[int]) -> list[int]:
-        """The ranks that send ``owner`` the pieces of a matrix split along mesh ``dims``:
-        those at the owner's coordinates on every other dim (its own replica), so the
-        pieces tile the matrix once."""
-        oc = self.coords[owner]
-        keep = [m for m in range(len(oc)) if m not in dims]
-        return [r for r, c in enumerate(self.coords) if all(c[m] == oc[m] for m in keep)]
+    def same_replica(self, r: int, owner: int, dims: frozenset[int]) -> bool:
+        """Whether rank ``r`` is of ``owner``'s replica of a matrix split along mesh ``dims``:
+        at the owner's coordinates on every other dim. The pieces of one replica tile the
+        matrix once."""
+        rc, oc = self.coords[r], self.coords[owner]
+        return all(rc[m] == oc[m] for m in range(len(oc)) if m not in dims)
 
 
 def mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:

@@ -4,7 +4,7 @@ Every matrix gets ONE owner among ALL ranks of the main mesh (``_mesh.py``), rep
 included, so R replicas share the Newton-Schulz work rather than each redoing it. Owners are
 chosen greedily (longest-processing-time first) to balance the Newton-Schulz cost,
 ~max(A, B) * min(A, B)^2 for an A x B matrix. The owner gathers the pieces of its own replica
-(``Exchange.senders``) and every rank that holds a piece gets its slice of the result. The
+(``Exchange.same_replica``) and every rank that holds a piece gets its slice of the result. The
 processing order interleaves owners so that each chunk of ``chunk_size`` matrices keeps as
 many ranks busy as it can. The plan depends only on the global shapes, the placements, the
 mesh and ``chunk_size``, so every rank builds the same one.
@@ -44,7 +44,7 @@ class Item:
     chunk: int = 0
     unit: int = 0  # items of one unit run through one batched Newton-Schulz
     _boxes: dict[int, Box] = field(default_factory=dict)
-    _senders: frozenset[int] | None = None
+    _sends: dict[int, bool] = field(default_factory=dict)
 
     @property
     def method(self) -> str:
@@ -71,15 +71,17 @@ class Item:
         """Whether its owner needs pieces of others (it does not hold the whole matrix)."""
         return self.piece_numel(self.owner) != self.gnumel()
 
-    def senders(self) -> frozenset[int]:
-        """The ranks whose (non-empty) pieces its owner assembles: none when the owner holds
-        the whole matrix. Call once the owner is set."""
-        if self._senders is None:
-            ranks = []
-            if self.gathered():
-                ranks = self.ex.senders(self.owner, sharding_dims(self.placements))
-            self._senders = frozenset(r for r in ranks if self.piece_numel(r))
-        return self._senders
+    def sends(self, r: int) -> bool:
+        """Whether rank ``r`` sends its piece to the owner: a non-empty piece of the owner's
+        own replica (``Exchange.same_replica``), when the owner lacks the whole matrix. Call
+        once the owner is set."""
+        if r not in self._sends:
+            self._sends[r] = (
+                self.gathered()
+                and self.piece_numel(r) > 0
+                and self.ex.same_replica(r, self.owner, sharding_dims(self.placements))
+            )
+        return self._sends[r]
 
     def gnumel(self) -> int:
         return math.prod(self.gshape)
@@ -207,30 +209,36 @@ def _check_pieces(exchanged: list[Item], ex: Exchange | None) -> torch.device | 
     """Check, on every rank at once, that each rank's local shard of each exchanged item is
     the piece its placements say (``Item.box``) and that the ranks agree on its Newton-Schulz
     dtype and method; return the device of the collectives' control tensors (None when
-    nothing is exchanged). Every rank raises the same error, so none is left waiting."""
+    nothing is exchanged). Two small all-reduces when all is well (each rank checks its own
+    piece); every rank raises the same error otherwise, so none is left waiting."""
     if not exchanged:
         return None
     device = exchanged[0].param.to_local().device
-    counts = _gather([[len(exchanged)]], ex, device)
-    if len({c[0][0] for c in counts}) > 1:
+    fewest, most = _spread([[len(exchanged)]], ex, device)
+    if fewest != most:
+        counts = [c[0][0] for c in _gather([[len(exchanged)]], ex, device)]
         raise RuntimeError(
             f"the ranks of {ex.mesh} hold different numbers of split Muon matrices: "
-            f"{[c[0][0] for c in counts]} on ranks 0..{ex.world - 1}; every rank must build "
-            "Muon with the same params, in the same order"
+            f"{counts} on ranks 0..{ex.world - 1}; every rank must build Muon with the same "
+            "params, in the same order"
         )
-    nd = max(len(it.gshape) for it in exchanged)
     codes = list(NS_DTYPES.values())
-    rows = []
-    for it in exchanged:
-        shape = list(it.param.to_local().shape)
-        rows.append(
-            [
-                codes.index(it.ns_dtype),
-                NS_METHODS.index(it.method),
-                *shape,
-                *[0] * (nd - len(shape)),
-            ]
-        )
+    mine = [
+        [
+            codes.index(it.ns_dtype),
+            NS_METHODS.index(it.method),
+            int(tuple(it.param.to_local().shape) != it.box(ex.rank)[1]),
+        ]
+        for it in exchanged
+    ]
+    lo, hi = _spread(mine, ex, device)
+    if lo == hi and not any(row[2] for row in hi):
+        return device
+    nd = max(len(it.gshape) for it in exchanged)
+    rows = [
+        [*row[:2], *it.param.to_local().shape, *[0] * (nd - it.param.ndim)]
+        for row, it in zip(mine, exchanged, strict=True)
+    ]
     got = _gather(rows, ex, device)
     for j, it in enumerate(exchanged):
         _check_same_ns_dtype(it, [list(NS_DTYPES)[got[r][j][0]] for r in range(ex.world)])
@@ -246,6 +254,15 @@ def _check_pieces(exchanged: list[Item], ex: Exchange | None) -> torch.device | 
                     "(is the param a DTensor whose local tensor was replaced or resized?)"
                 )
     return device
+
+
+def _spread(rows: list[list[int]], ex: Exchange, device: torch.device):
+    """The element-wise minimum and maximum over the ranks of ``rows`` (one all-reduce)."""
+    mine = torch.tensor(rows, dtype=torch.int64, device=device)
+    both = torch.stack([-mine, mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ex.pg)
+    both = both.cpu()
+    return (-both[0]).tolist(), both[1].tolist()
 
 
 def _gather(rows: list[list[int]], ex: Exchange, device: torch.device) -> list[list[list[int]]]:

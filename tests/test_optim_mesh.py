@@ -243,6 +243,15 @@ def body_refusals(rank, world_size):
         Muon([w]).step()
     except RuntimeError as e:
         out["wrong shard"] = str(e)
+    # Rank 0 was given one matrix more than the others.
+    ws = [DTensor.from_local(torch.ones(1, 4), flat, [Shard(0)]) for _ in range(2 - (rank > 0))]
+    ws = [torch.nn.Parameter(v) for v in ws]
+    for v in ws:
+        v.grad = torch.ones_like(v)
+    try:
+        Muon(ws).step()
+    except RuntimeError as e:
+        out["count"] = str(e)
     return out
 
 
@@ -269,3 +278,8 @@ def test_what_muon_cannot_read_is_refused_with_the_reason_on_every_rank():
             "rank 3 (mesh coordinate (3,)) holds a local shard of shape (3, 4), but its "
             "placements give (1, 4)"
         ) in res["wrong shard"], res
+        assert res["count"] == (
+            "the ranks of DeviceMesh((4,), 'cpu', stride=(1,)) hold different numbers of "
+            "split Muon matrices: [2, 1, 1, 1] on ranks 0..3; every rank must build Muon "
+            "with the same params, in the same order"
+        ), res
