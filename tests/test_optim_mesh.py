@@ -283,3 +283,27 @@ def test_what_muon_cannot_read_is_refused_with_the_reason_on_every_rank():
             "split Muon matrices: [2, 1, 1, 1] on ranks 0..3; every rank must build Muon "
             "with the same params, in the same order"
         ), res
+
+
+def test_each_rank_piece_of_plain_shards_is_torchs_own():
+    """Without strided shards torch's left-to-right reading holds: every combination of
+    Shard(0), Shard(1) and Replicate() over 2-D and 3-D meshes gives torch's local shape and
+    offset, uneven and empty shards included."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from optim._mesh import piece
+
+    for mesh_shape in ((2, 2), (3, 2), (2, 1, 3)):
+        for pls in itertools.product((Shard(0), Shard(1), Replicate()), repeat=len(mesh_shape)):
+            for gshape in ((10, 7), (2, 5), (1, 1), (0, 3)):
+                for coord in itertools.product(*(range(n) for n in mesh_shape)):
+                    size, start = _compute_local_shape_and_global_offset(
+                        gshape, mesh_shape, list(coord), pls
+                    )
+                    got_start, got_size = piece(gshape, pls, mesh_shape, coord)
+                    assert got_size == tuple(size), (mesh_shape, pls, gshape, coord)
+                    if all(size):
+                        assert got_start == tuple(start), (mesh_shape, pls, gshape, coord)
