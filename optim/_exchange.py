@@ -177,11 +177,10 @@ def agree_on_grads(plan: Plan, groups: list[dict]) -> set[int]:
         for p in g["params"]:
             if g["use_muon"] or not isinstance(p, DTensor) or p.device_mesh.size() == 1:
                 continue
-            mesh = p.device_mesh
-            key = (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()))
-            if key not in checks:  # (in param order: the same order on every rank)
-                checks[key] = (mesh_group(mesh), mesh.size(), [])
-            checks[key][2].append(("an AdamW param", p))
+            mesh = p.device_mesh  # (a DeviceMesh compares by its ranks and dims, not by id)
+            if mesh not in checks:  # (in param order: the same order on every rank)
+                checks[mesh] = (mesh_group(mesh), mesh.size(), [])
+            checks[mesh][2].append(("an AdamW param", p))
     for pg, world, checked in checks.values():
         if pg is None or not checked:
             continue  # (a mesh without a group of its own ranks: nothing to reduce over)

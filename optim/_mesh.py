@@ -197,10 +197,10 @@ def exchange_of(main: DeviceMesh) -> Exchange:
     """The ``Exchange`` over the ranks of ``main`` (``main_mesh`` made sure it has a group)."""
     pg = mesh_group(main)
     world = main.size()
-    flat = main.mesh.flatten().tolist()
+    at_of = {g: i for i, g in enumerate(main.mesh.flatten().tolist())}
     coords = []
     for r in range(world):
-        at = flat.index(dist.get_global_rank(pg, r))
+        at = at_of[dist.get_global_rank(pg, r)]
         coord = []
         for n in reversed(main.shape):
             at, c = divmod(at, n)
