@@ -7,8 +7,9 @@ import numbers
 import re
 from typing import Any
 
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
+from optim._mesh import check_placements, main_mesh
 from optim._ns_dtype import NS_DTYPE_CHOICES, NS_METHOD_CHOICES
 
 ADJUST_LR_FNS = ("match_rms_adamw", "original")
@@ -134,19 +135,11 @@ def check_group(group: dict, gi: int) -> None:
                 "needs >= 2-D matrices; put 0-D/1-D params (biases, norms) in a group with "
                 "use_muon=False (AdamW)"
             )
-        if isinstance(p, DTensor):
-            mesh = p.device_mesh
-            if mesh.ndim != 1:
-                raise ValueError(
-                    f"{where}: param {label} is a DTensor on a {mesh.ndim}-D mesh; Muon supports "
-                    "1-D meshes (FSDP2 fully_shard over one dimension)"
-                )
-            pl = p.placements[0]
-            if not isinstance(pl, (Shard, Replicate)) or type(pl).__name__ == "_StridedShard":
-                raise ValueError(
-                    f"{where}: param {label} has placement {pl}; Muon supports Shard(dim) and "
-                    "Replicate() on a 1-D mesh"
-                )
+        if group["use_muon"] and isinstance(p, DTensor):
+            try:
+                check_placements(p, label)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
 
 
 def check_ns_dtype(value: Any, gi: int) -> None:
@@ -166,14 +159,13 @@ def check_ns_method(value: Any, gi: int) -> None:
         )
 
 
-def check_same_mesh(groups: list[dict]) -> None:
+def check_meshes(groups: list[dict]) -> None:
+    """Raise ValueError unless the Muon params' meshes are one mesh and slices of it
+    (``_mesh.main_mesh``); AdamW params, updated where they lie, may be on any mesh."""
     meshes = []
     for g in groups:
-        for p in g["params"]:
-            if isinstance(p, DTensor) and all(p.device_mesh is not m for m in meshes):
-                meshes.append(p.device_mesh)
-    if len({id(m.get_group()) for m in meshes}) > 1:
-        raise ValueError(
-            f"all DTensor params must live on one device mesh, found {len(meshes)} meshes: "
-            f"{[str(m) for m in meshes]}"
-        )
+        if g["use_muon"]:
+            for p in g["params"]:
+                if isinstance(p, DTensor) and all(p.device_mesh is not m for m in meshes):
+                    meshes.append(p.device_mesh)
+    main_mesh(meshes)

@@ -3,9 +3,11 @@
 Per chunk:
 1. every rank updates the momentum of its shards and forms the (Nesterov) update, cast to the
    item's Newton-Schulz dtype (``ns_dtype``: bf16 or fp32);
-2. gather: one ``all_to_all_single`` sends each shard to the matrix's owner (async);
-3. the owner reassembles the FULL matrix and runs Newton-Schulz once;
-4. scatter: one ``all_to_all_single`` returns each rank's slice of the result (async);
+2. gather: one ``all_to_all_single`` sends the pieces of each matrix to its owner (async;
+   ``_exchange.py``: the owner's own replica sends, so each matrix travels once);
+3. the owner reassembles the FULL matrix and runs Newton-Schulz once, for the whole mesh;
+4. scatter: one ``all_to_all_single`` returns every rank's piece of the result, replicas
+   included (async);
 5. every rank applies decoupled weight decay and the lr-scaled update to its shard.
 With ``warmup_step = w``, the gathers of w chunks are in flight while a chunk computes, and a
 chunk's scatter overlaps the next chunk's Newton-Schulz.
@@ -14,8 +16,8 @@ Bitwise reproducibility (N ranks == 1 process, same device type): every element 
 goes through the same arithmetic as in the full tensor, and Newton-Schulz always runs on the
 same full matrix in the same dtype. A chunk whose items mix bf16 and fp32 travels as fp32,
 which holds every bf16 value exactly; each item is cast back before Newton-Schulz or its
-update, so it computes on the very values of a single process. On the CPU the elementwise work uses only single-rounding ops (mul, add,
-sub): a fused lerp/addcmul/alpha= may round differently in a vectorised loop body and its
+update, so it computes on the very values of a single process. On the CPU the elementwise
+work uses only single-rounding ops (mul, add, sub): a fused lerp/addcmul/alpha= may round differently in a vectorised loop body and its
 scalar tail, i.e. depending on where an element sits. On CUDA every element takes the same
 kernel code wherever it sits, so the fused ``lerp`` and ``add(alpha=)`` of torch.optim.Muon
 are shard-invariant and used there.
@@ -27,9 +29,9 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from optim._exchange import Inflight, assemble, received, start_gather, start_scatter
 from optim._plan import Item, Plan, grad_like_param, local
 from optim.newton_schulz import newton_schulz
 
@@ -119,8 +121,11 @@ def _apply(it: Item, update_local: Tensor, adjust_lr_fn: str) -> None:
         p.sub_(upd.to(p.dtype).mul_(alr))
 
 
-def _orthogonalise(items: list[Item], fulls: dict[int, Tensor]) -> dict[int, Tensor]:
-    """Newton-Schulz on ``fulls`` (item index -> full matrix), one batched call per unit."""
+def _orthogonalise(
+    items: list[Item], fulls: dict[int, Tensor], done: list[Item]
+) -> dict[int, Tensor]:
+    """Newton-Schulz on ``fulls`` (item index -> full matrix), one batched call per unit;
+    the items orthogonalised are appended to ``done``."""
     by_unit: dict[int, list[int]] = {}
     for i in fulls:
         by_unit.setdefault(items[i].unit, []).append(i)
@@ -130,140 +135,29 @@ def _orthogonalise(items: list[Item], fulls: dict[int, Tensor]) -> dict[int, Ten
         steps, method = first.group["ns_steps"], first.method
         res = newton_schulz([fulls[i] for i in idx], steps, first.ns_dtype, method)
         out.update(zip(idx, res))
+        done.extend(items[i] for i in idx)
     return out
 
 
-class _Inflight:
-    __slots__ = ("items", "local_updates", "recv", "work")
-
-    def __init__(self, items, local_updates, recv, work):
-        self.items = items
-        self.local_updates = local_updates
-        self.recv = recv
-        self.work = work
-
-
-def _split_by_owner(plan: Plan, items: list[Item]) -> list[list[int]]:
-    by_owner: list[list[int]] = [[] for _ in range(plan.world)]
-    for i, it in enumerate(items):
-        by_owner[it.owner].append(i)
-    return by_owner
-
-
-def _wire_dtype(items: list[Item]) -> torch.dtype:
-    """The dtype a chunk's exchanged updates and results travel in: the widest of their
-    ns_dtypes (fp32 holds every bf16 value exactly). The same on every rank: every rank has
-    the chunk's exchanged items."""
-    out = items[0].ns_dtype
-    for it in items[1:]:
-        out = torch.promote_types(out, it.ns_dtype)
-    return out
-
-
-def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def _start_gather(plan: Plan, items: list[Item], updates: list[Tensor]) -> _Inflight:
-    """Send every exchanged item's shard to its owner (async)."""
-    ex = [i for i, it in enumerate(items) if it.exchanged]
-    if not ex:
-        return _Inflight(items, updates, None, None)
-    wire = _wire_dtype([items[i] for i in ex])
-    r = plan.rank
-    send_parts, in_splits, out_splits = [], [], []
-    by_owner = _split_by_owner(plan, [items[i] for i in ex])
-    for d in range(plan.world):
-        n = 0
-        for j in by_owner[d]:
-            it = items[ex[j]]
-            if it.shard_dim is not None:
-                send_parts.append(_as(updates[ex[j]].reshape(-1), wire))
-                n += it.piece_numel(r)
-        in_splits.append(n)
-    for s in range(plan.world):
-        out_splits.append(
-            sum(
-                items[ex[j]].piece_numel(s)
-                for j in by_owner[r]
-                if items[ex[j]].shard_dim is not None
-            )
-        )
-    dev = updates[ex[0]].device
-    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=wire, device=dev)
-    recv = torch.empty(sum(out_splits), dtype=wire, device=dev)
-    work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=plan.pg, async_op=True)
-    return _Inflight(items, updates, (recv, out_splits), work)
-
-
-def _orthogonalise_and_scatter(plan: Plan, fl: _Inflight, adjust_lr_fn: str) -> _Inflight | None:
-    """Wait for the gather, run Newton-Schulz on owned/local matrices, start the scatter."""
-    items, updates = fl.items, fl.local_updates
-    r = plan.rank
+def _orthogonalise_and_scatter(
+    plan: Plan, fl: Inflight, adjust_lr_fn: str, done: list[Item]
+) -> Inflight | None:
+    """Run Newton-Schulz on the chunk's local matrices, wait for the gather, run it on the
+    matrices this rank owns and start sending their results back."""
+    items, updates = fl.items, fl.updates
     # Local (non-exchanged) matrices: whole on this rank, nothing to wait for.
-    local = {i: updates[i] for i, it in enumerate(items) if not it.exchanged}
-    for i, res in _orthogonalise(items, local).items():
+    whole = {i: updates[i] for i, it in enumerate(items) if not it.exchanged}
+    for i, res in _orthogonalise(items, whole, done).items():
         _apply(items[i], res, adjust_lr_fn)
     if fl.work is None:
         return None
-    fl.work.wait()  # Sync: shards of owned matrices must have arrived before reassembly.
-    recv, _ = fl.recv
-    ex = [i for i, it in enumerate(items) if it.exchanged]
-    by_owner = _split_by_owner(plan, [items[i] for i in ex])
-    mine = [ex[j] for j in by_owner[r]]
-    # recv layout: [from rank 0: owned items' pieces in order][from rank 1: ...]...
-    pieces: dict[int, list[Tensor]] = {i: [] for i in mine}
-    off = 0
-    for s in range(plan.world):
-        for i in mine:
-            it = items[i]
-            if it.shard_dim is None:
-                continue
-            n = it.piece_numel(s)
-            pieces[i].append(recv[off : off + n].view(it.pieces[s]))
-            off += n
-    # (Pieces come in the wire dtype; Newton-Schulz casts them back to the item's, exactly.)
-    fulls = {
-        i: updates[i]
-        if items[i].shard_dim is None
-        else torch.cat(pieces[i], dim=items[i].shard_dim)
-        for i in mine
-    }
-    results = _orthogonalise(items, fulls)
-    # Scatter: to each rank d, its slice of every matrix this rank owns.
-    send_parts, in_splits, out_splits2 = [], [], []
-    for d in range(plan.world):
-        n = 0
-        for i in mine:
-            it = items[i]
-            res = results[i]
-            if it.shard_dim is not None:
-                start = sum(p[it.shard_dim] for p in it.pieces[:d])
-                part = res.narrow(it.shard_dim, start, it.pieces[d][it.shard_dim])
-            else:
-                part = res
-            send_parts.append(_as(part.reshape(-1), recv.dtype))
-            n += part.numel()
-        in_splits.append(n)
-    for s in range(plan.world):
-        out_splits2.append(sum(items[ex[j]].piece_numel(r) for j in by_owner[s]))
-    dev, wire = recv.device, recv.dtype
-    send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=wire, device=dev)
-    back = torch.empty(sum(out_splits2), dtype=wire, device=dev)
-    work = dist.all_to_all_single(back, send, out_splits2, in_splits, group=plan.pg, async_op=True)
-    return _Inflight(items, None, (back, by_owner, ex), work)
+    results = _orthogonalise(items, assemble(plan, fl), done)
+    return start_scatter(plan, items, results)
 
 
-def _finish_scatter(plan: Plan, fl: _Inflight, adjust_lr_fn: str) -> None:
-    fl.work.wait()  # Sync: this rank's slices must have arrived before they are applied.
-    back, by_owner, ex = fl.recv
-    off = 0
-    for s in range(plan.world):
-        for j in by_owner[s]:
-            it = fl.items[ex[j]]
-            n = it.piece_numel(plan.rank)
-            _apply(it, _as(back[off : off + n], it.ns_dtype), adjust_lr_fn)
-            off += n
+def _finish_scatter(plan: Plan, fl: Inflight, adjust_lr_fn: str) -> None:
+    for it, upd in received(plan, fl):
+        _apply(it, upd, adjust_lr_fn)
 
 
 def muon_step(
@@ -274,8 +168,9 @@ def muon_step(
     warmup_step: int,
     before_chunk: Callable[[int], None] | None = None,
     after_momentum: Callable[[int], None] | None = None,
-) -> None:
+) -> list[Item]:
     """Run one Muon step over ``plan``; ``active`` holds ids of params that have a gradient.
+    Returns the items this rank orthogonalised.
 
     ``before_chunk(ci)`` runs before chunk ``ci`` touches its momentum buffers and
     ``after_momentum(ci)`` right after (the offload pool reloads and parks them there).
@@ -284,11 +179,12 @@ def muon_step(
         # Nothing to communicate: holding a chunk's Newton-Schulz back behind the next chunk's
         # momentum would only make it wait for that chunk's states (a reload under offload).
         warmup_step = 0
-    gathers: deque[_Inflight] = deque()
-    scatters: deque[_Inflight] = deque()
+    gathers: deque[Inflight] = deque()
+    scatters: deque[Inflight] = deque()
+    done: list[Item] = []
 
     def drain_one_gather():
-        sc = _orthogonalise_and_scatter(plan, gathers.popleft(), adjust_lr_fn)
+        sc = _orthogonalise_and_scatter(plan, gathers.popleft(), adjust_lr_fn, done)
         if sc is not None:
             scatters.append(sc)
         # Apply the previous chunk's scatter only now, so it overlapped this Newton-Schulz.
@@ -304,10 +200,11 @@ def muon_step(
         if after_momentum is not None:
             after_momentum(ci)
         if items:
-            gathers.append(_start_gather(plan, items, updates))
+            gathers.append(start_gather(plan, items, updates))
         while len(gathers) > warmup_step:
             drain_one_gather()
     while gathers:
         drain_one_gather()
     while scatters:
         _finish_scatter(plan, scatters.popleft(), adjust_lr_fn)
+    return done

@@ -1,10 +1,13 @@
-"""Who orthogonalises what: owner ranks, shard geometry and the chunk order of a Muon step.
+"""Who orthogonalises what: owner ranks, pieces and the chunk order of a Muon step.
 
-Every matrix gets ONE owner rank. Owners are chosen greedily (longest-processing-time first)
-to balance the Newton-Schulz cost, ~max(A, B) * min(A, B)^2 for an A x B matrix, across the
-ranks of the mesh. The processing order interleaves owners so that each chunk of
-``chunk_size`` matrices keeps as many ranks busy as it can. The plan depends only on the global
-shapes, the mesh and ``chunk_size``, so every rank builds the same one.
+Every matrix gets ONE owner among ALL ranks of the main mesh (``_mesh.py``), replicas
+included, so R replicas share the Newton-Schulz work rather than each redoing it. Owners are
+chosen greedily (longest-processing-time first) to balance the Newton-Schulz cost,
+~max(A, B) * min(A, B)^2 for an A x B matrix. The owner gathers the pieces of its own replica
+(``Exchange.same_replica``) and every rank that holds a piece gets its slice of the result. The
+processing order interleaves owners so that each chunk of ``chunk_size`` matrices keeps as
+many ranks busy as it can. The plan depends only on the global shapes, the placements, the
+mesh and ``chunk_size``, so every rank builds the same one.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
+from optim._mesh import Exchange, embed, exchange_of, main_mesh, piece, sharding_dims
 from optim._ns_dtype import NS_DTYPES, NS_METHODS
 from optim.newton_schulz import uses_gram
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, length) per dim of a piece
 
 
 @dataclass
@@ -32,11 +38,13 @@ class Item:
     gshape: torch.Size  # global (logical) shape
     exchanged: bool  # True: owner-based gather/scatter over the mesh; False: all local
     ns_dtype: torch.dtype  # what its update, Newton-Schulz and result are computed in
-    shard_dim: int | None = None  # None: every rank holds the full matrix (Replicate)
-    pieces: list[torch.Size] = field(default_factory=list)  # local shape on each rank
+    ex: Exchange | None = None  # the main mesh's group (exchanged items)
+    placements: tuple[Placement, ...] = ()  # on the main mesh's dims (exchanged items)
     owner: int = 0
     chunk: int = 0
     unit: int = 0  # items of one unit run through one batched Newton-Schulz
+    _boxes: dict[int, Box] = field(default_factory=dict)
+    _sends: dict[int, bool] = field(default_factory=dict)
 
     @property
     def method(self) -> str:
@@ -48,8 +56,32 @@ class Item:
         """Whether Newton-Schulz takes the Gram iteration on it (``uses_gram``)."""
         return uses_gram(*self.matrix_dims(), self.method)
 
+    def box(self, r: int) -> Box:
+        """The piece rank ``r`` of the exchange holds: (start, length) per dim."""
+        if r not in self._boxes:
+            self._boxes[r] = piece(
+                tuple(self.gshape), self.placements, tuple(self.ex.mesh.shape), self.ex.coords[r]
+            )
+        return self._boxes[r]
+
     def piece_numel(self, r: int) -> int:
-        return math.prod(self.pieces[r])
+        return math.prod(self.box(r)[1])
+
+    def gathered(self) -> bool:
+        """Whether its owner needs pieces of others (it does not hold the whole matrix)."""
+        return self.piece_numel(self.owner) != self.gnumel()
+
+    def sends(self, r: int) -> bool:
+        """Whether rank ``r`` sends its piece to the owner: a non-empty piece of the owner's
+        own replica (``Exchange.same_replica``), when the owner lacks the whole matrix. Call
+        once the owner is set."""
+        if r not in self._sends:
+            self._sends[r] = (
+                self.gathered()
+                and self.piece_numel(r) > 0
+                and self.ex.same_replica(r, self.owner, sharding_dims(self.placements))
+            )
+        return self._sends[r]
 
     def gnumel(self) -> int:
         return math.prod(self.gshape)
@@ -63,10 +95,20 @@ class Item:
 class Plan:
     items: list[Item]  # processing order
     chunks: list[list[Item]]
-    pg: dist.ProcessGroup | None
-    rank: int
-    world: int
+    ex: Exchange | None  # None: nothing is exchanged
     device: torch.device | None  # where small control tensors live for collectives
+
+    @property
+    def pg(self) -> dist.ProcessGroup | None:
+        return self.ex.pg if self.ex else None
+
+    @property
+    def rank(self) -> int:
+        return self.ex.rank if self.ex else 0
+
+    @property
+    def world(self) -> int:
+        return self.ex.world if self.ex else 1
 
 
 def local(t: Tensor) -> Tensor:
@@ -101,12 +143,15 @@ def _unit_cost(unit: list[Item]) -> float:
 
 def _form_units(items: list[Item]) -> list[list[Item]]:
     """Batches of same-shape matrices. Depends only on the params' order, shapes, dtypes,
-    ns_steps, ns_dtype and Newton-Schulz method (never on the world size or placements), so one process and N ranks run the
+    ns_steps, ns_dtype and Newton-Schulz method, and on whether each is a DTensor split over
+    ranks (never on the world size or the placements), so one process and N ranks run the
     very same batched Newton-Schulz calls: the N-ranks == 1-process invariant survives."""
     open_units: dict[tuple, list[Item]] = {}
     units: list[list[Item]] = []
     for it in items:
-        # DTensor-ness, not "exchanged": a DTensor on one rank must batch as it does on N.
+        # DTensor-ness, not only "exchanged": a DTensor on one rank must batch as it does on
+        # N; "exchanged" too, as a unit has one owner (a DTensor on a 1-rank slice of the
+        # mesh is local beside exchanged ones).
         key = (
             tuple(it.gshape),
             it.param.dtype,
@@ -114,6 +159,7 @@ def _form_units(items: list[Item]) -> list[list[Item]]:
             it.ns_dtype,
             it.gram,
             isinstance(it.param, DTensor),
+            it.exchanged,
         )
         u = open_units.get(key)
         if (
@@ -131,84 +177,100 @@ def _form_units(items: list[Item]) -> list[list[Item]]:
 def build_plan(groups: list[dict], chunk_size: int) -> Plan:
     """The plan of a Muon step: its items with their geometry, their owners, their batches
     (units) and the order and chunks they are processed in."""
-    items, mesh = _items(groups)
-    pg = mesh.get_group() if mesh is not None else None
-    world = mesh.size() if mesh is not None else 1
-    rank = dist.get_rank(pg) if pg is not None else 0
-    device = _measure_pieces([it for it in items if it.exchanged], pg, world)
+    items, ex = _items(groups)
+    device = _check_pieces([it for it in items if it.exchanged], ex)
     units = _form_units(items)
+    world, rank = (ex.world, ex.rank) if ex else (1, 0)
     _assign_owners(units, world, rank)
     chunks = _chunk(_interleave_owners(units, world), chunk_size)
-    return Plan([it for c in chunks for it in c], chunks, pg, rank, world, device)
+    return Plan([it for c in chunks for it in c], chunks, ex, device)
 
 
-def _items(groups: list[dict]) -> tuple[list[Item], DeviceMesh | None]:
-    """Every Muon param as an Item, in group order, and the mesh it is split over (None when
-    no param spans more than one rank)."""
+def _items(groups: list[dict]) -> tuple[list[Item], Exchange | None]:
+    """Every Muon param as an Item, in group order, and the exchange over the main mesh (None
+    when no param spans more than one rank)."""
+    muon = [p for g in groups if g["use_muon"] for p in g["params"]]
+    main = main_mesh([p.device_mesh for p in muon if isinstance(p, DTensor)])
+    ex = exchange_of(main) if main is not None else None
     items: list[Item] = []
-    mesh = None
     for g in groups:
         if not g["use_muon"]:
             continue
+        dtype = NS_DTYPES[g["ns_dtype"]]
         for p in g["params"]:
             if isinstance(p, DTensor) and p.device_mesh.size() > 1:
-                mesh = p.device_mesh
-                pl = p.placements[0]
-                sd = pl.dim if isinstance(pl, Shard) else None
-                items.append(Item(p, g, p.shape, True, NS_DTYPES[g["ns_dtype"]], sd))
+                items.append(Item(p, g, p.shape, True, dtype, ex, embed(p, ex.mesh)))
             else:
-                items.append(Item(p, g, p.shape, False, NS_DTYPES[g["ns_dtype"]]))
-    return items, mesh
+                items.append(Item(p, g, p.shape, False, dtype))
+    return items, ex
 
 
-def _measure_pieces(
-    exchanged: list[Item], pg: dist.ProcessGroup | None, world: int
-) -> torch.device | None:
-    """Set each exchanged item's ``pieces`` (its local shape on every rank); return the device
-    of the collectives' control tensors (None when nothing is exchanged).
-
-    Each rank's shard length along the shard dim is gathered once per plan: the geometry is
-    read off the real shards rather than re-derived from a chunking rule. Each rank's
-    Newton-Schulz dtype and method of the item come with it: the owner's would otherwise
-    decide."""
+def _check_pieces(exchanged: list[Item], ex: Exchange | None) -> torch.device | None:
+    """Check, on every rank at once, that each rank's local shard of each exchanged item is
+    the piece its placements say (``Item.box``) and that the ranks agree on its Newton-Schulz
+    dtype and method; return the device of the collectives' control tensors (None when
+    nothing is exchanged). Two small all-reduces when all is well (each rank checks its own
+    piece); every rank raises the same error otherwise, so none is left waiting."""
     if not exchanged:
         return None
     device = exchanged[0].param.to_local().device
+    fewest, most = _spread([[len(exchanged)]], ex, device)
+    if fewest != most:
+        counts = [c[0][0] for c in _gather([[len(exchanged)]], ex, device)]
+        raise RuntimeError(
+            f"the ranks of {ex.mesh} hold different numbers of split Muon matrices: "
+            f"{counts} on ranks 0..{ex.world - 1}; every rank must build Muon with the same "
+            "params, in the same order"
+        )
     codes = list(NS_DTYPES.values())
-    mine = torch.tensor(
+    mine = [
         [
-            [
-                it.param.to_local().shape[it.shard_dim] if it.shard_dim is not None else 0,
-                codes.index(it.ns_dtype),
-                NS_METHODS.index(it.method),
-            ]
-            for it in exchanged
-        ],
-        dtype=torch.int64,
-        device=device,
-    )
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=pg)
-    got = torch.stack(gathered).cpu().tolist()
-    lens = [[row[0] for row in rank_rows] for rank_rows in got]
+            codes.index(it.ns_dtype),
+            NS_METHODS.index(it.method),
+            int(tuple(it.param.to_local().shape) != it.box(ex.rank)[1]),
+        ]
+        for it in exchanged
+    ]
+    lo, hi = _spread(mine, ex, device)
+    if lo == hi and not any(row[2] for row in hi):
+        return device
+    nd = max(len(it.gshape) for it in exchanged)
+    rows = [
+        [*row[:2], *it.param.to_local().shape, *[0] * (nd - it.param.ndim)]
+        for row, it in zip(mine, exchanged, strict=True)
+    ]
+    got = _gather(rows, ex, device)
     for j, it in enumerate(exchanged):
-        _check_same_ns_dtype(it, [list(NS_DTYPES)[got[r][j][1]] for r in range(world)])
-        _check_same_ns_method(it, [NS_METHODS[got[r][j][2]] for r in range(world)])
-        if it.shard_dim is None:
-            it.pieces = [it.gshape] * world
-            continue
-        pieces = []
-        for r in range(world):
-            s = list(it.gshape)
-            s[it.shard_dim] = lens[r][j]
-            pieces.append(torch.Size(s))
-        if sum(lens[r][j] for r in range(world)) != it.gshape[it.shard_dim]:
-            raise RuntimeError(
-                f"DTensor shards of a param with shape {tuple(it.gshape)} do not tile "
-                f"dim {it.shard_dim}: shard lengths {[lens[r][j] for r in range(world)]}"
-            )
-        it.pieces = pieces
+        _check_same_ns_dtype(it, [list(NS_DTYPES)[got[r][j][0]] for r in range(ex.world)])
+        _check_same_ns_method(it, [NS_METHODS[got[r][j][1]] for r in range(ex.world)])
+        for r in range(ex.world):
+            found = tuple(got[r][j][2 : 2 + len(it.gshape)])
+            if found != it.box(r)[1]:
+                raise RuntimeError(
+                    f"a Muon param of shape {tuple(it.gshape)} with placements "
+                    f"{it.placements} on {ex.mesh}: rank {r} (mesh coordinate {ex.coords[r]}) "
+                    f"holds a local shard of shape {found}, but its placements give "
+                    f"{it.box(r)[1]}; Muon cannot tell which piece of the matrix it holds "
+                    "(is the param a DTensor whose local tensor was replaced or resized?)"
+                )
     return device
+
+
+def _spread(rows: list[list[int]], ex: Exchange, device: torch.device):
+    """The element-wise minimum and maximum over the ranks of ``rows`` (one all-reduce)."""
+    mine = torch.tensor(rows, dtype=torch.int64, device=device)
+    both = torch.stack([-mine, mine])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ex.pg)
+    both = both.cpu()
+    return (-both[0]).tolist(), both[1].tolist()
+
+
+def _gather(rows: list[list[int]], ex: Exchange, device: torch.device) -> list[list[list[int]]]:
+    """Every rank's ``rows`` (the same number, of the same length, on each rank)."""
+    mine = torch.tensor(rows, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(ex.world)]
+    dist.all_gather(gathered, mine, group=ex.pg)
+    return torch.stack(gathered).cpu().tolist()
 
 
 def _check_same_ns_dtype(it: Item, per_rank: list[str]) -> None:

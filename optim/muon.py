@@ -2,8 +2,10 @@
 
 A real ``torch.optim.Optimizer``: LR schedulers, ``zero_grad``, ``add_param_group``,
 ``state_dict``/``load_state_dict`` and grad clipping keep working. Parameters may be plain
-tensors or DTensors on a 1-D mesh (what FSDP2 ``fully_shard`` makes; Shard(dim) with uneven
-shards, or Replicate). See README.md for every param-group key.
+tensors or DTensors on a mesh of any number of dims with the placements FSDP2 ``fully_shard``
+and tensor parallelism make (``Shard(dim)``, uneven included, ``_StridedShard``,
+``Replicate()``); each matrix is orthogonalised once in the whole mesh. See README.md for
+every param-group key.
 """
 
 from __future__ import annotations
@@ -12,17 +14,17 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 import optim._config as _config
 from offload import CPUOffloadPool
 from optim._adamw import adamw_step
+from optim._exchange import agree_on_grads
 from optim._muon_step import muon_step
 from optim._ns_dtype import resolve_ns_dtype, resolve_ns_method
 from optim._offloading import CPUOffloadMixin
-from optim._plan import Plan, build_plan
+from optim._plan import Item, Plan, build_plan
+from optim._report import NSWork, UpdateRule, ns_work, update_rule
 
 __all__ = ["Muon"]
 
@@ -81,8 +83,9 @@ class Muon(CPUOffloadMixin, torch.optim.Optimizer):
         self._cpu_offload = False
         self._cpu_offload_pool = CPUOffloadPool()
         self._pool_key: tuple | None = None
+        self._ns_done: list[Item] = []  # what this rank orthogonalised in the last step
         super().__init__(params, {**_config.GROUP_DEFAULTS, **defaults})
-        _config.check_same_mesh(self.param_groups)
+        _config.check_meshes(self.param_groups)
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -95,7 +98,7 @@ class Muon(CPUOffloadMixin, torch.optim.Optimizer):
             _config.check_keys(group, gi)
             _config.check_group(group, gi)
             if gi > 0:
-                _config.check_same_mesh(self.param_groups)
+                _config.check_meshes(self.param_groups)
         except ValueError:
             self.param_groups.pop()
             raise
@@ -242,36 +245,19 @@ class Muon(CPUOffloadMixin, torch.optim.Optimizer):
             new_state[pid] = st
         return {**state_dict, "state": new_state}
 
-    # ------------------------------------------------------------------ step
-    def _active(self, plan: Plan) -> set[int]:
-        """ids of params with a grad; all ranks of the mesh must agree for those a step
-        exchanges: Muon's split matrices, and AdamW's DTensors (a Partial grad is reduced
-        across the ranks)."""
-        active = {id(p) for g in self.param_groups for p in g["params"] if p.grad is not None}
-        checked = [("a Muon param", it.param) for it in plan.items if it.exchanged]
-        checked += [
-            ("an AdamW param", p)
-            for g in self.param_groups
-            if not g["use_muon"]
-            for p in g["params"]
-            if isinstance(p, DTensor) and p.device_mesh.size() > 1
-        ]
-        if checked:
-            mesh = checked[0][1].device_mesh  # (one mesh for all: _config.check_same_mesh)
-            has = torch.tensor(
-                [id(p) in active for _, p in checked],
-                dtype=torch.int32,
-                device=checked[0][1].to_local().device,
-            )
-            dist.all_reduce(has, group=mesh.get_group())
-            for (what, p), n in zip(checked, has.tolist(), strict=True):
-                if n not in (0, mesh.size()):
-                    raise RuntimeError(
-                        f"{what} of shape {tuple(p.shape)} has a grad on {n} of {mesh.size()} "
-                        "ranks; every rank must have a grad for it, or none"
-                    )
-        return active
+    # ------------------------------------------------------------------ reports
+    def update_rule(self, param: Tensor) -> UpdateRule:
+        """How ``param`` is updated: Muon with its Newton-Schulz iteration and dtype, or
+        AdamW (``UpdateRule``); a checkpoint can record it and compare it on load."""
+        return update_rule(self.param_groups, param)
 
+    def ns_work(self) -> NSWork:
+        """The Newton-Schulz work this rank did in the last ``step()``: the matrices it
+        orthogonalised, by name, and their FLOPs. Over a mesh, each matrix is in the
+        ``ns_work()`` of exactly one rank."""
+        return ns_work(self.param_groups, self._ns_done)
+
+    # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -279,7 +265,7 @@ class Muon(CPUOffloadMixin, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         plan = self._get_plan()
-        active = self._active(plan)
+        active = agree_on_grads(plan, self.param_groups)
         for g in self.param_groups:
             for p in g["params"]:
                 if id(p) in active:
@@ -288,7 +274,7 @@ class Muon(CPUOffloadMixin, torch.optim.Optimizer):
             self._sync_pool()  # cheap unless states were created or the plan changed
         pipe = self._offload_pipeline(plan) if self._cpu_offload else None
         try:
-            muon_step(
+            self._ns_done = muon_step(
                 plan,
                 active,
                 self.state,

@@ -24,6 +24,7 @@ __all__ = [
     "GRAM_ASPECT",
     "get_ns_compile",
     "newton_schulz",
+    "ns_flops",
     "set_ns_compile",
     "uses_gram",
     "zeropower_via_newtonschulz",
@@ -76,6 +77,25 @@ def uses_gram(rows: int, cols: int, method: str) -> bool:
     """Whether ``method`` ("standard" or "gram") runs the Gram iteration on a rows x cols
     matrix: "gram" where its aspect ratio exceeds ``GRAM_ASPECT``."""
     return method == "gram" and max(rows, cols) > GRAM_ASPECT * min(rows, cols)
+
+
+def ns_flops(rows: int, cols: int, ns_steps: int, method: str) -> int:
+    """Floating-point operations (2 per multiply-add) of the matrix products Newton-Schulz
+    runs on a rows x cols matrix by ``method``, as ``_iterate`` and ``_iterate_gram`` run
+    them (the normalisation and the elementwise terms left out)."""
+    m, n = min(rows, cols), max(rows, cols)
+    if not uses_gram(rows, cols, method):
+        return 2 * ns_steps * (2 * m * m * n + m**3)
+    macs = m * m * n  # R = X X^T
+    restart, q = (ns_steps + 1) // 2, False
+    for k in range(ns_steps):
+        if k == restart and q:
+            macs, q = macs + 2 * m * m * n, False  # X <- Q X, R <- X X^T
+        macs += m**3 * (2 if q else 1)  # Z, and Q <- Z Q
+        q = True
+        if k + 1 < ns_steps and k + 1 != restart:
+            macs += 2 * m**3  # R <- Z R Z
+    return 2 * (macs + m * m * n)  # (Q X at the end)
 
 
 def _iterate_gram(

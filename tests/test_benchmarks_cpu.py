@@ -21,6 +21,10 @@ RUNS = {
         ],
         "| case | ours / torch | offload on / off |",
     ),
+    "mesh": (
+        ["bench_muon_mesh", "--device", "cpu", "--tiny"],
+        "| layout | mesh | NS matrices per rank |",
+    ),
     "offload": (
         ["bench_offload", "--device", "cpu", "--tiny", "--iters", "1", "--profile"],
         "| set | off ms | on ms | on / off (target) |",

@@ -1,6 +1,7 @@
 """The eight behaviours of the seed offload test (tests/gpu/test_cpu_offload.py), on N ranks.
 
-Runs on CPU/gloo in CI (world sizes 2 and 3, uneven shards on 3) and unchanged on CUDA/NCCL.
+Runs on CPU/gloo in CI (world sizes 2 and 3, uneven shards on 3; and 2-D meshes of 4 ranks:
+HSDP's replicate x shard, and rows x columns) and unchanged on CUDA/NCCL.
 All eight behaviours run in one set of processes per world size (process start-up dominates on
 2 cores); each behaviour reports its own result and has its own test below.
 """
@@ -15,7 +16,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tests._dist import dist_device, run_on_ranks
 
@@ -52,11 +53,15 @@ def _muon_group(params, **kw):
 
 
 class _Ctx:
-    def __init__(self, mesh, dev):
-        self.mesh, self.dev = mesh, dev
+    def __init__(self, mesh, dev, placements):
+        self.mesh, self.dev, self.placements = mesh, dev, placements
 
     def shard(self, t):
-        return distribute_tensor(t.clone(), self.mesh, [Shard(0)])
+        # (a vector is replicated where a matrix is split along its columns)
+        pls = [
+            Replicate() if isinstance(p, Shard) and p.dim >= t.ndim else p for p in self.placements
+        ]
+        return distribute_tensor(t.clone(), self.mesh, pls)
 
     def params(self, fulls):
         return [torch.nn.Parameter(self.shard(t)) for t in fulls]
@@ -307,14 +312,25 @@ def b_checkpoint_guards(ctx, g):
     assert _state_storage_bytes(opt) == 0
 
 
-def body_all_behaviours(rank, world_size):
+# name -> (mesh shape, the placements of a matrix on it)
+MESHES = {
+    "ws1": ((1,), [Shard(0)]),
+    "ws2": ((2,), [Shard(0)]),
+    "ws3": ((3,), [Shard(0)]),
+    "hsdp2x2": ((2, 2), [Replicate(), Shard(0)]),
+    "rows-x-cols2x2": ((2, 2), [Shard(0), Shard(1)]),
+}
+
+
+def body_all_behaviours(rank, world_size, layout):
     from torch.distributed.device_mesh import init_device_mesh
 
     from optim.newton_schulz import set_ns_compile
 
     set_ns_compile(False)
     dev = dist_device()
-    ctx = _Ctx(init_device_mesh(dev.type, (world_size,)), dev)
+    shape, placements = MESHES[layout]
+    ctx = _Ctx(init_device_mesh(dev.type, shape), dev, placements)
     results = {}
     for name in BEHAVIOURS:
         g = torch.Generator().manual_seed(42)
@@ -329,9 +345,10 @@ def body_all_behaviours(rank, world_size):
     return results
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"ws{w}")
+@pytest.fixture(scope="module", params=list(MESHES))
 def outcomes(request):
-    return run_on_ranks(body_all_behaviours, request.param, timeout=150)
+    world = torch.Size(MESHES[request.param][0]).numel()
+    return run_on_ranks(body_all_behaviours, world, request.param, timeout=150)
 
 
 @pytest.mark.parametrize("behaviour", BEHAVIOURS)

@@ -53,6 +53,8 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
       for n in 1 2 4 8; do
         [ "$n" -le "$ngpu" ] && step torchrun --nproc-per-node="$n" benchmarks/bench_muon_scaling.py --csv "$out/scaling.csv" --offload --ckpt-dir "$ckpt-ranks$n"
       done
+      # Newton-Schulz work per rank and step time: one GPU, FSDP, HSDP 2 x N/2, TP 2 x FSDP N/2.
+      step torchrun --nproc-per-node="$ngpu" -m benchmarks.bench_muon_mesh --device cuda
     fi
   fi
   # Offload on / off on the uniform and GPT-like sets, peak step memory, which stream waited.
