@@ -126,3 +126,9 @@ def test_a_step_url_where_a_run_is_needed_names_the_runs_url(run, capsys, comman
     # The step's own commands take it as it is.
     assert main(["verify", step_url]) == 0
     assert "step 2: OK" in capsys.readouterr().out
+
+
+def test_a_run_whose_root_is_named_like_a_step_is_still_a_run(tmp_path, capsys):
+    url = three_step_run(str(tmp_path / "step-00000007"), {})["url"]
+    assert main(["ls", url]) == 0
+    assert "3 committed, 0 uncommitted; newest committed: 3" in capsys.readouterr().out
