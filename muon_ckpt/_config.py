@@ -57,9 +57,9 @@ def read_threads(io_threads: int | None, local: bool = True) -> int:
 
 
 # Every argument of CheckpointManager and what it means: the one place these words are
-# written. README's options table is these rows (tests/test_readme.py checks it, and the
-# defaults against CheckpointManager's signature); CheckpointManager's docstring is built
-# from them. MEMORY_OPTIONS is the same for MemoryOptions and README's memory-tier table.
+# written. docs/reference.md's options table is these rows (tests/test_readme.py checks it,
+# and the defaults against CheckpointManager's signature); CheckpointManager's docstring is
+# built from them. MEMORY_OPTIONS is the same for MemoryOptions and the reference's table.
 OPTIONS: dict[str, str] = {
     "url": "run root: local path, `file://`, `memory://`, `s3://`, `gs://`, any fsspec URL; "
     "each step is `<url>/step-<8 digits>/`",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 
@@ -125,3 +126,29 @@ def test_a_resume_at_another_world_size_is_one_load_call(tmp_path):
         assert (step, saved_world) == (3, 2)
         assert_same(snap, before)
         assert pos == 100 + rank  # rank_extra kept its own value
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_storage_error_names_the_endpoint_the_environment_set(s3_server, monkeypatch):
+    """AWS_ENDPOINT_URL (no endpoint_url in storage_options) is the endpoint the error names:
+    a missing bucket there, and an endpoint nothing listens on."""
+    from muon_ckpt import CheckpointStorageError
+
+    creds = {"key": "testing", "secret": "testing", "skip_instance_cache": True}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    with pytest.raises(CheckpointStorageError) as ei:
+        CheckpointManager("s3://no-such-bucket-here/run", storage_options=creds)
+    msg = str(ei.value)
+    assert f"the bucket 'no-such-bucket-here' does not exist at {s3_server};" in msg, msg
+    closed = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
+    with pytest.raises(CheckpointStorageError) as ei:
+        CheckpointManager("s3://bucket/run", storage_options=creds)
+    msg = str(ei.value)
+    assert f"cannot reach the storage at {closed} (" in msg, msg
+    assert "default endpoint" not in msg

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import posixpath
+import shlex
 from typing import Any
 
 from muon_ckpt.cli._memory import cmd_ls_memory, cmd_prune_memory, cmd_verify_memory
@@ -21,18 +23,36 @@ def _url_or_memory(args: argparse.Namespace, command: str) -> bool:
     return False
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
+def _open_run(args: argparse.Namespace, command: str) -> Any:
+    """The storage of the run ``args.url`` names, for ``command`` (ls, prune): an error where
+    the url does not exist, and where it is a step's directory, naming the run's url."""
     from muon_ckpt._errors import CheckpointNotFoundError
+    from muon_ckpt.store import MANIFEST, Catalog, parse_step_dirname
+
+    st = open_url(args)
+    st.check_root()
+    if not st.exists():
+        raise CheckpointNotFoundError(f"no run at {args.url!r}: it does not exist")
+    url = args.url.rstrip("/")
+    step = parse_step_dirname(posixpath.basename(url).removeprefix("overwrite-"))
+    # Named as a step and holding none (a run root may have any name), or a step's manifest.
+    if (step is not None and not Catalog(st).scan()) or st.exists(MANIFEST):
+        which = f"step {step}" if step is not None else f"a step (it holds {MANIFEST})"
+        run = shlex.quote(posixpath.dirname(url) or ".")
+        raise ValueError(
+            f"{args.url!r} is the directory of {which}, not a run; give the run's url: "
+            f"muon-ckpt {command} {run} (inspect and verify take a step's directory)"
+        )
+    return st
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
     from muon_ckpt.store import Catalog
 
     if _url_or_memory(args, "ls"):
         return cmd_ls_memory(args)
 
-    st = open_url(args)
-    st.check_root()
-    if not st.exists():
-        raise CheckpointNotFoundError(f"{args.url!r} does not exist")
-    cat = Catalog(st)
+    cat = Catalog(_open_run(args, "ls"))
     steps, ignored = cat.scan(detail=True), cat.ignored()
     if args.json:
         doc = {"url": args.url, "steps": [s.as_dict() for s in steps], "ignored": ignored}
@@ -202,7 +222,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from muon_ckpt.store import prune
+    from muon_ckpt._errors import CheckpointNotFoundError
+    from muon_ckpt.store import Catalog, prune
 
     if _url_or_memory(args, "prune"):
         if args.keep is not None:
@@ -211,7 +232,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if args.keep is None:
         raise ValueError("muon-ckpt prune needs --keep N (committed steps to keep)")
 
-    res = prune(open_url(args), args.keep, dry_run=args.dry_run)
+    st = _open_run(args, "prune")
+    if not Catalog(st).scan():  # a mistyped url: say so, as ls does, rather than "deleted 0"
+        raise CheckpointNotFoundError(
+            f"no run at {args.url!r}: no step directory (step-XXXXXXXX) there; nothing to "
+            "prune (muon-ckpt ls shows what is there)"
+        )
+    res = prune(st, args.keep, dry_run=args.dry_run)
     if args.json:
         print(json_doc({"url": args.url, "dry_run": args.dry_run, **vars(res)}))
         return 0

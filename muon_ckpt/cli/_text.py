@@ -1,12 +1,14 @@
 """What the command prints, and how it reads its options: escaping of everything that comes
-from a checkpoint, strict JSON, byte counts, ``KEY=VALUE`` storage options, the storage a
-command opens."""
+from a checkpoint, strict JSON, byte counts, errors in the command line's words, ``KEY=VALUE``
+storage options, the storage a command opens."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["human", "json_doc", "one_line", "open_url", "printable", "storage_options"]
@@ -67,6 +69,35 @@ def human(n: int | None) -> str:
     return "-" if n is None else human_bytes(n)
 
 
+def _include(m: re.Match[str]) -> str:
+    return "--include " + " ".join(re.findall(r"'([^']*)'", m.group(1)))
+
+
+# The library's messages advise in its Python API; on the command line the same advice is a
+# flag. Each row rewrites one spelling of that API, never a whole message, so the library's
+# wording stays its own (tests/test_cli_messages.py meets each row through a real error).
+_AS_FLAGS: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], ...] = (
+    (re.compile(r"\bCall load\(\) for"), "Leave --step out for"),
+    (re.compile(r"\bload\(step=\.\.\.\)"), "give --step"),
+    (re.compile(r"--step/step="), "--step"),
+    (re.compile(r"\bstorage_options\b"), "--storage-option"),
+    (re.compile(r"\binclude=\(([^)]*)\)"), _include),
+    (re.compile(r"\btied=\{'([^']*)': '([^']*)'\}"), r"--tied \1=\2"),
+    (re.compile(r"\btied="), "--tied"),
+    (re.compile(r"\brename="), "--rename-map"),
+)
+
+
+def _as_flags(text: str) -> str:
+    """``text``, a library's message, with its advice in the command's flags
+    (``load(step=...)`` -> ``--step``, ``storage_options`` -> ``--storage-option``, ...)."""
+    for pattern, flag in _AS_FLAGS:
+        text = pattern.sub(flag, text)
+    return text
+
+
 def one_line(e: BaseException) -> str:
-    msg = printable(" ".join(str(e).split())) or repr(e)
+    """``e`` as the command's one error line: its type, and its message on one line, escaped
+    and in the command's words (``_as_flags``)."""
+    msg = printable(_as_flags(" ".join(str(e).split()))) or repr(e)
     return f"{type(e).__name__}: {msg}"

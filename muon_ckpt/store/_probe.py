@@ -59,11 +59,21 @@ def _probe_options(options: dict[str, Any], timeout: float | None) -> dict[str, 
     return {**options, "config_kwargs": cfg, "skip_instance_cache": True}
 
 
-def _explain(e: BaseException, url: str, bucket: str, options: dict[str, Any]) -> Exception:
+def _endpoint(tester: Storage | None, options: dict[str, Any]) -> str:
+    """The endpoint the probe's request went to, for its error: the S3 client's own (from
+    storage_options, AWS_ENDPOINT_URL or the AWS config), else the one the options name."""
+    named = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+    try:  # s3fs made its client for the request that failed
+        used = tester.fs.s3.meta.endpoint_url if tester is not None else None
+    except Exception:  # not s3fs, or no client: nothing more is known
+        used = None
+    return str(used or named or "the filesystem's default endpoint")
+
+
+def _explain(
+    e: BaseException, url: str, bucket: str, options: dict[str, Any], endpoint: str
+) -> Exception:
     name = type(e).__name__
-    endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get(
-        "endpoint_url", "the default endpoint"
-    )
     if isinstance(e, TypeError):
         return bad_options(url, options, e)
     if name == "NoCredentialsError" or "credentials" in str(e).lower():
@@ -84,8 +94,9 @@ def _explain(e: BaseException, url: str, bucket: str, options: dict[str, Any]) -
         )
     if "Connect" in name or "Endpoint" in name or "Timeout" in name:
         return CheckpointStorageError(
-            f"{url!r}: cannot reach the storage at {endpoint} ({name}: {e}); check "
-            "endpoint_url and the network"
+            f"{url!r}: cannot reach the storage at {endpoint} ({name}: {e}); check the "
+            "endpoint (endpoint_url in storage_options, else AWS_ENDPOINT_URL or the AWS "
+            "config) and the network"
         )
     return CheckpointStorageError(f"{url!r}: the storage refused a first request ({name}: {e})")
 
@@ -112,6 +123,7 @@ def open_storage(
     _check_options(field, url, storage, options)
     if probe and storage.object_store:
         bucket = storage.root.strip("/").split("/", 1)[0]
+        tester = None
         try:
             tester = Storage(url, _probe_options(options, timeout), timeout=None)
             tester.fs.retries = 1  # s3fs: no retries of its own for the probe
@@ -123,7 +135,7 @@ def open_storage(
             raise
         except Exception as e:
             if isinstance(e, TypeError) or is_storage_failure(e):
-                raise _explain(e, url, bucket, options) from e
+                raise _explain(e, url, bucket, options, _endpoint(tester, options)) from e
             raise
     try:
         storage.check_root()
