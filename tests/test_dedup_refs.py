@@ -197,6 +197,46 @@ def test_each_referred_file_is_read_back_once_while_it_is_unchanged(tmp_path, mo
             assert others == (["00000001"] if step == 2 else []), (step, reads)
 
 
+def test_an_object_rewritten_in_place_on_memory_fs_is_read_back_again(monkeypatch, caplog):
+    """``memory://`` reports only an object's creation time, which an in-place write (a tool
+    rewriting one byte, ``open(..., "r+b")``) keeps: that is no change stamp, so every save
+    reads back what it refers to. Step 3 then writes the damaged file's tensor again and
+    loads bitwise (it committed on the damaged bytes, and no step after step 1 loaded)."""
+    import fsspec
+
+    from muon_ckpt.store import _confirm
+
+    # (no file is taken for one changed within the clock's tick: the stamp alone decides)
+    monkeypatch.setattr(_confirm, "SETTLED_SECONDS", 0.0)
+    url = f"memory://inplace-{os.getpid()}-{id(caplog)}/run"
+    m = _Frozen()
+    mgr = CheckpointManager(url, model=m)
+    for step in (1, 2):  # step 2 refers to step 1's file, read back by save 2
+        _at(m, step)
+        mgr.save(step)
+    st = Storage(url)
+    name, offset, length = _where(st, 2, "model.emb.weight")
+    fs = fsspec.filesystem("memory")
+    with fs.open(st.path(DATA, *data_ref(name)), "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
+        _at(m, 3)
+        assert mgr.save(3)
+    mgr.close()
+    assert "written again" in caplog.text and data_ref(name)[0] in caplog.text
+    assert _where(st, 3, "model.emb.weight")[0].startswith("../data/00000003-")
+    fresh = _Frozen()
+    with torch.no_grad():
+        fresh.emb.weight.zero_()
+    assert CheckpointManager(url, model=fresh).load() == 3
+    _same(fresh, _at(_Frozen(), 3))
+    assert verify(resolve(st, 3)).ok
+    fs.rm(st.root, recursive=True)
+
+
 def _body_two_ranks(rank: int, world: int, url: str) -> None:
     """Two ranks, each writing part of a replicated model (DCP gives each tensor one writer):
     steps 1 and 2, both files of step 1 damaged after the commit, then step 3."""
