@@ -85,6 +85,45 @@ def test_an_object_store_key_that_is_not_plain_is_refused(s3_bucket, key, what):
     assert Storage(f"s3://{bucket}", opts).walk_files() == {}  # nothing written
 
 
+@pytest.mark.s3
+@pytest.mark.parametrize(
+    ("tail", "plain"),
+    [
+        ("run7?versionId=abc", "run7"),  # s3fs cuts it off every key: the lease went to run7
+        ("run7/?versionId=abc", "run7"),
+        ("run7#1712", "run7"),  # gcsfs reads a generation there
+        ("run*", None),  # fsspec reads a pattern: deleting old steps would match other runs
+        ("runs/[ab]/run7", None),
+    ],
+)
+def test_a_key_with_what_the_filesystem_parses_out_is_refused(s3_bucket, tail, plain):
+    """A url pasted with a version (``?versionId=``, ``#generation``) or holding a pattern
+    character is refused when the manager is made, naming why and the plain url; the
+    bucket's other object named like the run is untouched."""
+    import s3fs
+
+    bucket, opts = s3_bucket
+    fs = s3fs.S3FileSystem(**opts)
+    fs.pipe(f"{bucket}/run7", b"another object of the bucket")
+    url = f"s3://{bucket}/{tail}"
+    model, opt = _model()
+    with pytest.raises(ValueError) as e:
+        CheckpointManager(url, model=model, optimizer=opt, storage_options=opts)
+    msg = str(e.value)
+    assert url in msg, msg
+    fix = f"use s3://{bucket}/{plain}" if plain else "use a name without '*', '?', '['"
+    assert fix in msg, msg
+    fs.invalidate_cache()
+    assert fs.find(bucket) == [f"{bucket}/run7"]
+    assert fs.cat(f"{bucket}/run7") == b"another object of the bucket"
+
+
+@pytest.mark.parametrize("tail", ["run?", "run*", "r[0]"])
+def test_a_pattern_character_in_a_memory_url_is_refused(tail):
+    with pytest.raises(ValueError, match=r"pattern of names"):
+        Storage(f"memory://bucket/{tail}")
+
+
 def test_a_key_above_the_bucket_is_refused():
     with pytest.raises(ValueError, match=r"'\.\.' leads above the bucket.*a prefix inside"):
         Storage("memory://bucket/../run7")
