@@ -55,7 +55,7 @@ class FaultProxy:
         self.upstream = (u.hostname or "127.0.0.1", u.port or 80)
         self.rng = random.Random(seed)
         self.stall_s = stall_s
-        self.rules: list[list[Any]] = []  # [method, path, body, fault, times left]
+        self.rules: list[list[Any]] = []  # [method, path, body, fault, times left, at]
         self.rate = 0.0
         self.kinds: tuple[str, ...] = KINDS
         self.injected: dict[str, int] = {}
@@ -90,12 +90,19 @@ class FaultProxy:
         self._server.server_close()
 
     def rule(
-        self, method: str, path: str, fault: str, body: bytes | None = None, times: int = -1
+        self,
+        method: str,
+        path: str,
+        fault: str,
+        body: bytes | None = None,
+        times: int = -1,
+        at: int | None = None,
     ) -> None:
         """Every ``method`` request whose path matches ``path`` (and body ``body``) gets
-        ``fault``; only the first ``times`` of them when ``times`` >= 0."""
+        ``fault``; only the first ``times`` of them when ``times`` >= 0. ``at``: the byte a
+        corrupting fault flips (default: one drawn at random; 0 makes a JSON body invalid)."""
         pat = None if body is None else re.compile(body)
-        self.rules.append([method, re.compile(path), pat, fault, times])
+        self.rules.append([method, re.compile(path), pat, fault, times, at])
 
     def clear(self) -> None:
         self.rules.clear()
@@ -104,11 +111,11 @@ class FaultProxy:
     # ------------------------------------------------------------------ one request
     def _pick(self, method: str, path: str, body: bytes) -> str | None:
         with self._lock:
-            fault = None
+            fault, at = None, None
             for r in self.rules:
-                m, p, b, f, times = r
+                m, p, b, f, times, flip_at = r
                 if times and m == method and p.search(path) and (b is None or b.search(body)):
-                    fault, r[4] = f, times - 1
+                    fault, r[4], at = f, times - 1, flip_at
                     break
             if fault is None and self.rate and self.rng.random() < self.rate:
                 kinds = [k for k in self.kinds if body or k not in _BODY_FAULTS]
@@ -116,7 +123,7 @@ class FaultProxy:
             if fault is not None:
                 self.injected[fault] = self.injected.get(fault, 0) + 1
             flip = self.rng.randrange(1 << 30)
-        return None if fault is None else f"{fault}:{flip}"
+        return None if fault is None else f"{fault}:{flip if at is None else at}"
 
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
         body = _read_body(h)

@@ -70,7 +70,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{printable(s.time or '-')}"
         )
     done = [s.step for s in steps if s.committed]
-    corrupt = [s for s in steps if s.status == "corrupt"]
+    corrupt = [s for s in steps if s.status == "corrupt" and s.passed_over is None]
     passed = [s for s in steps if s.passed_over is not None]
     tail = f"; newest committed: {done[-1]}" if done else ""
     bad = f"{len(corrupt)} CORRUPT, " if corrupt else ""

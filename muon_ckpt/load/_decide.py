@@ -3,9 +3,10 @@
 Without a step asked for, the candidates are the committed steps of the url, newest first,
 then ``resume_from``'s (its one step, or its steps newest first); the first whose manifest,
 file sizes and metadata check out is chosen, and a step that fails those checks twice (a
-read fault is read once more) is skipped with a WARNING (``Skip``). With a step asked for,
-that step only. A step of a newer format is never skipped: a CheckpointVersionError says to
-upgrade, before anything is read.
+read fault is read once more) is skipped with a WARNING (``Skip``), as is a newer step whose
+manifest read as damaged twice (``Skip.unread``: tried again should it read; the next save
+keeps it, ``store._lines``). With a step asked for, that step only. A step of a newer format
+is never skipped: a CheckpointVersionError says to upgrade, before anything is read.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Skip:
     step: int
     why: str
     gen: int | None = None  # its commit's generation, where known
+    unread: bool = False  # a newer step whose manifest could not be read (CORRUPT): not tried
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +143,7 @@ def _first_that_checks_out(
         for s in scan
         if s.status in (Status.COMMITTED, Status.CORRUPT)
     ]
-    tried = {(s.from_resume, s.step) for s in skipped}
+    tried = {(s.from_resume, s.step) for s in skipped if not s.unread}
     for cat, s, from_resume in candidates:
         if (from_resume, s) in tried:
             continue
@@ -159,10 +161,12 @@ def _first_that_checks_out(
             continue
         newer = present if from_resume else [(n, g) for n, g in present if n > s]
         newer += [(t.step, t.gen or 0) for t in tier if t.committed and t.step > s]
-        if step is None:
+        if step is None:  # (passed over: its manifest read as damaged twice; kept, _lines)
             for info in scan:
-                if info.status == Status.CORRUPT and info.step in {n for n, _ in newer}:
+                if info.status == Status.CORRUPT and (info.step, None) in newer:
                     _log.warning("skipping step %d: %s", info.step, info.problem)
+                    if not any(k.unread and k.step == info.step for k in skipped):
+                        skipped.append(Skip(False, info.step, str(info.problem), unread=True))
         return Decision(
             from_resume,
             s,

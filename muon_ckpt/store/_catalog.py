@@ -184,7 +184,7 @@ class Catalog:
         new_run: bool = False,
         abandon: list[tuple[int, int | None]] | None = None,
         refer_to: tuple[int, int] | None = None,
-        pass_over: list[tuple[int, int, str]] | None = None,
+        pass_over: list[tuple[int, int | None, str]] | None = None,
     ) -> SavePlan:
         """Ready a save of ``step``: take the write lease; finish or remove the leftovers of
         crashed saves (an overwrite that was committed but not swapped in is finished first);
