@@ -16,6 +16,9 @@ request gets the fault) or, when ``rate`` > 0, at random from ``kinds`` with a
 * ``"corrupt_unchecked_response"`` (never drawn at random): one byte of the response body
   flipped and the response's checksum headers dropped, so the client cannot tell (an object
   stored without a checksum, a path that damages what it carries).
+
+``seen`` counts every request by kind (``request_kind``: LIST, HEAD, GET, PUT, COPY, multipart,
+DELETE), so a test or benchmark can pin how many requests an operation makes.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class FaultProxy:
         self.rate = 0.0
         self.kinds: tuple[str, ...] = KINDS
         self.injected: dict[str, int] = {}
+        self.seen: dict[str, int] = {}  # requests forwarded or faulted, by request_kind
         self._lock = threading.Lock()
         proxy = self
 
@@ -127,6 +131,9 @@ class FaultProxy:
 
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
         body = _read_body(h)
+        kind = request_kind(h.command, h.path, h.headers.get("x-amz-copy-source"))
+        with self._lock:
+            self.seen[kind] = self.seen.get(kind, 0) + 1
         picked = self._pick(h.command, h.path, body)
         fault, _, salt = (picked or "").partition(":")
         if fault in ("500", "503"):
@@ -181,6 +188,22 @@ class FaultProxy:
         if cut:
             h.wfile.flush()
             _reset(h)
+
+
+def request_kind(method: str, path: str, copy_source: str | None = None) -> str:
+    """The S3 request a method and path make: LIST, HEAD, GET, PUT, COPY, multipart (create,
+    part, complete, abort) or DELETE (one object, or a batch)."""
+    query = urlsplit(path).query
+    args = {a.split("=", 1)[0] for a in query.split("&") if a}
+    if "uploads" in args or "uploadId" in args:
+        return "multipart"
+    if method == "GET" and args & {"list-type", "prefix", "delimiter"}:
+        return "LIST"
+    if method == "PUT" and copy_source:
+        return "COPY"
+    if method == "POST" and "delete" in args:
+        return "DELETE"
+    return method if method in ("HEAD", "GET", "PUT", "DELETE") else f"{method} {query}"
 
 
 def _read_body(h: BaseHTTPRequestHandler) -> bytes:

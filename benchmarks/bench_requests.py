@@ -1,0 +1,258 @@
+"""Storage requests per save and per load, and the time ``save()`` blocks, against the number
+of steps a run keeps (2, 10, 100, 1,000 by default).
+
+For each storage (moto S3 behind a counting loopback proxy, ``tests._faults.FaultProxy``, one
+per rank; a local directory, where an audit hook counts the ``open``, ``os.listdir`` and
+``os.scandir`` calls under the run's root) and each number of steps N:
+
+* one real save of step 1 (``keep_last=None``), then rank 0 writes steps 2..N-1 as copies of
+  step 1's ``manifest.json`` and ``.metadata`` with their step number changed (synthetic
+  committed steps that refer to step 1's data: two small objects per step, written directly,
+  so 1,000 steps take seconds, not a thousand saves);
+* a new manager (a job restarting into a run of N-1 steps) loads the newest step: the requests
+  of that ``load()``;
+* ``--saves`` saves (the first one, which allocates host buffers, is left out): the requests
+  of each save from ``save()`` until ``wait()`` returns, by kind, and the time ``save()``
+  blocked with ``async_save=True`` (medians over the saves).
+
+Each rank counts its own requests (rank 0 and rank 1 of ``--ranks`` gloo processes). The
+requests are counted, not sampled: they do not depend on the machine's speed; the blocked
+times do.
+
+Usage::
+
+    python benchmarks/bench_requests.py                      # 2 ranks, S3 and local
+    python benchmarks/bench_requests.py --ranks 1 --steps 2 10 --store local
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("LIST", "HEAD", "GET", "PUT", "COPY", "multipart", "DELETE")
+LOCAL_KINDS = ("listdir", "open")
+
+
+class LocalCounter:
+    """Counts ``open`` and directory listings under ``root`` (a Python audit hook: it sees
+    every open and listing this process makes, fsspec's included)."""
+
+    def __init__(self) -> None:
+        self.root: str | None = None
+        self.seen: dict[str, int] = {}
+        sys.addaudithook(self._hook)
+
+    def clear(self) -> None:
+        self.seen.clear()
+
+    def read(self) -> dict:
+        return dict(self.seen)
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if self.root is None or event not in ("open", "os.listdir", "os.scandir"):
+            return
+        path = args[0] if args else None
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        if isinstance(path, str) and path.startswith(self.root):
+            kind = "open" if event == "open" else "listdir"
+            self.seen[kind] = self.seen.get(kind, 0) + 1
+
+
+def synthetic_steps(url: str, opts: dict[str, Any], last: int) -> None:
+    """Steps 2..``last`` as copies of step 1's manifest and metadata (step number changed),
+    each also naming a data directory of its own (a copy of step 1's data files, listed in its
+    manifest beside the ones its metadata reads), so the run's data grows with its steps as
+    a run's whose every save writes new data does."""
+    from muon_ckpt.store import MANIFEST, METADATA, Storage, data_dirname, step_dirname
+    from muon_ckpt.store._layout import data_ref, data_ref_name
+
+    st = Storage(url, opts)
+    src = step_dirname(1)
+    manifest = json.loads(st.read_bytes(src, MANIFEST))
+    meta = st.read_bytes(src, METADATA)
+    data = {n: (ref, e) for n, e in manifest["files"].items() if (ref := data_ref(n))}
+    blobs = {n: st.read_bytes(src, n) for n in data}
+    files = {}
+    for s in range(2, last + 1):
+        own = data_dirname(s, f"{s:016x}")
+        entries = dict(manifest["files"])
+        for n, ((_, fname), e) in data.items():
+            entries[data_ref_name(own, fname)] = e
+            files[st.path("data", own, fname)] = blobs[n]
+        gens = {**manifest.get("data_gens", {}), own: manifest.get("gen", 0)}
+        m = {**manifest, "step": s, "files": entries, "data_gens": gens}
+        files[st.path(step_dirname(s), METADATA)] = meta
+        files[st.path(step_dirname(s), MANIFEST)] = json.dumps(m, indent=1).encode()
+    if st.is_local:
+        for p, blob in files.items():
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "wb") as f:
+                f.write(blob)
+    else:
+        st.fs.pipe(files)
+
+
+def _one_store(rank: int, url: str, opts: dict, counter: Any, steps: list[int], saves: int):
+    from muon_ckpt import CheckpointManager
+    from tests._ckpt import TinyNet, make_muon, train
+
+    rows = []
+    for n in steps:
+        run = f"{url}/n{n}"  # (the same on every rank)
+        torch.manual_seed(0)
+        model = TinyNet()
+        opt = make_muon(model)
+        train(model, opt, 1)
+        m = CheckpointManager(run, model=model, optimizer=opt, storage_options=opts)
+        m.save(1)
+        m.close()
+        if rank == 0 and n > 1:
+            synthetic_steps(run, opts, n - 1)
+        dist.barrier()
+        m = CheckpointManager(
+            run, model=model, optimizer=opt, storage_options=opts, async_save=True
+        )
+        counter.clear()
+        m.load()
+        load = counter.read()
+        per_save, blocked = [], []
+        for i in range(saves + 1):
+            train(model, opt, 1)
+            dist.barrier()
+            counter.clear()
+            t0 = time.perf_counter()
+            m.save(n + i)
+            t1 = time.perf_counter()
+            m.wait()
+            if i:
+                per_save.append(counter.read())
+                blocked.append((t1 - t0) * 1e3)
+        m.close()
+        kinds = sorted({k for d in per_save for k in d})
+        med = {k: statistics.median(d.get(k, 0) for d in per_save) for k in kinds}
+        rows.append((n, med, load, statistics.median(blocked)))
+    return rows
+
+
+def _rank(rank: int, world: int, urls: dict, steps: list[int], saves: int) -> dict:
+    out = {}
+    local = LocalCounter()
+    for store, (url, opts, proxy_seen) in urls.items():
+        if store == "local":
+            local.root = url
+            out[store] = _one_store(rank, url, opts, local, steps, saves)
+            local.root = None
+        else:
+            counter = _RemoteCounter(proxy_seen[rank])
+            opts = {**opts, "endpoint_url": proxy_seen[rank]}
+            out[store] = _one_store(rank, url, opts, counter, steps, saves)
+    return out
+
+
+class _RemoteCounter:
+    """This rank's proxy's counts (the proxy runs in the parent), read and reset through its
+    control path."""
+
+    def __init__(self, proxy_url: str) -> None:
+        self.url = proxy_url
+
+    def _call(self, what: str) -> dict:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/__counts__?{what}", timeout=30) as r:
+            return json.loads(r.read())
+
+    def clear(self) -> None:
+        self._call("clear")
+
+    def read(self) -> dict:
+        return self._call("read")
+
+
+def _counting_proxy(upstream: str):
+    """A FaultProxy (no faults) whose counts a rank reads at ``/__counts__?read|clear``."""
+    from tests._faults import FaultProxy
+
+    proxy = FaultProxy(upstream)
+    handle = proxy._handle
+
+    def control(h: Any) -> None:
+        if not h.path.startswith("/__counts__"):
+            return handle(h)
+        with proxy._lock:
+            data = json.dumps(proxy.seen).encode()
+            if h.path.endswith("clear"):
+                proxy.seen.clear()
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+
+    proxy._handle = control  # (the control path is the benchmark's, never forwarded)
+    return proxy.start()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, nargs="+", default=[2, 10, 100, 1000])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--saves", type=int, default=3)
+    ap.add_argument("--store", choices=["s3", "local", "both"], default="both")
+    args = ap.parse_args()
+    from bench_checkpoint import start_moto
+
+    from tests._dist import run_on_ranks
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    urls: dict[str, Any] = {}
+    server = proxies = None
+    tmp = tempfile.mkdtemp(prefix="bench-requests-")
+    if args.store in ("s3", "both"):
+        import s3fs
+
+        server, opts = start_moto()
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        s3fs.S3FileSystem(**opts).mkdir(bucket)
+        proxies = [_counting_proxy(opts["endpoint_url"]) for _ in range(args.ranks)]
+        urls["s3"] = (f"s3://{bucket}/run", opts, [p.url for p in proxies])
+    if args.store in ("local", "both"):
+        urls["local"] = (os.path.join(tmp, "run"), {}, None)
+    try:
+        timeout = 120.0 + 2.0 * sum(args.steps) * (args.saves + 1)
+        res = run_on_ranks(_rank, args.ranks, urls, args.steps, args.saves, timeout=timeout)
+    finally:
+        for p in proxies or []:
+            p.stop()
+        if server is not None:
+            server.stop()
+    print(f"# {args.ranks} gloo rank(s), async_save=True, medians of {args.saves} saves")
+    for store in urls:
+        kinds = KINDS if store == "s3" else LOCAL_KINDS
+        print(f"\n## {store}\n")
+        head = "| steps kept | rank | " + " | ".join(kinds) + " | load: " + " | load: ".join(kinds)
+        print(head + " | save() blocked ms |")
+        print("|" + "---|" * (2 + 2 * len(kinds) + 1))
+        for rank in range(min(2, args.ranks)):
+            for n, med, load, ms in res[rank][store]:
+                cells = [f"{med.get(k, 0):g}" for k in kinds] + [str(load.get(k, 0)) for k in kinds]
+                print(f"| {n} | {rank} | " + " | ".join(cells) + f" | {ms:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
