@@ -47,69 +47,10 @@ KINDS = ("LIST", "HEAD", "GET", "PUT", "COPY", "multipart", "DELETE")
 LOCAL_KINDS = ("listdir", "open")
 
 
-class LocalCounter:
-    """Counts ``open`` and directory listings under ``root`` (a Python audit hook: it sees
-    every open and listing this process makes, fsspec's included)."""
-
-    def __init__(self) -> None:
-        self.root: str | None = None
-        self.seen: dict[str, int] = {}
-        sys.addaudithook(self._hook)
-
-    def clear(self) -> None:
-        self.seen.clear()
-
-    def read(self) -> dict:
-        return dict(self.seen)
-
-    def _hook(self, event: str, args: tuple) -> None:
-        if self.root is None or event not in ("open", "os.listdir", "os.scandir"):
-            return
-        path = args[0] if args else None
-        if isinstance(path, bytes):
-            path = os.fsdecode(path)
-        if isinstance(path, str) and path.startswith(self.root):
-            kind = "open" if event == "open" else "listdir"
-            self.seen[kind] = self.seen.get(kind, 0) + 1
-
-
-def synthetic_steps(url: str, opts: dict[str, Any], last: int) -> None:
-    """Steps 2..``last`` as copies of step 1's manifest and metadata (step number changed),
-    each also naming a data directory of its own (a copy of step 1's data files, listed in its
-    manifest beside the ones its metadata reads), so the run's data grows with its steps as
-    a run's whose every save writes new data does."""
-    from muon_ckpt.store import MANIFEST, METADATA, Storage, data_dirname, step_dirname
-    from muon_ckpt.store._layout import data_ref, data_ref_name
-
-    st = Storage(url, opts)
-    src = step_dirname(1)
-    manifest = json.loads(st.read_bytes(src, MANIFEST))
-    meta = st.read_bytes(src, METADATA)
-    data = {n: (ref, e) for n, e in manifest["files"].items() if (ref := data_ref(n))}
-    blobs = {n: st.read_bytes(src, n) for n in data}
-    files = {}
-    for s in range(2, last + 1):
-        own = data_dirname(s, f"{s:016x}")
-        entries = dict(manifest["files"])
-        for n, ((_, fname), e) in data.items():
-            entries[data_ref_name(own, fname)] = e
-            files[st.path("data", own, fname)] = blobs[n]
-        gens = {**manifest.get("data_gens", {}), own: manifest.get("gen", 0)}
-        m = {**manifest, "step": s, "files": entries, "data_gens": gens}
-        files[st.path(step_dirname(s), METADATA)] = meta
-        files[st.path(step_dirname(s), MANIFEST)] = json.dumps(m, indent=1).encode()
-    if st.is_local:
-        for p, blob in files.items():
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            with open(p, "wb") as f:
-                f.write(blob)
-    else:
-        st.fs.pipe(files)
-
-
 def _one_store(rank: int, url: str, opts: dict, counter: Any, steps: list[int], saves: int):
     from muon_ckpt import CheckpointManager
     from tests._ckpt import TinyNet, make_muon, train
+    from tests._requests import synthetic_steps
 
     rows = []
     for n in steps:
@@ -150,6 +91,8 @@ def _one_store(rank: int, url: str, opts: dict, counter: Any, steps: list[int], 
 
 
 def _rank(rank: int, world: int, urls: dict, steps: list[int], saves: int) -> dict:
+    from tests._requests import LocalCounter
+
     out = {}
     local = LocalCounter()
     for store, (url, opts, proxy_seen) in urls.items():

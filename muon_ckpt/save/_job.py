@@ -109,6 +109,9 @@ class WriteSpec:
     verified: tuple[int, int] | None = None  # the newest step known to verify: retention keeps it
     compress: bool = False  # tensors stored compressed (store.codec; format 4)
     parts: Prebuilt | None = None  # files copied as they are instead of ``sd`` written
+    # An asynchronous save admitted from what the catalog knew: rank 0's ``Catalog.begin``,
+    # run before anything is written; a plan other than ``plan`` fails the save
+    recheck: Callable[[], SavePlan] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     committed_at: float | None = None  # time.perf_counter() once the step was committed
     next_base: DedupBase | None = None  # once committed with data_dir: the next save's base
@@ -185,6 +188,9 @@ def write_and_commit(w: WriteSpec) -> None:
     )
     share, failed = None, None
     try:
+        if w.recheck is not None:  # (a collective: every rank's job is here)
+            coll.on_rank0(lambda: _rechecked(w), w.group)
+            w.timings["recheck"], t0 = time.perf_counter() - t0, time.perf_counter()
         what = f"saving step {step} to {storage.url!r}"
         if w.parts is None:
             _dcp.save(w.sd, writer, StagedSavePlanner(w.staging), w.group, what)
@@ -290,6 +296,20 @@ def write_and_commit(w: WriteSpec) -> None:
         stage_wait=w.staging.wait_seconds,
         **records.thread_seconds(),
     )
+
+
+def _rechecked(w: WriteSpec) -> None:
+    """Rank 0: the url's listing and lease (``Catalog.begin``) for a save admitted from what
+    the catalog knew; the save fails, writing nothing, where they decide otherwise (another
+    job or a prune changed the url meanwhile)."""
+    assert w.recheck is not None
+    fresh = w.recheck()
+    if fresh != w.plan:
+        raise CheckpointError(
+            f"saving step {w.step} to {w.catalog.storage.url!r}: the url changed since this "
+            f"save was admitted (it decided {w.plan}, the url now says {fresh}); step "
+            f"{w.step} is NOT committed and nothing was written. Save again"
+        )
 
 
 def _copied(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,18 +34,24 @@ class RunLine:
     base: DedupBase | None = None
     verified: tuple[int, int] | None = None  # (step, gen)
 
-    def begin(self, catalog: Catalog, step: int, overwrite: bool) -> tuple[SavePlan, str]:
+    def begin(
+        self, catalog: Catalog, step: int, overwrite: bool, *, cached: bool = False
+    ) -> tuple[SavePlan, str, Callable[[], SavePlan] | None]:
         """Rank 0, before a save: ready ``step`` and decide what it retires (``Catalog.begin``);
-        the line id its commit carries (this run's, or a new one)."""
-        plan = catalog.begin(
-            step,
+        the line id its commit carries (this run's, or a new one). ``cached``: decide from the
+        steps the catalog knows (``Catalog.plan_cached``) where it knows them, and return the
+        ``begin`` the save's job runs before it writes (None: ``begin`` ran here)."""
+        kw: dict[str, Any] = dict(
             overwrite=overwrite,
             resumed=self.resumed,
             new_run=self.new_run,
-            abandon=self.abandoned,
+            abandon=list(self.abandoned),
             refer_to=None if self.base is None else self.base.key,
-            pass_over=self.passed,
+            pass_over=list(self.passed),
         )
+        plan = catalog.plan_cached(step, **kw) if cached else None
+        later = None if plan is None else (lambda: catalog.begin(step, **kw))
+        plan = plan or catalog.begin(step, **kw)
         url = catalog.storage.url
         newly = {s for s, _, _ in self.passed}  # (gen None: its manifest was unreadable)
         for s, _, why in plan.passed:
@@ -77,7 +84,7 @@ class RunLine:
                 step,
                 plan.replacing,
             )
-        return plan, self.line or uuid.uuid4().hex[:16]
+        return plan, self.line or uuid.uuid4().hex[:16], later
 
     def admit(self, catalog: Catalog, step: int) -> tuple[SavePlan, str]:
         """Rank 0, before a save of ``step`` to the memory tier only: the url's rules

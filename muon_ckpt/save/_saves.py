@@ -64,7 +64,10 @@ class UrlSaves:
         """Save ``step`` (``background``: its job in a thread, pending); whether it is
         pending. ``also``: another job writes the same snapshot (the memory tier's)."""
         t0 = time.perf_counter()
-        plan, line, save_id, base = self._begin(step, overwrite)
+        # An asynchronous save is admitted from what the catalog knows; the url's listing and
+        # lease come in its job, after the snapshot (``recheck``), before it writes.
+        cached = background and also is None
+        plan, line, save_id, base, recheck = self._begin(step, overwrite, cached)
         t1 = time.perf_counter()
         self.sources.group = self.calls.group
         # A memory save writes in the background: it needs host copies, as an async save.
@@ -86,6 +89,7 @@ class UrlSaves:
             verified=self.line.verified,
         )
         spec.timings.update(snapshot=t2 - t1, prepare=t1 - t0, blocked=t2 - t0)
+        spec.recheck = recheck
         if also is not None:  # (not gated: tests hold the url's write, watch the other land)
             also(step, snap, plan, line, save_id)
         job = SaveJob(spec, finish=lambda: self._finished(spec, snap.reader_done))
@@ -100,7 +104,7 @@ class UrlSaves:
     def copy_in(self, step: int, parts: Prebuilt) -> None:
         """Commit ``step`` from files written elsewhere (``parts``: the memory tier's), copied
         as they are, through the same begin, commit and retention as a snapshot's save."""
-        plan, line, save_id, _ = self._begin(step, overwrite=False)
+        plan, line, save_id, _, _ = self._begin(step, overwrite=False)
         snap = Snapshot({}, HostStaging(), background=False)
         spec = spec_for(
             self.catalog,
@@ -117,13 +121,22 @@ class UrlSaves:
         spec.parts = parts
         SaveJob(spec, finish=lambda: self._finished(spec, snap.reader_done)).run()
 
-    def _begin(self, step: int, overwrite: bool) -> tuple[SavePlan, str, str, Any]:
-        """Rank 0 readies ``step`` (``RunLine.begin``) and draws the save's id; every rank
-        learns them, and what the save may refer to (``RunLine.saving``)."""
-        plan, line, save_id = coll.on_rank0(
-            lambda: (*self.line.begin(self.catalog, step, overwrite), new_id()), self.calls.group
-        )
-        return plan, line, save_id, self.line.saving(plan, line)
+    def _begin(
+        self, step: int, overwrite: bool, cached: bool = False
+    ) -> tuple[SavePlan, str, str, Any, Callable[[], SavePlan] | None]:
+        """Rank 0 readies ``step`` (``RunLine.begin``; ``cached``: decides from what the
+        catalog knows, and the returned ``begin`` runs on rank 0 in the save's job) and draws
+        the save's id; every rank learns them, and what the save may refer to
+        (``RunLine.saving``)."""
+        later: list[Any] = [None]  # (rank 0's: a closure is not broadcast)
+
+        def begin() -> tuple[SavePlan, str, str, bool]:
+            plan, line, later[0] = self.line.begin(self.catalog, step, overwrite, cached=cached)
+            return plan, line, new_id(), later[0] is not None
+
+        plan, line, save_id, deferred = coll.on_rank0(begin, self.calls.group)
+        recheck = (lambda: later[0]()) if deferred else None
+        return plan, line, save_id, self.line.saving(plan, line), recheck
 
     def _finished(self, spec: WriteSpec, release: Callable[[], None]) -> None:
         """In the caller's thread, once a save's job has ended (committed or not)."""

@@ -85,9 +85,15 @@ class Catalog:
         self.storage = storage
         self.lease = Lease(storage, lease_seconds)
         self.memo = ManifestMemo(storage, lambda: self.lease.ours)  # manifests read once
-        self.lease.changed_hands = self.memo.forget
+        self.lease.changed_hands = self._forget
+        # The steps as of this catalog's last scan under the lease, kept up to date by its
+        # commits and deletions: what an asynchronous save is admitted from (``plan_cached``)
+        self.known: list[StepInfo] | None = None
 
-    # ------------------------------------------------------------------ reading
+    def _forget(self) -> None:
+        self.memo.forget()
+        self.known = None
+
     def scan(self, *, detail: bool = False) -> list[StepInfo]:
         """Every step, oldest first, with its status (``detail``: also size, file count and
         time of the steps that are not committed, from a listing)."""
@@ -102,15 +108,15 @@ class Catalog:
                     info = read_step(self.storage, info.dirname, step, detail=True)
                 out.append(info)
         mark_superseded(out)
+        self.known = list(out) if self.lease.ours else None
         return out
 
     def _read_step(self, name: str, step: int) -> StepInfo:
         return read_step(self.storage, name, step, read=self.memo.read)
 
     def ignored(self) -> list[str]:
-        """Entries under the root that look like steps but are not: names other than ``step-``
-        and exactly 8 digits, and plain files (or anything not a directory) named like a
-        step. Never listed, loaded or deleted."""
+        """Entries named like steps that are not (another name than ``step-`` and 8 digits,
+        or not a directory): never listed, loaded or deleted."""
         return step_dirs(self.storage)[1]
 
     def step_info(self, step: int | None = None) -> StepInfo | None:
@@ -179,7 +185,6 @@ class Catalog:
         m = self.manifest(step, name)
         return name, m, check_files(self.storage, (name,), m)
 
-    # ------------------------------------------------------------------ writing (rank 0)
     def begin(
         self,
         step: int,
@@ -226,6 +231,14 @@ class Catalog:
                 st.rm(s.dirname)
         self.collect()
         return plan
+
+    def plan_cached(self, step: int, **kw: Any) -> SavePlan | None:
+        """``begin``'s decision from the steps this catalog knows, with no request (an
+        asynchronous save's: its job runs ``begin`` before writing); None: nothing known."""
+        if self.known is None or not self.lease.ours:
+            return None
+        infos = [i for i in self.known if i.status != UNCOMMITTED]
+        return plan_save(infos, self.storage.url, step, **kw)
 
     def admit(
         self,
@@ -327,6 +340,12 @@ class Catalog:
         self.memo.wrote(name, manifest)
         if plan.beside:
             self._swap_in(name, step)
+        if self.known is not None:  # (the commit as a scan would find it now)
+            info = self._read_step(step_dirname(step), step)
+            self.known = sorted(
+                [i for i in self.known if i.step != step] + [info], key=lambda i: i.step
+            )
+            mark_superseded(self.known)
         return manifest
 
     def _swap_in(self, staged: str, step: int) -> None:
@@ -378,6 +397,8 @@ class Catalog:
 
     def _remove(self, name: str) -> None:
         self.memo.drop(name)
+        if self.known is not None:
+            self.known = [i for i in self.known if i.dirname != name]
         if self.storage.is_link(name):
             self.storage.rm(name)
             return

@@ -1,0 +1,87 @@
+"""A save's storage requests do not grow with the run (issue 52, item 2): the same number of
+each kind with 2 and with 50 steps kept, locally (opens and listings under the root) and on
+S3 (moto behind a counting proxy: LIST, HEAD, GET, PUT, COPY, multipart, DELETE).
+
+The long run is made by ``synthetic_steps`` (copies of step 1's manifest and metadata, each
+naming a data directory of its own); a new manager loads it, saves once (that save reads the
+run once: the catalog remembers the manifests, ``store._memo``) and the next save is counted.
+The counts are pinned as upper bounds too, so a change that adds requests to every save is
+seen here (raise them only with a reason)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from muon_ckpt import CheckpointManager
+from tests._ckpt import TinyNet, make_muon, train
+from tests._faults import FaultProxy
+from tests._requests import LocalCounter, synthetic_steps
+
+_LOCAL = LocalCounter()
+
+# The most requests of each kind one save may make, whatever the run's length (1 rank).
+LOCAL_MAX = {"listdir": 9, "open": 16}
+S3_MAX = {"LIST": 13, "HEAD": 3, "GET": 8, "PUT": 7, "COPY": 1, "multipart": 0, "DELETE": 1}
+
+
+def _counts(url: str, opts: dict[str, Any], counter: Any, steps: int) -> dict[str, int]:
+    """The requests of a save into a run of ``steps`` committed steps, after one save."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = make_muon(model)
+    train(model, opt, 1)
+    with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts) as m:
+        m.save(1)
+    synthetic_steps(url, opts, steps)
+    with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts) as m:
+        assert m.load() == steps
+        train(model, opt, 1)
+        m.save(steps + 1)
+        train(model, opt, 1)
+        counter.clear()
+        m.save(steps + 2)
+        got = counter.read()
+        assert m.steps()[-1] == steps + 2
+    return got
+
+
+def test_local_save_requests_flat(tmp_path: Any) -> None:
+    counts = {}
+    for n in (2, 50):
+        root = str(tmp_path / f"run{n}")
+        _LOCAL.root = root
+        try:
+            counts[n] = _counts(root, {}, _LOCAL, n)
+        finally:
+            _LOCAL.root = None
+    assert counts[2] == counts[50], counts
+    for kind, most in LOCAL_MAX.items():
+        assert counts[50].get(kind, 0) <= most, (kind, counts)
+
+
+class _Proxy:
+    def __init__(self, proxy: FaultProxy) -> None:
+        self.proxy = proxy
+
+    def clear(self) -> None:
+        self.proxy.seen.clear()
+
+    def read(self) -> dict[str, int]:
+        return dict(self.proxy.seen)
+
+
+@pytest.mark.timeout(600)
+def test_s3_save_requests_flat(s3_server: str, s3_bucket: tuple[str, dict]) -> None:
+    bucket, opts = s3_bucket
+    proxy = FaultProxy(s3_server).start()
+    try:
+        opts = {**opts, "endpoint_url": proxy.url}
+        counts = {n: _counts(f"s3://{bucket}/run{n}", opts, _Proxy(proxy), n) for n in (2, 50)}
+    finally:
+        proxy.stop()
+    assert counts[2] == counts[50], counts
+    for kind, most in S3_MAX.items():
+        assert counts[50].get(kind, 0) <= most, (kind, counts)
