@@ -172,6 +172,13 @@ def write_and_commit(w: WriteSpec) -> None:
             f"{step} is not committed"
         )
     t0 = time.perf_counter()
+    if w.recheck is not None:  # (a collective: every rank's job is here)
+        try:
+            w.plan = coll.on_rank0(lambda: _rechecked(w), w.group)
+        except BaseException:
+            w.staging.finish()  # (nothing written: the copies are let go)
+            raise
+        w.timings["recheck"], t0 = time.perf_counter() - t0, time.perf_counter()
     records = FileRecords()
     dirname = write_dirname(step, w.plan.beside)
     writer = ChecksumWriter(
@@ -188,9 +195,6 @@ def write_and_commit(w: WriteSpec) -> None:
     )
     share, failed = None, None
     try:
-        if w.recheck is not None:  # (a collective: every rank's job is here)
-            coll.on_rank0(lambda: _rechecked(w), w.group)
-            w.timings["recheck"], t0 = time.perf_counter() - t0, time.perf_counter()
         what = f"saving step {step} to {storage.url!r}"
         if w.parts is None:
             _dcp.save(w.sd, writer, StagedSavePlanner(w.staging), w.group, what)
@@ -298,18 +302,20 @@ def write_and_commit(w: WriteSpec) -> None:
     )
 
 
-def _rechecked(w: WriteSpec) -> None:
+def _rechecked(w: WriteSpec) -> SavePlan:
     """Rank 0: the url's listing and lease (``Catalog.begin``) for a save admitted from what
-    the catalog knew; the save fails, writing nothing, where they decide otherwise (another
-    job or a prune changed the url meanwhile)."""
+    the catalog knew, before anything is written; the plan they give is the save's (as a
+    synchronous save's would be), unless it refers to other data than the snapshot was
+    deduplicated against: then the save fails (the url changed meanwhile)."""
     assert w.recheck is not None
     fresh = w.recheck()
-    if fresh != w.plan:
+    if fresh.refer_to != w.plan.refer_to:
         raise CheckpointError(
             f"saving step {w.step} to {w.catalog.storage.url!r}: the url changed since this "
-            f"save was admitted (it decided {w.plan}, the url now says {fresh}); step "
-            f"{w.step} is NOT committed and nothing was written. Save again"
+            f"save was admitted (step {w.plan.refer_to} it refers to is no longer its "
+            f"base); step {w.step} is NOT committed and nothing was written. Save again"
         )
+    return fresh
 
 
 def _copied(
