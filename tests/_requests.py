@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from typing import Any
 
 
@@ -18,6 +19,7 @@ class LocalCounter:
     def __init__(self) -> None:
         self.root: str | None = None
         self.seen: dict[str, int] = {}
+        self.thread: int | None = None  # set: count only this thread's (not a save's job)
         sys.addaudithook(self._hook)
 
     def clear(self) -> None:
@@ -28,6 +30,8 @@ class LocalCounter:
 
     def _hook(self, event: str, args: tuple) -> None:
         if self.root is None or event not in ("open", "os.listdir", "os.scandir"):
+            return
+        if self.thread is not None and threading.get_ident() != self.thread:
             return
         path = args[0] if args else None
         if isinstance(path, bytes):

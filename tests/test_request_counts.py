@@ -85,3 +85,48 @@ def test_s3_save_requests_flat(s3_server: str, s3_bucket: tuple[str, dict]) -> N
     assert counts[2] == counts[50], counts
     for kind, most in S3_MAX.items():
         assert counts[50].get(kind, 0) <= most, (kind, counts)
+
+
+def test_async_save_makes_no_request_and_rechecks_in_its_job(tmp_path: Any) -> None:
+    """With async_save, save() after the first makes no storage request (admitted from what
+    the catalog knows); the lease and listing come in the job, before anything is written: a
+    lease another job took meanwhile fails that save at wait(), and nothing is committed."""
+    import json
+    import threading
+    import time
+
+    from muon_ckpt import CheckpointLeaseError
+
+    root = str(tmp_path / "run")
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = make_muon(model)
+    train(model, opt, 1)
+    with CheckpointManager(root, model=model, optimizer=opt, async_save=True) as m:
+        m.save(1)
+        m.wait()
+        train(model, opt, 1)
+        _LOCAL.root = root
+        _LOCAL.clear()
+        _LOCAL.thread = threading.get_ident()  # (the job's thread may start meanwhile)
+        try:
+            m.save(2)
+            blocked = _LOCAL.read()
+            _LOCAL.clear()
+            _LOCAL.thread = None
+            m.wait()
+            assert blocked == {}, blocked
+            assert _LOCAL.read().get("listdir", 0) > 0  # (the job listed the run)
+        finally:
+            _LOCAL.root = _LOCAL.thread = None
+            _LOCAL.clear()
+        now = time.time()
+        other = {"owner": "another-job", "host": "elsewhere", "pid": 1, "purpose": "save"}
+        with open(tmp_path / "run" / "lease.json", "w") as f:
+            json.dump({**other, "heartbeat": now, "expires": now + 600}, f)
+        train(model, opt, 1)
+        assert m.save(3)  # (admitted: nothing asked of the storage)
+        with pytest.raises(CheckpointLeaseError, match="another-job"):
+            m.wait()
+        assert m.steps() == [1, 2]
+        (tmp_path / "run" / "lease.json").unlink()
