@@ -1,7 +1,6 @@
-"""Dedup with the memory tier: a memory step's bytes are never in the url, so a url step saved
-after memory-only steps refers only to data that a url step holds, a memory step flushed at
-``close()`` is the tier's files as they are (it refers to nothing), and the url's retention
-keeps whatever a kept step refers to.
+"""Dedup with the memory tier: a memory step's bytes are never in the url, so a url step --
+one saved after memory-only steps, or a memory step flushed at ``close()`` -- refers only to
+data that a url step holds, and the url's retention keeps whatever a kept step refers to.
 
 One process, local directories; exactness is bitwise.
 """
@@ -56,10 +55,10 @@ def _loads_from_url(url: str, step: int, want: nn.Module) -> None:
 def test_url_steps_around_memory_only_steps_refer_only_to_url_data(tmp_path):
     """interval=3, memory every step, keep_last=1. ``b`` changes at memory-only steps 4 and
     7: url step 6 writes ``b`` (its base is url step 3, not memory step 5), refers ``a`` to
-    step 3's data; ``close()`` flushes memory step 7 to the url: its parts' files, copied
-    whole (the tier's own bytes, no reference). Retention deleted steps 3 and 6 and their
-    data, which nothing refers to any more. Step 7 loads bitwise from the url alone; a
-    manager that loads it from memory writes its next url step whole."""
+    step 3's data; ``close()`` flushes memory step 7 to the url, which writes ``b`` again
+    and still refers ``a`` to step 3's data. Retention deleted steps 3 and 6 and kept step
+    3's file that step 7 refers to; step 6's data went. Step 7 loads bitwise from the url
+    alone; a manager that loads it from memory writes its next url step whole."""
     url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
     m = _Two()
     mgr = CheckpointManager(
@@ -78,8 +77,8 @@ def test_url_steps_around_memory_only_steps_refer_only_to_url_data(tmp_path):
     mgr.close()  # memory_flush: step 7 to the url
     st = Storage(url)
     assert Catalog(st).committed_steps() == [7]
-    assert _dirs_of(st, 7) == {"model.a.weight": 7, "model.b.weight": 7, **_head(7)}
-    assert {parse_data_dirname(d) for d in st.listdir("data")} == {7}
+    assert _dirs_of(st, 7) == {"model.a.weight": 3, "model.b.weight": 7, **_head(7)}
+    assert {parse_data_dirname(d) for d in st.listdir("data")} == {3, 7}
     _no_orphans(st)
     assert verify(resolve(st, 7)).ok
     shutil.move(mem, mem + "_moved")  # the url alone
