@@ -113,28 +113,27 @@ class Saves:
         overwrite: bool = False,
         background: bool | None = None,
     ) -> bool:
-        """Save ``step`` to the tiers named (every rank is at this call); whether it was
-        saved or queued. ``background``: the url's write in a thread (default:
-        ``async_save``)."""
+        """Save ``step`` to the tiers named (every rank is at this call): make way, admit,
+        snapshot, hand over; whether it was saved or queued. ``background``: the url's write
+        in a thread (default: ``async_save``)."""
         if background is None:
             background = bool(self.config.async_save)
-        if background or memory:
+        busy = self._make_way(step, url, memory)
+        if background or memory:  # (after the wait, which lets go of what it finished)
             self._hold()  # the interpreter's exit waits for it (_exit)
-        if not url:
-            return self._save_memory(step)
-        if memory:
-            self._drop_queued(step)  # (a queued memory step is older than this one)
-        self.wait()
+        src = self._buffers(url, busy)
         t0 = time.perf_counter()
-        adm = self._admit(step, url=True, overwrite=overwrite)
+        adm = self._admit(step, url=url, overwrite=overwrite)
         t1 = time.perf_counter()
         # A memory save writes in the background: it needs host copies, as an async save.
-        snap = self._take(self.sources, step, background or memory, readers=1 + memory)
+        snap = self._take(src, step, background or memory, readers=url + memory)
         t2 = time.perf_counter()
-        before = {"snapshot": t2 - t1, "prepare": t1 - t0, "blocked": t2 - t0}
         h = self._handoff(step, snap, adm)
+        if not url:
+            return self._keep(h, src, busy)
         if memory:  # (not gated: tests hold the url's write and watch the memory part land)
             self._start_memory(h, owns=False, gate=None, src=None)
+        before = {"snapshot": t2 - t1, "prepare": t1 - t0, "blocked": t2 - t0}
         job = self.url.job(
             h,
             self.calls.write_group,
@@ -150,12 +149,18 @@ class Saves:
         job.run()
         return True
 
-    def _save_memory(self, step: int) -> bool:
-        """A save of ``step`` to the memory tier only: it never waits for the url's write in
-        flight. First one all-gather: whether the previous memory save still runs on some
-        rank (then every rank queues this one), and whether the url's write ended on every
-        rank (only then is it waited for here, everywhere, so that its failure is raised on
-        every rank)."""
+    def _make_way(self, step: int, url: bool, memory: bool) -> bool:
+        """Before a save: one to the url waits for what is pending (a queued memory step is
+        older: dropped when this one is due for memory too). One to the memory tier only
+        never waits for the url's write in flight: one all-gather says whether the previous
+        memory save still runs on some rank (then every rank queues this one: True), and
+        whether the url's write ended on every rank (only then is it waited for here,
+        everywhere, so that its failure is raised on every rank)."""
+        if url:
+            if memory:
+                self._drop_queued(step)
+            self.wait()
+            return False
         self._reap()
         job = self.pending
         flags = coll.all_gather(
@@ -163,30 +168,36 @@ class Saves:
         )
         if job is not None and all(e for _, e in flags):
             self._wait_url()  # (in this thread: its release; its failure is raised here)
-        busy = any(b for b, _ in flags)
         self._drop_queued(step)
-        adm = self._admit(step, url=False)
-        if busy:  # buffers no running job reads, offloaded states copied
-            src = self._own if self._memory_src is not self._own else self._spare_sources()
-        else:
-            src = self._own if self.pending is not None else self.sources
-        snap = self._take(src, step, True, readers=1)
-        if busy and not snap.background:  # (max_staging_bytes: the live state cannot wait)
-            snap.staging.finish()
-            snap.reader_done()
+        return any(b for b, _ in flags)
+
+    def _buffers(self, url: bool, busy: bool) -> SaveSources:
+        """Where the snapshot's copies go: the manager's buffers, but for a memory-only step
+        while a job reads them (then ones no running job reads; offloaded states copied)."""
+        if url:
+            return self.sources
+        if busy:
+            return self._own if self._memory_src is not self._own else self._spare_sources()
+        return self._own if self.pending is not None else self.sources
+
+    def _keep(self, h: Handoff, src: SaveSources, busy: bool) -> bool:
+        """A memory-only step: its job started, or queued while one runs; whether kept."""
+        if busy and not h.snap.background:  # (max_staging_bytes: the live state cannot wait)
+            h.snap.staging.finish()
+            h.snap.reader_done()
             self._skipped()
             if coll.rank() == 0:
                 _log.warning(
                     "step %d is not kept in host memory: the previous memory save is still "
                     "running, and a snapshot to wait beside it would exceed "
                     "max_staging_bytes",
-                    step,
+                    h.step,
                 )
             return False
         if busy:
-            self.queued = _Queued(self._handoff(step, snap, adm), src, self.gate)
+            self.queued = _Queued(h, src, self.gate)
         else:
-            self._start_memory(self._handoff(step, snap, adm), owns=True, gate=self.gate, src=src)
+            self._start_memory(h, owns=True, gate=self.gate, src=src)
         return True
 
     def _admit(self, step: int, *, url: bool, overwrite: bool = False) -> Admission:

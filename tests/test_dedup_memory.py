@@ -98,3 +98,39 @@ def test_url_steps_around_memory_only_steps_refer_only_to_url_data(tmp_path):
 
 def _head(step: int) -> dict[str, int]:
     return {"model.head.weight": step, "model.head.bias": step}
+
+
+def test_the_flush_writes_a_tensor_again_where_the_url_file_it_would_refer_to_is_damaged(
+    tmp_path, caplog
+):
+    """As above, but the file of step 3's save that holds ``a`` has a byte flipped before
+    ``close()``: the flush refers to nothing the url no longer holds as written (the checks
+    of every save's references): it writes ``a`` again from the memory step's part, with a
+    WARNING naming the file, and step 7 loads bitwise from the url alone."""
+    url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
+    m = _Two()
+    mgr = CheckpointManager(
+        url, model=m, interval=3, memory=MemoryOptions(interval=1, dir=mem), keep_last=1
+    )
+    for step in range(1, 8):
+        with torch.no_grad():
+            m.head.weight.fill_(float(step))
+            if step in (4, 7):
+                m.b.weight.add_(1.0)
+        assert mgr.save(step)
+        mgr.wait()
+    st = Storage(url)
+    _, md = Catalog(st).checked(6)
+    (info,) = [i for x, i in md.storage_data.items() if x.fqn == "model.a.weight"]
+    path = tmp_path / "run" / "step-00000006" / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + info.length // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    mgr.close()  # memory_flush: step 7 to the url, ``a`` written again
+    assert Catalog(st).committed_steps() == [7]
+    assert _dirs_of(st, 7) == {"model.a.weight": 7, "model.b.weight": 7, **_head(7)}
+    assert "written again from the saved state" in caplog.text
+    _no_orphans(st)
+    assert verify(resolve(st, 7)).ok
+    shutil.move(mem, mem + "_moved")  # the url alone
+    _loads_from_url(url, 7, m)
