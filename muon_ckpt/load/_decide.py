@@ -14,6 +14,7 @@ import dataclasses
 import logging
 from typing import Any
 
+import muon_ckpt._collective as coll
 from muon_ckpt._errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -102,7 +103,7 @@ class History:
         newer = present if from_resume else [(n, g) for n, g in present if n > s]
         newer += [(t.step, t.gen or 0) for t in self.tier if t.committed and t.step > s]
         newer += [r for r in self.retired if r not in newer]
-        if not asked:
+        if not asked and coll.rank() == 0:  # (every rank decides a load from memory)
             for info in self.scan:
                 if info.status == Status.CORRUPT and info.step in {n for n, _ in newer}:
                     _log.warning("skipping step %d: %s", info.step, info.problem)
