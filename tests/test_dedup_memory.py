@@ -8,6 +8,7 @@ One process, local directories; exactness is bitwise.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -52,14 +53,12 @@ def _loads_from_url(url: str, step: int, want: nn.Module) -> None:
     _same(fresh, want)
 
 
-def test_url_steps_around_memory_only_steps_refer_only_to_url_data(tmp_path):
-    """interval=3, memory every step, keep_last=1. ``b`` changes at memory-only steps 4 and
-    7: url step 6 writes ``b`` (its base is url step 3, not memory step 5), refers ``a`` to
-    step 3's data; ``close()`` flushes memory step 7 to the url, which writes ``b`` again
-    and still refers ``a`` to step 3's data. Retention deleted steps 3 and 6 and kept step
-    3's file that step 7 refers to; step 6's data went. Step 7 loads bitwise from the url
-    alone; a manager that loads it from memory writes its next url step whole."""
-    url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
+def _seven_steps(
+    url: str, mem: str, at: Callable[[int], None] | None = None
+) -> tuple[_Two, CheckpointManager]:
+    """interval=3, memory every step, keep_last=1: steps 1 to 7 saved, each waited for
+    (then ``at(step)``); ``b`` changes at memory-only steps 4 and 7, ``head`` at every
+    step. The model and the manager, not closed."""
     m = _Two()
     mgr = CheckpointManager(
         url, model=m, interval=3, memory=MemoryOptions(interval=1, dir=mem), keep_last=1
@@ -71,9 +70,26 @@ def test_url_steps_around_memory_only_steps_refer_only_to_url_data(tmp_path):
                 m.b.weight.add_(1.0)
         assert mgr.save(step)
         mgr.wait()
+        if at is not None:
+            at(step)
+    return m, mgr
+
+
+def test_url_steps_around_memory_only_steps_refer_only_to_url_data(tmp_path):
+    """interval=3, memory every step, keep_last=1. ``b`` changes at memory-only steps 4 and
+    7: url step 6 writes ``b`` (its base is url step 3, not memory step 5), refers ``a`` to
+    step 3's data; ``close()`` flushes memory step 7 to the url, which writes ``b`` again
+    and still refers ``a`` to step 3's data. Retention deleted steps 3 and 6 and kept step
+    3's file that step 7 refers to; step 6's data went. Step 7 loads bitwise from the url
+    alone; a manager that loads it from memory writes its next url step whole."""
+    url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
+
+    def at(step: int) -> None:
         if step == 6:
             st = Storage(url)
             assert _dirs_of(st, 6) == {"model.a.weight": 3, "model.b.weight": 6, **_head(6)}
+
+    m, mgr = _seven_steps(url, mem, at)
     mgr.close()  # memory_flush: step 7 to the url
     st = Storage(url)
     assert Catalog(st).committed_steps() == [7]
@@ -108,17 +124,7 @@ def test_the_flush_writes_a_tensor_again_where_the_url_file_it_would_refer_to_is
     of every save's references): it writes ``a`` again from the memory step's part, with a
     WARNING naming the file, and step 7 loads bitwise from the url alone."""
     url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
-    m = _Two()
-    mgr = CheckpointManager(
-        url, model=m, interval=3, memory=MemoryOptions(interval=1, dir=mem), keep_last=1
-    )
-    for step in range(1, 8):
-        with torch.no_grad():
-            m.head.weight.fill_(float(step))
-            if step in (4, 7):
-                m.b.weight.add_(1.0)
-        assert mgr.save(step)
-        mgr.wait()
+    m, mgr = _seven_steps(url, mem)
     st = Storage(url)
     _, md = Catalog(st).checked(6)
     (info,) = [i for x, i in md.storage_data.items() if x.fqn == "model.a.weight"]
