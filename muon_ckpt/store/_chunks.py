@@ -53,6 +53,23 @@ def _dims(v: Any) -> tuple[int, ...] | None:
     return out
 
 
+def _all_dims(chunks: list[Any], ndim: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """Every chunk's (offsets, sizes) as ``_dims`` would give them, each of ``ndim`` values,
+    checked for all chunks at once (a tensor of a 2,048-rank save has 2,048 of them); None
+    when one is not, which the caller finds one by one."""
+    if not all(map(isinstance, chunks, itertools.repeat(ChunkStorageMetadata))):
+        return None
+    offsets = [getattr(c, "offsets", None) for c in chunks]
+    sizes = [getattr(c, "sizes", None) for c in chunks]
+    dims = offsets + sizes
+    if not all(isinstance(v, (tuple, list)) and len(v) == ndim for v in dims):
+        return None
+    flat = list(itertools.chain.from_iterable(dims))
+    if flat and (set(map(type, flat)) != {int} or min(flat) < 0 or max(flat) >= 1 << 63):
+        return None
+    return list(zip(map(tuple, offsets), map(tuple, sizes)))
+
+
 def tiling_problem(
     size: Sequence[int],
     chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
@@ -61,6 +78,8 @@ def tiling_problem(
     """None when ``chunks`` ((offsets, sizes) each, of ``len(size)`` plain non-negative ints)
     tile a tensor of ``size`` exactly, else what is wrong, for an error message. Without
     ``whole`` they may leave gaps (a memory-tier part holds one rank's shards)."""
+    if _slabs_tile(size, chunks, whole):
+        return None
     for offsets, sizes in chunks:
         if any(o + n > s for o, n, s in zip(offsets, sizes, size)):
             return f"has a chunk at {list(offsets)} of {list(sizes)}, outside its size {list(size)}"
@@ -97,6 +116,38 @@ def tiling_problem(
         where = [cuts[d][(gap // s) % (len(cuts[d]) - 1)] for d, s in enumerate(step)]
         return f"has no chunk that stores element {where} (its chunks leave a gap)"
     return None
+
+
+def _slabs_tile(
+    size: Sequence[int], chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], whole: bool
+) -> bool:
+    """True when every chunk spans the tensor but along one dimension, the same for all (the
+    shards of a ``Shard(d)`` save: FSDP's rows), and in order along it each begins where the
+    one before ends (``whole``: from 0 to the end; else it may also begin later). One sort
+    and one pass, where the grid of the general check costs a few times more per chunk;
+    False also for anything wrong, which the general check then names."""
+    size = tuple(size)
+    if not size or not chunks or not all(size):
+        return False
+    first = chunks[0][1]
+    d = next((i for i, (k, n) in enumerate(zip(first, size)) if k != n), 0)
+    zeros, extent = (0,) * (len(size) - d - 1), size[d + 1 :]
+    spans = []
+    for o, k in chunks:
+        if o[d + 1 :] != zeros or k[d + 1 :] != extent or (d and (any(o[:d]) or k[:d] != size[:d])):
+            return False
+        spans.append((o[d], o[d] + k[d]))
+    spans.sort()
+    end = 0
+    for a, b in spans:
+        if a == b:  # an empty chunk: inside the tensor, storing nothing
+            if a > size[d]:
+                return False
+            continue
+        if a < end or (whole and a != end):
+            return False
+        end = b
+    return end == size[d] or (not whole and end <= size[d])
 
 
 def _corrupt(where: str, key: str, problem: str) -> CheckpointCorruptError:
@@ -156,15 +207,18 @@ def _check_tensor(
         raise _corrupt(where, key, f"has the size {str(meta.size)[:200]}")
     if not isinstance(meta.chunks, list):
         raise _corrupt(where, key, "has no list of chunks")
-    chunks = []
-    for c in meta.chunks:
-        offsets = (
-            _dims(getattr(c, "offsets", None)) if isinstance(c, ChunkStorageMetadata) else None
-        )
-        sizes = _dims(getattr(c, "sizes", None)) if offsets is not None else None
-        if sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
-            raise _corrupt(where, key, f"of {len(size)} dimensions has the chunk {str(c)[:200]}")
-        chunks.append((offsets, sizes))
+    chunks = _all_dims(meta.chunks, len(size))
+    if chunks is None:  # (one by one, to name the first bad chunk)
+        for c in meta.chunks:
+            offsets = (
+                _dims(getattr(c, "offsets", None)) if isinstance(c, ChunkStorageMetadata) else None
+            )
+            sizes = _dims(getattr(c, "sizes", None)) if offsets is not None else None
+            if sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
+                raise _corrupt(
+                    where, key, f"of {len(size)} dimensions has the chunk {str(c)[:200]}"
+                )
+        raise AssertionError("unreachable: every chunk checked out one by one")
     problem = tiling_problem(size, chunks, whole=tiles)
     if problem is not None:
         raise _corrupt(where, key, problem)

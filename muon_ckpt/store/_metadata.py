@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt._gcpause import paused_gc
 from muon_ckpt.store._chunks import check_tensors
 from muon_ckpt.store._layout import MANIFEST, METADATA, data_ref, is_file_name
 
@@ -64,17 +65,20 @@ class _MetadataUnpickler(pickle.Unpickler):
 def parse_metadata(data: bytes, where: str, tiles: bool = True) -> Metadata:
     """DCP metadata from its bytes, its tensors checked (``check_tensors``: chunks that tile
     each tensor, items that store what the chunks declare): every reader gets it from here."""
-    try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as e:
-        raise CheckpointCorruptError(
-            f"{where}: DCP metadata is unreadable ({type(e).__name__}: {e})"
-        ) from e
-    if not isinstance(md, Metadata):
-        raise CheckpointCorruptError(f"{where}: not DCP metadata (found {type(md).__name__})")
-    if not isinstance(md.state_dict_metadata, dict):
-        raise CheckpointCorruptError(f"{where}: DCP metadata without a state dict index")
-    check_tensors(md, where, tiles)
+    # Millions of objects at thousands of ranks, none of them garbage: each collection of
+    # the collector would walk them all, while they are built and while they are checked
+    with paused_gc():
+        try:
+            md = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as e:
+            raise CheckpointCorruptError(
+                f"{where}: DCP metadata is unreadable ({type(e).__name__}: {e})"
+            ) from e
+        if not isinstance(md, Metadata):
+            raise CheckpointCorruptError(f"{where}: not DCP metadata (found {type(md).__name__})")
+        if not isinstance(md.state_dict_metadata, dict):
+            raise CheckpointCorruptError(f"{where}: DCP metadata without a state dict index")
+        check_tensors(md, where, tiles)
     return md
 
 
@@ -84,8 +88,13 @@ def check_paths(md: Metadata, allowed: set[str] | None, where: str) -> None:
     and, with a manifest, one it lists (``allowed``): a crafted ``.metadata`` must not send a
     load, export or import to ``../x``, ``/other/bucket/x`` or an unlisted, unchecksummed
     file."""
+    seen: set[str] = set()
     for info in (md.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
+        if type(name) is str:  # each file once: a file holds many items
+            if name in seen:
+                continue
+            seen.add(name)
         plain = is_file_name(name) and name not in (MANIFEST, METADATA)
         ok = plain or (allowed is not None and data_ref(name) is not None)
         if ok and allowed is not None and name not in allowed:
