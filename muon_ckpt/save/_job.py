@@ -27,8 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from torch.distributed.checkpoint import DefaultSavePlanner
-
 import muon_ckpt._collective as coll
 import muon_ckpt._dcp as _dcp
 from muon_ckpt._config import ManagerConfig
@@ -68,8 +66,9 @@ class Prebuilt(Protocol):
         ...
 
 
-class StagedSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner; a writer thread resolving an item first waits for its copy."""
+class StagedSavePlanner(_dcp.SavePlanner):
+    """The save planner (``_dcp.SavePlanner``: DCP's, its global plan linear in ranks); a
+    writer thread resolving an item first waits for its copy."""
 
     def __init__(self, staging: HostStaging) -> None:
         super().__init__()
