@@ -8,6 +8,7 @@ bench_planning.py's (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import pickle
+import random
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -28,6 +30,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from muon_ckpt import CheckpointError
+from muon_ckpt._dcp import SavePlanner
 from muon_ckpt.save import StagedSavePlanner
 from muon_ckpt.store import FileEntry, Manifest, Storage, data_ref_name, step_dirname
 from muon_ckpt.store._steps import read_manifest
@@ -127,6 +130,33 @@ def test_the_save_plan_is_dcps_own(case):
     assert [p.items for p in ours] == [p.items for p in theirs]  # (index hints aside)
     assert md.state_dict_metadata == want.state_dict_metadata
     assert list(md.planner_data.items()) == list(want.planner_data.items())
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_dedup_picks_the_rank_dcp_picks(seed):
+    """Random plans whose items several ranks hold (replicated tensors and objects, empty
+    shards at a tensor's end), of random sizes and orders: the same items stay in the same
+    plans as with DCP's own dedup_save_plans, ties included."""
+    rng = random.Random(seed)
+    n = rng.randrange(1, 9)
+    pool = [
+        _item(f"t{k}", (rng.randrange(1, 50), 3), rng.randrange(0, 3), rng.randrange(0, 3))
+        for k in range(12)
+    ]
+    pool += [WriteItem(index=MetadataIndex(f"o{k}"), type=WriteItemType.BYTE_IO) for k in range(4)]
+    plans = []
+    for _ in range(n):
+        items = rng.sample(pool, rng.randrange(0, len(pool)))
+        for j, it in enumerate(items):  # the same key, other bytes (DCP counts its last one's)
+            if it.tensor_data is not None and rng.random() < 0.3:
+                start, rows = it.index.offset[0], it.tensor_data.chunk.sizes[0]
+                items[j] = _item(it.index.fqn, (rng.randrange(1, 50), 3), start, rows)
+        plans.append(SavePlan(sorted(items, key=lambda it: rng.random())))
+    for lowest in (False, True):
+        planner = SavePlanner(dedup_save_to_lowest_rank=lowest)
+        ours = [p.items for p in planner._dedup_save_plans(plans)]
+        theirs = [p.items for p in dedup_save_plans(plans, lowest)]
+        assert ours == theirs
 
 
 @pytest.mark.parametrize(

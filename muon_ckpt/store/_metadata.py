@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import io
 import itertools
+import operator
 import pathlib
 import pickle
 from typing import Any
@@ -115,7 +116,9 @@ def check_ranges(md: Metadata, sizes: dict[str, int], where: str) -> None:
     manifest's), and no two items share a byte: a crafted ``.metadata`` must not make a reader
     allocate or seek past a file (a length of a terabyte is a MemoryError, not a corrupt step,
     otherwise), nor read (and expand) the same bytes as many items."""
-    by_file: dict[str, list[tuple[int, int]]] = {}
+    if _ranges_fine(list((md.storage_data or {}).values()), sizes):
+        return
+    by_file: dict[str, list[tuple[int, int]]] = {}  # (one by one, to name the first bad one)
     for info in (md.storage_data or {}).values():
         name, off, n = info.relative_path, info.offset, info.length
         size = sizes.get(name, 0)
@@ -134,6 +137,32 @@ def check_ranges(md: Metadata, sizes: dict[str, int], where: str) -> None:
                     "save stores each item once); it cannot be trusted and is not read. Load "
                     "another step"
                 )
+
+
+def _ranges_fine(infos: list[Any], sizes: dict[str, int]) -> bool:
+    """``check_ranges`` for all items at once, in C (maps and one sort): the million items
+    of a 2,048-rank step. False for anything wrong or odd, which the loop then names."""
+    try:
+        names = list(map(_PATH, infos))
+        offsets, lengths = list(map(_OFFSET, infos)), list(map(_LENGTH, infos))
+        if not infos:
+            return True
+        if set(map(type, offsets)) | set(map(type, lengths)) != {int}:
+            return False
+        if min(offsets) < 0 or min(lengths) < 0:
+            return False
+        ends = list(map(operator.add, offsets, lengths))
+        if not all(map(operator.le, ends, map(sizes.get, names, itertools.repeat(0)))):
+            return False
+        spans = sorted(zip(names, offsets, ends))
+        names, offsets, ends = (list(map(operator.itemgetter(k), spans)) for k in range(3))
+        same = map(operator.eq, names, names[1:])
+        return not any(map(operator.and_, same, map(operator.lt, offsets[1:], ends)))
+    except (TypeError, AttributeError):
+        return False
+
+
+_PATH, _OFFSET, _LENGTH = (operator.attrgetter(a) for a in ("relative_path", "offset", "length"))
 
 
 def tensor_entries(md: Metadata) -> dict[str, TensorStorageMetadata]:
