@@ -24,8 +24,10 @@ Phases, each timed where it runs (one rank, or rank 0 over all N):
   ``prepare_global_plan``;
 - ``save: .metadata``: rank 0's ``ChecksumWriter.finish`` (every rank's write results into
   the metadata, pickled, written and checksummed);
-- ``save: commit``: the merge of the N ranks' file records and ``Catalog.commit`` (the sizes
-  listed and compared, the manifest written and read back);
+- ``save: manifest merge``: the N ranks' gathered file records into one, as the commit merges
+  them;
+- ``save: commit``: ``Catalog.commit`` (the sizes listed and compared, the manifest written and
+  read back);
 - ``load: decide``: rank 0's check of the step (``Catalog.checked_at``: the manifest, every
   file's size, the ``.metadata`` checksummed, unpickled and checked: chunks tile every
   tensor, items inside their files);
@@ -48,11 +50,13 @@ Run: ``python -m benchmarks.bench_planning [--ranks 64 256 1024 2048] [--torch]`
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import os
 import pickle
 import resource
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -60,226 +64,31 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.planner import SavePlan
 
+from benchmarks._planning_state import (
+    IO_THREADS,
+    SAVE_ID,
+    STEP,
+    FakeRanks,
+    Layout,
+    make_files,
+    model_8b,
+    model_tiny,
+    same_items,
+    shard,
+    write_results,
+)
 from muon_ckpt.store import (
-    DATA,
     MANIFEST,
     METADATA,
     Catalog,
     FileEntry,
     data_dirname,
     data_ref,
-    data_ref_name,
     open_storage,
     step_dirname,
 )
-
-STEP = 100
-SAVE_ID = "0123456789abcdef"
-IO_THREADS = 4  # files per rank (the manager's default write_threads)
-CHUNK = 1 << 20  # manifest checksum chunk
-CUT = 64 << 10  # a write this big starts and ends a checksum chunk (ChecksumWriter)
-SHA_MIN = 16 << 10  # a tensor this big has a SHA-256 in the manifest (dedup)
-ZIP_BYTES = 1152  # torch.save's records around a tensor's bytes, about
-PROPS = TensorProperties(dtype=torch.float32)
-RNG_BYTES = 5056  # torch.get_rng_state()
-
-
-@dataclass(frozen=True)
-class Param:
-    fqn: str
-    shape: tuple[int, ...]
-    muon: bool  # Muon's momentum_buffer; else AdamW's moment1, moment2, step
-
-
-def llama(layers: int, dim: int, kv: int, hidden: int, vocab: int) -> list[Param]:
-    ps = [Param("tok_embeddings.weight", (vocab, dim), False)]
-    for i in range(layers):
-        a, f = f"layers.{i}.attention.", f"layers.{i}.feed_forward."
-        ps += [
-            Param(a + "wq.weight", (dim, dim), True),
-            Param(a + "wk.weight", (kv, dim), True),
-            Param(a + "wv.weight", (kv, dim), True),
-            Param(a + "wo.weight", (dim, dim), True),
-            Param(f + "w1.weight", (hidden, dim), True),
-            Param(f + "w2.weight", (dim, hidden), True),
-            Param(f + "w3.weight", (hidden, dim), True),
-            Param(f"layers.{i}.attention_norm.weight", (dim,), False),
-            Param(f"layers.{i}.ffn_norm.weight", (dim,), False),
-        ]
-    return ps + [Param("norm.weight", (dim,), False), Param("output.weight", (vocab, dim), False)]
-
-
-def model_8b() -> list[Param]:
-    return llama(32, 4096, 1024, 14336, 128256)
-
-
-def model_tiny() -> list[Param]:
-    return llama(2, 64, 16, 224, 512)
-
-
-def states(p: Param) -> tuple[str, ...]:
-    return ("momentum_buffer",) if p.muon else ("moment1", "moment2")
-
-
-GROUP_VALUES = {
-    "lr": 0.02,
-    "weight_decay": 0.0,
-    "momentum": 0.95,
-    "nesterov": True,
-    "ns_steps": 5,
-    "ns_dtype": "bf16",
-    "ns_method": "gram",
-    "none_grad": False,
-    "adamw_betas": (0.9, 0.95),
-    "adamw_eps": 1e-8,
-    "initial_lr": 0.02,
-}
-
-
-def shard(shape: tuple[int, ...], n: int, r: int) -> tuple[torch.Size, torch.Size]:
-    """Rank ``r``'s (offsets, sizes) of a ``Shard(0)`` tensor over ``n`` ranks, as
-    ``torch.chunk`` cuts it (DTensor's placement)."""
-    rows = shape[0]
-    per = -(-rows // n)
-    start = min(r * per, rows)
-    size = max(0, min(rows, start + per) - start)
-    return torch.Size([start, *[0] * (len(shape) - 1)]), torch.Size([size, *shape[1:]])
-
-
-@dataclass
-class Layout:
-    """The state every rank saves: its keys, in FlatState's order."""
-
-    params: list[Param]
-
-    def sharded(self) -> list[tuple[str, tuple[int, ...]]]:
-        out = [(f"model.{p.fqn}", p.shape) for p in self.params]
-        for muon in (True, False):
-            for p in self.params:
-                if p.muon == muon:
-                    out += [(f"optim.state.{p.fqn}.{s}", p.shape) for s in states(p)]
-        return out
-
-    def steps(self) -> list[str]:
-        return [f"optim.state.{p.fqn}.step" for p in self.params if not p.muon]
-
-    def values(self) -> list[str]:
-        out = []
-        for muon in (True, False):
-            lead = next(p.fqn for p in self.params if p.muon == muon)
-            out += [f"optim.param_groups.{lead}.params"]
-            out += [f"optim.param_groups.{lead}.{k}" for k in GROUP_VALUES]
-            out += [f"optim.param_groups.{lead}.use_muon"]
-        return out + ["extra.trainer.step", "extra.trainer.tokens"]
-
-    def rank_plan(self, n: int, r: int) -> SavePlan:
-        """Rank ``r``'s local save plan, as DCP's ``create_local_plan`` makes it."""
-        items = []
-        for key, shape in self.sharded():
-            off, size = shard(shape, n, r)
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(key, off),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        ChunkStorageMetadata(off, size), PROPS, torch.Size(shape)
-                    ),
-                )
-            )
-        scalar = torch.Size([])
-        tensors = [(k, scalar, PROPS) for k in self.steps()]
-        tensors.append((f"rank_extra.{r}.rng.cpu", torch.Size([RNG_BYTES]), _UINT8))
-        for key, shape, props in tensors:
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(key, torch.Size([0] * len(shape))),
-                    type=WriteItemType.TENSOR,
-                    tensor_data=TensorWriteData(
-                        ChunkStorageMetadata(torch.Size([0] * len(shape)), shape), props, shape
-                    ),
-                )
-            )
-        items += [WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self.values()]
-        mappings = {it.index.fqn: _path(it.index.fqn) for it in items}
-        return SavePlan(items, planner_data=mappings)
-
-
-_UINT8 = TensorProperties(dtype=torch.uint8)
-
-
-def _path(key: str) -> tuple[str, ...]:
-    """DCP's flatten mapping of a key (a nested state dict for extra and rank_extra)."""
-    if key.startswith("extra."):
-        return ("extra.trainer", key.rsplit(".", 1)[1])
-    if key.startswith("rank_extra."):
-        head, name, leaf = key.rsplit(".", 2)
-        return (f"{head}.{name}", leaf)
-    return (key,)
-
-
-# ---------------------------------------------------------------------- what a save writes
-def item_bytes(it: WriteItem) -> int:
-    if it.type == WriteItemType.BYTE_IO:
-        return 600
-    td = it.tensor_data
-    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize + ZIP_BYTES
-
-
-def write_results(plans: list[SavePlan], data_dir: str) -> tuple[list, dict[str, FileEntry]]:
-    """Each rank's write results (its final plan's items split into IO_THREADS files as
-    ChecksumWriter splits them) and the manifest entries of the files."""
-    results, files = [], {}
-    for plan in plans:
-        prefix = plan.storage_data.prefix
-        mine = []
-        for k, bucket in enumerate(_split_by_size_and_type(IO_THREADS, plan.items)):
-            if not bucket:
-                continue
-            name = data_ref_name(data_dir, f"{prefix}{k}.distcp")
-            at, cuts, sha = 0, [], {}
-            ordered = [i for i in bucket if i.type == WriteItemType.BYTE_IO]
-            ordered += [i for i in bucket if i.type != WriteItemType.BYTE_IO]
-            for it in ordered:
-                n = item_bytes(it)
-                data = n - ZIP_BYTES
-                if it.type != WriteItemType.BYTE_IO and data >= CUT:
-                    cuts += [at + 1024, at + 1024 + data]
-                if it.type != WriteItemType.BYTE_IO and data >= SHA_MIN:
-                    sha[at] = f"{(at * 2654435761) & (2**256 - 1):064x}"
-                info = _StorageInfo(name, at, n)
-                mine.append(WriteResult(index=it.index, size_in_bytes=n, storage_data=info))
-                at += n
-            cuts = [c for c in cuts if 0 < c < at]
-            entry = FileEntry(at, crc32c="", chunk_bytes=CHUNK, cuts=cuts or None, sha256=sha or None)
-            entry.crc32c = "%08x" % 0 * len(entry.chunk_starts())
-            files[name] = entry
-        results.append(mine)
-    return results, files
-
-
-def make_files(root: str, files: dict[str, FileEntry]) -> None:
-    """Sparse files of the entries' sizes, where the manifest names them."""
-    for name, e in files.items():
-        ref = data_ref(name)
-        assert ref is not None
-        path = os.path.join(root, DATA, *ref)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.truncate(e.size)
 
 
 # ---------------------------------------------------------------------- phases
@@ -290,64 +99,6 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.process_time()
     out = fn()
     return time.process_time() - t0, out
-
-
-class FakeRanks:
-    """A fake process group of ``n`` ranks in this process (torch's testing backend), as rank
-    ``r``: DTensors on it hold zero-stride local tensors (no memory), which DCP's planners
-    read only the shapes and placements of."""
-
-    def __init__(self, n: int, r: int) -> None:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        self.n, self.r = n, r
-        dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=n)
-        self.mesh = init_device_mesh("cpu", (n,))
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-
-    def state(self, layout: Layout) -> dict[str, Any]:
-        """Rank ``r``'s flat state dict (FlatState's keys), its shards as DTensors."""
-        from torch.distributed.tensor import DTensor, Shard
-
-        sd: dict[str, Any] = {}
-        for key, shape in layout.sharded():
-            _, size = shard(shape, self.n, self.r)
-            local = torch.zeros(1).expand(*size) if all(size) else torch.empty(size)
-            stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
-            sd[key] = DTensor.from_local(
-                local, self.mesh, [Shard(0)], shape=torch.Size(shape), stride=stride, run_check=False
-            )
-        for key in layout.steps():
-            sd[key] = torch.tensor(0.0)
-        sd[f"rank_extra.{self.r}.rng"] = {"cpu": torch.zeros(RNG_BYTES, dtype=torch.uint8)}
-        for key in layout.values():
-            if key.startswith("extra."):
-                sd.setdefault("extra.trainer", {})[key.rsplit(".", 1)[1]] = 1
-            else:
-                sd[key] = 1.0
-        return sd
-
-
-def same_items(ours: SavePlan, dcps: SavePlan) -> None:
-    """The synthetic plan of a rank is the one DCP makes from its state."""
-    a = {it.index: (it.type, it.tensor_data) for it in ours.items}
-    b = {it.index: (it.type, it.tensor_data) for it in dcps.items}
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b), key=str)[:5]
-    for k, (ta, da) in a.items():
-        tb, db = b[k]
-        assert ta == tb and (da is None) == (db is None), k
-        if da is not None:
-            assert (da.chunk, da.size, da.properties.dtype) == (
-                db.chunk,
-                db.size,
-                db.properties.dtype,
-            ), (k, da, db)
 
 
 @dataclass
@@ -361,6 +112,7 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
     """Every phase at ``n`` ranks (``use_torch``: DCP's own global save plan too)."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
+    from muon_ckpt._gcpause import paused_gc
     from muon_ckpt.load import SafeLoadPlanner
     from muon_ckpt.load._reader import VerifyingReader
     from muon_ckpt.save import StagedSavePlanner
@@ -389,26 +141,25 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
         if check:
             same_items(plans[last], mine)
         if use_torch:
-            sec["save: global plan, torch's (rank 0)"], _ = timed(
-                lambda: DefaultSavePlanner().create_global_plan(plans)
-            )
+            torch_plan = functools.partial(DefaultSavePlanner().create_global_plan, plans)
+            sec["save: global plan, torch's (rank 0)"], _ = timed(torch_plan)
         records = FileRecords()
-        writer = ChecksumWriter(
-            storage, step_dirname(STEP), records, IO_THREADS, data_dir=data_dir
-        )
+        writer = ChecksumWriter(storage, step_dirname(STEP), records, IO_THREADS, data_dir=data_dir)
         writer.set_up_storage_writer(True, rank=0, use_collectives=True)
         writer.fs.mkdir(writer.path)
 
-        def global_save() -> tuple[list[SavePlan], Any]:
+        def global_save(plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
             final, md = StagedSavePlanner(None).create_global_plan(plans)
             return writer.prepare_global_plan(final), md
 
-        sec["save: global plan (rank 0)"], (final, md) = timed(global_save)
-        del plans
+        sec["save: global plan (rank 0)"], (final, md) = timed(
+            functools.partial(global_save, plans)
+        )
+        del plans  # (each phase's inputs go once used: the peak is one phase's)
         results, files = write_results(final, data_dir)
         del final
         make_files(root, files)
-        sec["save: .metadata (rank 0)"], _ = timed(lambda: writer.finish(md, results))
+        sec["save: .metadata (rank 0)"], _ = timed(functools.partial(writer.finish, md, results))
         del results, md
         by_rank: dict[int, dict[str, FileEntry]] = {}
         for name, e in files.items():
@@ -416,34 +167,52 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
             by_rank.setdefault(r, {})[name] = e
         by_rank[0][METADATA] = records.files[METADATA]
         gathered = [(by_rank.get(r, {}), None, {data_dir: plan.gen}, None) for r in range(n)]
+        del by_rank, files
 
-        def commit() -> Any:
+        def merge(gathered: list) -> tuple[dict[str, FileEntry], dict[str, int]]:
+            """The merge of the ranks' gathered file records, as save/_job.py's commit."""
             merged: dict[str, FileEntry] = {}
             gens: dict[str, int] = {}
             for part, _err, part_gens, _ in gathered:
                 merged.update(part)
                 gens.update(part_gens)
             listed = {ref[0] for name in merged if (ref := data_ref(name)) is not None}
-            return catalog.commit(
-                STEP,
-                n,
-                merged,
-                {"io_threads": IO_THREADS, "keys": len(sd)},
-                plan=plan,
-                line="bench",
-                data=data_dir,
-                data_gens={d: g for d, g in gens.items() if d in listed},
-            )
+            return merged, {d: g for d, g in gens.items() if d in listed}
 
+        sec["save: manifest merge (rank 0)"], (merged, gens) = timed(
+            functools.partial(merge, gathered)
+        )
+        del gathered
+        commit = functools.partial(
+            catalog.commit,
+            STEP,
+            n,
+            merged,
+            {"io_threads": IO_THREADS, "keys": len(sd)},
+            plan=plan,
+            line="bench",
+            data=data_dir,
+            data_gens=gens,
+        )
         sec["save: commit (rank 0)"], _ = timed(commit)
-        del gathered, by_rank, files
+        del commit, merged
         sizes[".metadata"] = os.path.getsize(os.path.join(root, step_dirname(STEP), METADATA))
         sizes["manifest"] = os.path.getsize(os.path.join(root, step_dirname(STEP), MANIFEST))
 
-        sec["load: decide (rank 0)"], (name, m, md) = timed(lambda: catalog.checked_at(STEP))
+        def decide() -> Any:  # (as load() runs it: inside its broadcast, the collector paused)
+            with paused_gc():
+                return catalog.checked_at(STEP)
+
+        sec["load: decide (rank 0)"], (name, m, md) = timed(decide)
         sent = pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
         sizes["metadata pickled"] = len(sent)
-        sec["load: metadata (each rank)"], md = timed(lambda: pickle.loads(sent))
+        del md
+
+        def receive(sent: bytes) -> Any:
+            with paused_gc():
+                return pickle.loads(sent)
+
+        sec["load: metadata (each rank)"], md = timed(functools.partial(receive, sent))
         del sent
 
         def local_load() -> Any:
@@ -498,8 +267,82 @@ def table(rows: dict[int, Row]) -> str:
         r = ratio(vals[-2], vals[-1], ns[-2], ns[-1]) if len(ns) > 1 else "-"
         lines.append(f"| {k} | " + " | ".join(cells) + (f" | {r} |" if len(ns) > 1 else " |"))
     cells = [f"{rows[n].rss / 2**30:.2f} GiB" for n in ns]
-    lines.append("| peak RSS of the process | " + " | ".join(cells) + (" | - |" if len(ns) > 1 else " |"))
+    lines.append(
+        "| peak RSS of the process | " + " | ".join(cells) + (" | - |" if len(ns) > 1 else " |")
+    )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- real ranks
+def _gloo_model(world: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Two layers ``fully_shard`` over every rank, 37 rows each (over 16 ranks: 3 rows to
+    each of ranks 0-11, 1 to rank 12, none after), Muon for the matrices, AdamW the rest."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from optim.muon import Muon
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 37), torch.nn.Linear(37, 37))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    mats = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    groups = [{"params": mats, "lr": 0.02}, {"params": rest, "use_muon": False, "lr": 2e-3}]
+    return model, Muon(groups)
+
+
+def _tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's and the optimizer's state, this rank's part of it."""
+    from torch.distributed.tensor import DTensor
+
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for i, state in opt.state_dict()["state"].items():
+        out.update({f"optim.{i}.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in out.items()}
+
+
+def gloo_rank(rank: int, world: int, url: str) -> tuple[float, float, int, list[str]]:
+    """One rank: a step of Muon, a save, a load into a model built otherwise; the seconds of
+    the save and of the load, the tensors compared and those that differ."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from muon_ckpt import CheckpointManager
+
+    model, opt = _gloo_model(world, 0)
+    g = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.grad = distribute_tensor(torch.randn(p.shape, generator=g), p.device_mesh, p.placements)
+    opt.step()
+    want = {k: v.clone() for k, v in _tensors(model, opt).items()}
+    with CheckpointManager(url, model=model, optimizer=opt, io_threads=1) as m:
+        t0 = time.perf_counter()
+        m.save(1)
+        saved = time.perf_counter() - t0
+    model, opt = _gloo_model(world, 1)
+    with CheckpointManager(url, model=model, optimizer=opt, io_threads=1) as m:
+        t0 = time.perf_counter()
+        m.load()
+        loaded = time.perf_counter() - t0
+    got = _tensors(model, opt)
+    differ = [k for k, v in want.items() if k not in got or not torch.equal(v, got[k])]
+    return saved, loaded, len(want), differ + sorted(got.keys() - want.keys())
+
+
+def gloo(world: int) -> str:
+    """``world`` real processes (gloo, this host) save and load through the manager."""
+    from tests._dist import run_on_ranks
+
+    with tempfile.TemporaryDirectory() as url:
+        out = run_on_ranks(gloo_rank, world, url, timeout=1800)
+    differ = {r: d for r, (*_, d) in enumerate(out) if d}
+    if differ:
+        raise SystemExit(f"{world} gloo ranks: tensors that differ after the load: {differ}")
+    return (
+        f"{world} gloo processes on this host: save {max(o[0] for o in out):.2f} s, load "
+        f"{max(o[1] for o in out):.2f} s (the slowest rank's; median "
+        f"{statistics.median(o[1] for o in out):.2f} s), {sum(o[2] for o in out)} tensors "
+        "over the ranks, every one bitwise equal after the load"
+    )
 
 
 def main() -> None:
@@ -524,12 +367,15 @@ def main() -> None:
         f"{len(layout.sharded())} shards, {len(layout.steps()) + 1} plain tensors, "
         f"{len(layout.values())} values"
     )
+    if args.gloo:
+        print(gloo(args.gloo), flush=True)
     rows: dict[int, Row] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in ns:
             use_torch = args.torch and n <= args.torch_max
             rows[n] = run(layout, n, tmp, use_torch, args.check or args.tiny)
-            print(f"{n} ranks: " + ", ".join(f"{k} {v:.3f} s" for k, v in rows[n].seconds.items()), flush=True)
+            done = ", ".join(f"{k} {v:.3f} s" for k, v in rows[n].seconds.items())
+            print(f"{n} ranks: {done}", flush=True)
     print()
     print(table(rows))
 
