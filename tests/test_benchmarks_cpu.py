@@ -50,6 +50,10 @@ RUNS = {
         ],
         "memory vs storage hot",
     ),
+    "planning": (
+        ["bench_planning", "--tiny", "--gloo", "2"],
+        "every one bitwise equal after the load",
+    ),
     "resume": (
         [
             "bench_resume", "--device", "cpu", "--size-gib", "0.01", "--layouts", "one",

@@ -27,6 +27,7 @@ from muon_ckpt import (
 )
 from muon_ckpt.cli import main
 from muon_ckpt.store import MANIFEST, METADATA, Storage, step_dirname
+from muon_ckpt.store._layout import MAX_MANIFEST_BYTES
 from muon_ckpt.store.dcp import parse_metadata
 from tests._ckpt import TinyNet, data_files, make_muon, muon_state_sd, three_step_run, train
 
@@ -282,7 +283,7 @@ def test_deeply_nested_manifest_is_corrupt_not_a_recursion_error(local_run, caps
 def test_oversized_manifest_is_refused_unread(local_run):
     st = local_run["storage"]
     with open(st.path(step_dirname(3), MANIFEST), "r+b") as f:
-        f.truncate(200 << 20)  # sparse: 200 MiB of zeros past a valid start
+        f.truncate(MAX_MANIFEST_BYTES + (1 << 20))  # sparse: zeros past a valid start
     mgr = CheckpointManager(local_run["url"])
     assert bounded(mgr.steps) == [1, 2]
     with pytest.raises(CheckpointCorruptError, match="larger than"):

@@ -16,6 +16,7 @@ import time
 
 import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointError, CheckpointMismatchError
+from muon_ckpt._gcpause import paused_gc
 from muon_ckpt.load._attempt import LoadOutcome, LoadTargets, attempt, release_backup, undo
 from muon_ckpt.load._decide import Decision, History, Skip, decide
 from muon_ckpt.state import LoadReport, optimizer_name
@@ -65,7 +66,8 @@ def resume(
     while True:
         t0 = time.perf_counter()
         try:
-            d = coll.on_rank0(how, t.group)
+            with paused_gc():  # (the decision's metadata: see store.parse_metadata)
+                d = coll.on_rank0(how, t.group)
         except BaseException:
             release_backup(t)  # (the buffers an attempt before this one kept for the next)
             raise

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner
 
 import muon_ckpt._collective as coll
+import muon_ckpt._dcp as _dcp
 from muon_ckpt._errors import CheckpointError
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.save._deferred import DeferredCopies
@@ -221,8 +221,9 @@ def _differing_extra(step: int, digests: list[dict[str, str]]) -> CheckpointErro
     return None
 
 
-class StagedSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner; a writer thread resolving an item first waits for its copy."""
+class StagedSavePlanner(_dcp.SavePlanner):
+    """The save planner (``_dcp.SavePlanner``: DCP's, its global plan linear in ranks); a
+    writer thread resolving an item first waits for its copy."""
 
     def __init__(self, staging: HostStaging) -> None:
         super().__init__()

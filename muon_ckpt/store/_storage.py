@@ -275,15 +275,14 @@ class Storage:
             if _climbs(parts):  # a step's reference to the run's data
                 self.check_unlinked(*parts)
             with os.fdopen(open_regular(p, where, follow=not parts), "rb") as f:
+                if limit is not None and os.fstat(f.fileno()).st_size > limit:
+                    raise _larger(where, limit)  # (unread: a limit of 1 GiB is no read of it)
                 data = f.read() if limit is None else f.read(limit + 1)
         else:
             with self._calling("reading", *parts):
                 data = self._cat(p, limit)
         if limit is not None and len(data) > limit:
-            raise CheckpointCorruptError(
-                f"{where}: larger than the {limit} bytes it may have; the step cannot be "
-                "trusted. Load another step (muon-ckpt ls lists them) or delete it"
-            )
+            raise _larger(where, limit)
         return data
 
     def _cat(self, p: str, limit: int | None) -> bytes:
@@ -424,3 +423,10 @@ class Storage:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(p, recursive=True)
             self.fs.invalidate_cache(p)
+
+
+def _larger(where: str, limit: int) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{where}: larger than the {limit} bytes it may have; the step cannot be "
+        "trusted. Load another step (muon-ckpt ls lists them) or delete it"
+    )
