@@ -94,13 +94,36 @@ def new_group(timeout: float) -> Any:
     """
     if not is_dist():
         return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    with communicating("making the manager's process group"):
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
 
-def _store() -> Any:
+def _store(call: str = "a save or load") -> Any:
     # torch has no public accessor for the default group's store; this one has existed since
     # torch 1.x and is what torch's own store-based barriers use.
-    return dist.distributed_c10d._get_default_store()
+    return _Store(dist.distributed_c10d._get_default_store(), call)
+
+
+class _Store:
+    """The default group's store, each call's failure (its host, rank 0 under ``env://``,
+    gone: DistNetworkError "Broken pipe") a CheckpointCollectiveError naming ``call``."""
+
+    def __init__(self, store: Any, call: str) -> None:
+        self._store, self._call = store, call
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self._store, name)
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except RuntimeError as e:  # (DistError derives from it)
+                raise CheckpointCollectiveError(
+                    f"{self._call} on rank {rank()}: the process group's store failed "
+                    f"({name}): a rank died or the store is gone: {type(e).__name__}: {e}"
+                ) from e
+
+        return guarded
 
 
 def handshake(tag: str, call: str, timeout: float) -> None:
@@ -117,7 +140,7 @@ def handshake(tag: str, call: str, timeout: float) -> None:
     """
     if not is_dist():
         return
-    store = _store()
+    store = _store(call)
     me, n = rank(), world_size()
     store.set(f"{tag}/{me}", call)
     keys = [f"{tag}/{r}" for r in range(n)]
@@ -219,5 +242,5 @@ class Calls:
     def close(self) -> None:
         """Remove the last handshake's keys (housekeeping: the store's host may be gone)."""
         if self._count > 1:  # every rank is past that one (not surely past the last)
-            with contextlib.suppress(RuntimeError):
+            with contextlib.suppress(CheckpointCollectiveError):
                 forget(f"{self._tag}/{self._count - 1}")
