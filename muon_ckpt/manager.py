@@ -224,16 +224,17 @@ class CheckpointManager:
         t = self._targets
         t.group, t.hosts = self._calls.group, self._calls.hosts
         where = (t, self._catalog, self._resume, self._saves.tier, step)
-        got = load_tiers(*where, strict=strict, parts=chosen, elastic=elastic)
-        self._saves.loaded(self.url, None if got is None else got.decision)
-        if got is None:
-            if coll.rank() == 0:
-                tried = "" if self._resume is None else " nor in resume_from"
-                _log.info("no committed step in %s%s: starting fresh", self.url, tried)
-            return None
-        self.last_load_report, self.last_load_timings = got.report, got.timings
-        self.last_load_bytes_read = got.bytes_read if got.tier == "storage" else 0
-        self.last_load_tier = got.tier
+        with t.tail():  # (Ctrl-C once the ranks agreed to keep it: raised after the records)
+            got = load_tiers(*where, strict=strict, parts=chosen, elastic=elastic)
+            self._saves.loaded(self.url, None if got is None else got.decision)
+            if got is None:
+                if coll.rank() == 0:
+                    tried = "" if self._resume is None else " nor in resume_from"
+                    _log.info("no committed step in %s%s: starting fresh", self.url, tried)
+                return None
+            self.last_load_report, self.last_load_timings = got.report, got.timings
+            self.last_load_bytes_read = got.bytes_read if got.tier == "storage" else 0
+            self.last_load_tier = got.tier
         return got.decision.step
 
     # ------------------------------------------------------------------ lifecycle

@@ -80,3 +80,34 @@ def test_ctrl_c_right_after_a_synchronous_commit_keeps_the_commits_bookkeeping(t
     step3 = mgr._catalog.manifest(3).data
     assert step3 in _refers_to(mgr, 4), "the line was not told of step 3's commit"
     mgr.close()
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_ctrl_c_after_the_ranks_agreed_leaves_the_load_kept_and_recorded(memory, tmp_path):
+    """A Ctrl-C once every rank agreed to keep the load: it leaves as KeyboardInterrupt with
+    the step loaded (bitwise) and recorded (``last_load_tier``; the line: from the url, a
+    rewind to step 2 whose next save retires step 3; from the memory tier, step 3's line,
+    continued)."""
+    url = str(tmp_path / "run")
+    kw = {"memory": MemoryOptions(interval=1, dir=str(tmp_path / "mem"))} if memory else {}
+    model, opt = tiny_run(seed=0)
+    mgr = CheckpointManager(url, model=model, optimizer=opt, **kw)
+    saved = {}
+    for step in (1, 2, 3):
+        tiny_train(model, opt, 1, seed=step)
+        mgr.save(step)
+        saved[step] = tiny_snapshot(model, opt)
+    mgr.close()
+    model, opt = tiny_run(seed=9)
+    mgr = CheckpointManager(url, model=model, optimizer=opt, **kw)
+    step = 3 if memory else 2
+    with sigint_on(f"loaded step {step}") as h, pytest.raises(KeyboardInterrupt):
+        mgr.load(step=None if memory else step)
+    assert h.sent
+    assert_same(tiny_snapshot(model, opt), saved[step])
+    assert mgr.last_load_tier == ("memory" if memory else "storage")
+    assert mgr.last_load_report.step == step
+    mgr.save(4)
+    mgr.wait()
+    assert mgr.steps() == ([1, 2, 3, 4] if memory else [1, 2, 4])
+    mgr.close()
