@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -28,6 +29,7 @@ import pytest
 from muon_ckpt import CheckpointManager, MemoryOptions
 from muon_ckpt.store import data_ref
 from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
+from tests.test_interrupt_close import CtrlC, is_set
 from tests.test_interrupt_storm import _python_sigint
 
 
@@ -110,4 +112,40 @@ def test_ctrl_c_after_the_ranks_agreed_leaves_the_load_kept_and_recorded(memory,
     mgr.save(4)
     mgr.wait()
     assert mgr.steps() == ([1, 2, 3, 4] if memory else [1, 2, 4])
+    mgr.close()
+
+
+def test_ctrl_c_while_a_memory_save_reads_the_live_state(tmp_path):
+    """A memory save whose snapshot is the live state (over ``max_staging_bytes``) waits
+    until its job has read it; a Ctrl-C meanwhile stops the part's writing and leaves once
+    the job no longer reads the state (the training changes it next)."""
+    model, opt = tiny_run(seed=0)
+    mem = MemoryOptions(interval=1, dir=str(tmp_path / "mem"))
+    mgr = CheckpointManager(
+        str(tmp_path / "run"),
+        model=model,
+        optimizer=opt,
+        interval=100,
+        memory=mem,
+        max_staging_bytes=1,
+    )
+    saves = mgr._saves
+    gate = saves.gate = threading.Event()  # the memory job waits for it
+
+    def stopped() -> bool:
+        job = saves.memory_job
+        return job is not None and is_set(getattr(job, "stopped", None))
+
+    reading = None
+    try:
+        with CtrlC("wait_written", "_tier.py", stopped, gate):
+            with _python_sigint(), pytest.raises(KeyboardInterrupt):
+                mgr.save(1)
+            job = saves.memory_job
+            reading = job is not None and not job._written.is_set()
+    finally:
+        gate.set()
+    assert reading is False, "save() left while its memory job still read the live state"
+    tiny_train(model, opt, 1, seed=2)
+    assert mgr.save(2)
     mgr.close()
