@@ -17,7 +17,9 @@ manager's test gate until the stop was taken.
 from __future__ import annotations
 
 import os
+import queue
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -30,6 +32,7 @@ from muon_ckpt import CheckpointManager
 from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
 from tests.test_interrupt_storm import _python_sigint
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOUND_S = 120.0  # the longest any one wait for a marker may take (a loaded host)
 
 
@@ -135,3 +138,91 @@ def test_ctrl_c_in_close_stops_the_pending_save_and_ends_its_thread_first(tmp_pa
     assert again.save(2)  # the lease is free, the interrupted step's leftovers go
     assert again.steps() == [1, 2]
     again.close()
+
+
+class _Child:
+    """tests/_exit_interrupt_child.py: its stdout lines in a queue, its stderr kept."""
+
+    def __init__(self, url: str, out: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests._exit_interrupt_child", url, out],
+            cwd=_ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.pumps = [
+            threading.Thread(target=self._pump_out, daemon=True),
+            threading.Thread(target=self._pump_err, daemon=True),
+        ]
+        for t in self.pumps:
+            t.start()
+
+    def _pump_out(self) -> None:
+        for line in self.proc.stdout:
+            self.out.append(line.rstrip("\n"))
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def _pump_err(self) -> None:
+        for line in self.proc.stderr:
+            self.err.append(line)
+
+    def expect(self, want: str) -> None:
+        """Until the child printed ``want`` (other lines pass)."""
+        deadline = time.monotonic() + BOUND_S
+        while True:
+            try:
+                got = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {want!r}; stderr: {''.join(self.err)[-3000:]}") from None
+            assert got is not None, f"ended before {want!r}: {''.join(self.err)[-3000:]}"
+            if got == want:
+                return
+
+    def stderr_has(self, text: str) -> bool:
+        return any(text in line for line in self.err)
+
+
+def test_ctrl_c_again_and_again_at_exit_never_aborts(tmp_path):
+    """The loop ends on Ctrl-C with step 2 pending; the exit hook waits for it and three more
+    Ctrl-C arrive, each once the one before it reached the process. The save is stopped and
+    its thread has ended before the hook returns; the process exits on the interrupt, never
+    aborted; the lease is given back and step 1 loads bitwise."""
+    url, out = str(tmp_path / "run"), str(tmp_path / "out")
+    os.makedirs(out)
+    child = _Child(url, out)
+    try:
+        child.expect("pending 2")
+        child.proc.send_signal(signal.SIGINT)  # ends the training loop
+        child.expect("sigint 1")
+        waiting = "waiting for the asynchronous save of step 2 before exiting"
+        until(lambda: child.stderr_has(waiting) or child.proc.poll() is not None, "exit hook")
+        for n in (2, 3, 4):  # impatient: again and again while the hook waits
+            child.proc.send_signal(signal.SIGINT)
+            child.expect(f"sigint {n}")
+        child.proc.stdin.write("open\n")  # the gate may open once the stop was taken
+        child.proc.stdin.flush()
+        rc = child.proc.wait(timeout=BOUND_S)
+    finally:
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
+    for t in child.pumps:  # (everything it printed)
+        t.join(BOUND_S)
+    err = "".join(child.err)
+    assert "terminate called" not in err and rc != -signal.SIGABRT, (rc, err[-3000:])
+    assert rc in (-signal.SIGINT, 130, 1), (rc, err[-3000:])
+    assert "after exit hook: alive []" in child.out, (child.out, err[-3000:])
+    assert not os.path.exists(os.path.join(url, "lease.json"))
+    assert CheckpointManager(url).steps() == [1]  # stopped before its first file
+    assert any("step 2" in ln for ln in err.splitlines() if ln.startswith("ERROR")), err
+    model, opt = tiny_run(seed=7)
+    mgr = CheckpointManager(url, model=model, optimizer=opt)
+    assert mgr.load() == 1
+    assert_same(tiny_snapshot(model, opt), torch.load(os.path.join(out, "state-1.pt")))
