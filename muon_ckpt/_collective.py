@@ -98,32 +98,10 @@ def new_group(timeout: float) -> Any:
         return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
 
-def _store(call: str = "a save or load") -> Any:
+def _store() -> Any:
     # torch has no public accessor for the default group's store; this one has existed since
     # torch 1.x and is what torch's own store-based barriers use.
-    return _Store(dist.distributed_c10d._get_default_store(), call)
-
-
-class _Store:
-    """The default group's store, each call's failure (its host, rank 0 under ``env://``,
-    gone: DistNetworkError "Broken pipe") a CheckpointCollectiveError naming ``call``."""
-
-    def __init__(self, store: Any, call: str) -> None:
-        self._store, self._call = store, call
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        fn = getattr(self._store, name)
-
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except RuntimeError as e:  # (DistError derives from it)
-                raise CheckpointCollectiveError(
-                    f"{self._call} on rank {rank()}: the process group's store failed "
-                    f"({name}): a rank died or the store is gone: {type(e).__name__}: {e}"
-                ) from e
-
-        return guarded
+    return dist.distributed_c10d._get_default_store()
 
 
 def handshake(tag: str, call: str, timeout: float) -> None:
@@ -140,7 +118,12 @@ def handshake(tag: str, call: str, timeout: float) -> None:
     """
     if not is_dist():
         return
-    store = _store(call)
+    # (its store's host, rank 0 under ``env://``, gone: torch's DistNetworkError "Broken pipe")
+    with communicating(f"{call}: the handshake on the process group's store"):
+        _handshake(_store(), tag, call, timeout)
+
+
+def _handshake(store: Any, tag: str, call: str, timeout: float) -> None:
     me, n = rank(), world_size()
     store.set(f"{tag}/{me}", call)
     keys = [f"{tag}/{r}" for r in range(n)]
@@ -169,10 +152,12 @@ def handshake(tag: str, call: str, timeout: float) -> None:
         )
 
 
-def forget(tag: str) -> None:
+def forget(tag: str, call: str) -> None:
     """Remove this rank's key of an earlier ``handshake`` (once every rank is past it), and
-    rank 0 the verdict."""
-    if is_dist():
+    rank 0 the verdict, at ``call``."""
+    if not is_dist():
+        return
+    with communicating(f"{call}: the process group's store"):
         store = _store()
         store.delete_key(f"{tag}/{rank()}")
         if rank() == 0:
@@ -225,7 +210,7 @@ class Calls:
             return
         self._count += 1
         if self._count > 2:
-            forget(f"{self._tag}/{self._count - 2}")  # every rank is past that one
+            forget(f"{self._tag}/{self._count - 2}", call)  # every rank is past that one
         handshake(f"{self._tag}/{self._count}", call, self._timeout)
         self.ensure_group()
 
@@ -243,4 +228,4 @@ class Calls:
         """Remove the last handshake's keys (housekeeping: the store's host may be gone)."""
         if self._count > 1:  # every rank is past that one (not surely past the last)
             with contextlib.suppress(CheckpointCollectiveError):
-                forget(f"{self._tag}/{self._count - 1}")
+                forget(f"{self._tag}/{self._count - 1}", "close()")
