@@ -94,7 +94,8 @@ def new_group(timeout: float) -> Any:
     """
     if not is_dist():
         return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    with communicating("making the manager's process group"):
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
 
 def _store() -> Any:
@@ -117,7 +118,12 @@ def handshake(tag: str, call: str, timeout: float) -> None:
     """
     if not is_dist():
         return
-    store = _store()
+    # (its store's host, rank 0 under ``env://``, gone: torch's DistNetworkError "Broken pipe")
+    with communicating(f"{call}: the handshake on the process group's store"):
+        _handshake(_store(), tag, call, timeout)
+
+
+def _handshake(store: Any, tag: str, call: str, timeout: float) -> None:
     me, n = rank(), world_size()
     store.set(f"{tag}/{me}", call)
     keys = [f"{tag}/{r}" for r in range(n)]
@@ -146,10 +152,12 @@ def handshake(tag: str, call: str, timeout: float) -> None:
         )
 
 
-def forget(tag: str) -> None:
+def forget(tag: str, call: str) -> None:
     """Remove this rank's key of an earlier ``handshake`` (once every rank is past it), and
-    rank 0 the verdict."""
-    if is_dist():
+    rank 0 the verdict, at ``call``."""
+    if not is_dist():
+        return
+    with communicating(f"{call}: the process group's store"):
         store = _store()
         store.delete_key(f"{tag}/{rank()}")
         if rank() == 0:
@@ -202,7 +210,7 @@ class Calls:
             return
         self._count += 1
         if self._count > 2:
-            forget(f"{self._tag}/{self._count - 2}")  # every rank is past that one
+            forget(f"{self._tag}/{self._count - 2}", call)  # every rank is past that one
         handshake(f"{self._tag}/{self._count}", call, self._timeout)
         self.ensure_group()
 
@@ -219,5 +227,5 @@ class Calls:
     def close(self) -> None:
         """Remove the last handshake's keys (housekeeping: the store's host may be gone)."""
         if self._count > 1:  # every rank is past that one (not surely past the last)
-            with contextlib.suppress(RuntimeError):
-                forget(f"{self._tag}/{self._count - 1}")
+            with contextlib.suppress(CheckpointCollectiveError):
+                forget(f"{self._tag}/{self._count - 1}", "close()")

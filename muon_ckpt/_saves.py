@@ -17,6 +17,10 @@ at most one waits (latest wins: a newer step replaces it, a WARNING names the st
 It starts where every rank is at the same point: at ``wait()`` (so ``close()`` and the exit
 keep it), or it is replaced by the next memory step, which starts at once when no job runs
 anywhere.
+
+Ctrl-C during ``close()`` (or the exit's) stops the saves (``stop``): the jobs start no new
+file and the url's step is not committed unless it already was; a queued memory save and the
+flush are dropped. ``close()`` returns once every job has ended, so no thread outlives it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any
 import muon_ckpt._collective as coll
 from muon_ckpt._config import ManagerConfig, reads_back
 from muon_ckpt._exit import finish_at_exit, let_go
-from muon_ckpt._interrupts import interrupts_deferred
+from muon_ckpt._interrupts import Stop, interrupts_deferred
 from muon_ckpt.memory import MemoryJob, MemoryTier, MemoryWriter, PartCopy
 from muon_ckpt.save import (
     Admission,
@@ -87,11 +91,13 @@ class Saves:
         self.deferred: Any = None  # the newest snapshot's deferred copies
         self.timings: dict[str, float] = {}  # of the last finished save to the url
         self.gate: threading.Event | None = None  # tests: background writes wait for it
+        self.stopped = Stop()  # Ctrl-C in close(): nothing new starts
         # A memory-only snapshot's buffers while the url's write reads the manager's, a
         # queued one's while a job reads those, and the buffers the running memory job reads
         self._own = dataclasses.replace(sources, staging=HostStaging(), freeze=False)
         self._spare: SaveSources | None = None
         self._memory_src: SaveSources | None = None
+        self._flushing: SaveJob | None = None  # the flush's url job, while it runs
 
     @property
     def tier(self) -> MemoryTier | None:
@@ -219,10 +225,11 @@ class Saves:
         """The memory job that keeps ``h``'s snapshot (``owns``: no url job reads it;
         ``src``: the buffers it reads)."""
         assert self.memory is not None
-        job = self.memory.start(h, self.calls.memory_group, owns=owns, gate=gate)
-        self.memory_job, self._memory_src = job, src
-        if not h.snap.background:  # it reads the live state: done before training goes on
-            job.wait_written()
+        with interrupts_deferred():  # (once started, it is held; it reads no live state after)
+            job = self.memory.start(h, self.calls.memory_group, owns=owns, gate=gate)
+            self.memory_job, self._memory_src = job, src
+            if not h.snap.background:  # it reads the live state: done before training goes on
+                job.wait_written()
 
     def _url_done(
         self,
@@ -304,6 +311,8 @@ class Saves:
             if self.memory_job is not None:
                 step = self.memory_job.wait()
                 self.memory_job = self._memory_src = None
+            if self.stopped.is_set:
+                self._drop_queued(None)
             q, self.queued = self.queued, None
             if q is not None:
                 self._start_memory(q.handoff, owns=True, gate=q.gate, src=q.src)
@@ -328,7 +337,7 @@ class Saves:
     def flush(self) -> None:
         """``MemoryOptions.flush``: the newest memory step, when newer than the url's, to the
         url (``MemoryWriter.flush``, through the url's writer)."""
-        if self.memory is not None:
+        if self.memory is not None and not self.stopped.is_set:
             url = self.config.url
             self.memory.flush(self.calls, self.catalog.committed_steps, self._copy_in, url)
 
@@ -337,20 +346,49 @@ class Saves:
         adm = self._admit(step, url=True)
         h = self._handoff(step, Snapshot({}, HostStaging(), background=False), adm)
         finish = functools.partial(self._url_done, h, {})
-        self.url.job(h, self.calls.write_group, finish=finish, parts=parts).run()
+        job = self.url.job(h, self.calls.write_group, finish=finish, parts=parts)
+        self._flushing = job
+        try:
+            job.run()
+        finally:
+            self._flushing = None
+
+    def stop(self) -> None:
+        """Ctrl-C in ``close()`` (called from its signal handler): every job of this manager
+        starts no new file, and nothing new starts."""
+        self.stopped.set()
+        for job in (self.pending, self.memory_job, self._flushing):
+            if job is not None:
+                job.stop()
 
     def close(self) -> None:
         """Finish what is pending (its failure raised here) and flush; then drop a queued
-        save, free the memory-only snapshots' buffers, and let the exit forget the manager."""
+        save, free the memory-only snapshots' buffers, and let the exit forget the manager.
+        Whatever ended it, every job has ended when it returns (stopped, where it failed)."""
         try:
             self.wait()
             self.flush()
         finally:
+            self._end_jobs()
             self._drop_queued(None)
             self._own.staging.release()
             if self._spare is not None:
                 self._spare.staging.release()
             self._let_go()
+
+    def _end_jobs(self) -> None:
+        """Every job still running stopped and waited for, its failure logged (close() is
+        leaving on another error)."""
+        with interrupts_deferred():
+            for job in (self.memory_job, self.pending):
+                if job is None or (job is self.pending and job.joined):
+                    continue
+                job.stop()
+                try:
+                    job.wait()
+                except Exception as e:
+                    _log.warning("closing: the save of step %d failed: %s", job.step, e)
+            self.memory_job = self.pending = self._memory_src = None
 
     def loaded(self, url: str, decision: Any) -> None:
         """A load of ``decision`` (None: nothing to load): the run's line continues from it,

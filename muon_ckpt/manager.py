@@ -23,6 +23,7 @@ import muon_ckpt._collective as coll
 from muon_ckpt._config import OPTIONS, ManagerConfig, MemoryOptions, checks_content
 from muon_ckpt._deprecated import DeprecatedOptions, Unpack, upgrade
 from muon_ckpt._errors import CheckpointError, passes_interrupts
+from muon_ckpt._interrupts import interrupts_deferred
 from muon_ckpt._preempt import PreemptionWatch
 from muon_ckpt._saves import Saves
 from muon_ckpt.load import LoadTargets
@@ -97,6 +98,7 @@ class CheckpointManager:
         deferred = c.deferred
         self._sources = SaveSources(*state, None, limit, warned, deferred)
         self._saves = Saves(self._catalog, c, line, self._sources, self._calls, self)
+        self._stop_saves = self._saves.stop  # (Ctrl-C at exit, from the signal handler: _exit)
         self._hook = hook_step(optimizer, lambda: self._saves.deferred) if deferred else None
         self._targets = LoadTargets(*state, config=c, group=None, hosts=1, warned=warned)
         self._closed = False
@@ -224,39 +226,41 @@ class CheckpointManager:
         t = self._targets
         t.group, t.hosts = self._calls.group, self._calls.hosts
         where = (t, self._catalog, self._resume, self._saves.tier, step)
-        got = load_tiers(*where, strict=strict, parts=chosen, elastic=elastic)
-        self._saves.loaded(self.url, None if got is None else got.decision)
-        if got is None:
-            if coll.rank() == 0:
-                tried = "" if self._resume is None else " nor in resume_from"
-                _log.info("no committed step in %s%s: starting fresh", self.url, tried)
-            return None
-        self.last_load_report, self.last_load_timings = got.report, got.timings
-        self.last_load_bytes_read = got.bytes_read if got.tier == "storage" else 0
-        self.last_load_tier = got.tier
+        with t.tail():  # (Ctrl-C once the ranks agreed to keep it: raised after the records)
+            got = load_tiers(*where, strict=strict, parts=chosen, elastic=elastic)
+            self._saves.loaded(self.url, None if got is None else got.decision)
+            if got is None:
+                if coll.rank() == 0:
+                    tried = "" if self._resume is None else " nor in resume_from"
+                    _log.info("no committed step in %s%s: starting fresh", self.url, tried)
+                return None
+            self.last_load_report, self.last_load_timings = got.report, got.timings
+            self.last_load_bytes_read = got.bytes_read if got.tier == "storage" else 0
+            self.last_load_tier = got.tier
         return got.decision.step
 
     # ------------------------------------------------------------------ lifecycle
     @passes_interrupts
     def close(self) -> None:
-        """Finish a pending save (its failure is raised here), give the write lease back and
-        restore the signal handlers; ``steps()`` still works after. Idempotent. Call it before
-        ``torch.distributed.destroy_process_group()``: a pending save needs the group."""
+        """Finish a pending save (its failure is raised here; Ctrl-C stops it, raised once it
+        ended), give the write lease back, restore the signal handlers; ``steps()`` works after.
+        Idempotent. Call it before ``destroy_process_group()``: a pending save needs the group."""
         if self._closed:
             return
-        try:
-            self._saves.close()  # (waits, flushes the memory tier's newest step)
-        finally:
-            self._staging.release()
-            self._closed = True
-            if self._preempt is not None:
-                self._preempt.restore()
-            if self._hook is not None:
-                self._hook.remove()
-            self._calls.close()
-            if coll.rank() == 0:  # the next job may write at once
-                with contextlib.suppress(CheckpointError):
-                    self._catalog.lease.release()
+        with interrupts_deferred(self._saves.stop):
+            try:
+                self._saves.close()  # (waits, flushes the memory tier's newest step)
+            finally:
+                self._staging.release()
+                self._closed = True
+                if self._preempt is not None:
+                    self._preempt.restore()
+                if self._hook is not None:
+                    self._hook.remove()
+                self._calls.close()
+                if coll.rank() == 0:  # the next job may write at once
+                    with contextlib.suppress(CheckpointError):
+                        self._catalog.lease.release()
 
     def _close_at_exit(self) -> None:
         """The interpreter is exiting (``_exit``): commit the pending save, or say why not."""

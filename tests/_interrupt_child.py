@@ -1,6 +1,6 @@
 """A process that saves and loads on its parent's command while the parent sends it SIGINTs
-(tests/test_interrupt_storm.py). Run as ``python -m tests._interrupt_child URL OPTIONS``
-(``storage_options`` as JSON).
+(tests/test_interrupt_storm.py). Run as ``python -m tests._interrupt_child URL OPTIONS
+[MEMORY]`` (``storage_options`` as JSON; ``MemoryOptions`` as JSON: a memory tier too).
 
 Commands, one a line on stdin: ``save`` (the state filled from the step number, then a
 synchronous ``save``), ``load``, ``quit``, and ``final``: the loop the README suggests
@@ -8,8 +8,10 @@ synchronous ``save``), ``load``, ``quit``, and ``final``: the loop the README su
 answers on stdout: ``ready``, ``saving S`` / ``saved S newest N``, ``loading`` / ``loaded
 N``, ``error ...``, ``done C``. Every KeyboardInterrupt is caught, counted and answered
 ``interrupted C newest N alive [names]``: the muon-ckpt threads still running at that
-moment (none may be: a thread left writing after the interrupt writes into memory the next
-save reuses, and one still inside torch when the interpreter exits aborts it).
+moment, once the jobs the manager holds (a memory save's runs on after ``save()``, joined by
+the next call) have ended, their own threads aside (none may be: a thread left writing after
+the interrupt writes into memory the next save reuses, and one still inside torch when the
+interpreter exits aborts it).
 
 ``save!`` and ``load!``: the parent sends a SIGINT during the call, then the line ``sent``.
 A call that returns first waits for the interrupt without reading stdin (a read that an
@@ -30,7 +32,7 @@ import threading
 import torch
 from torch import nn
 
-from muon_ckpt import CheckpointError, CheckpointManager
+from muon_ckpt import CheckpointError, CheckpointManager, MemoryOptions
 
 SHAPES = [(1024, 1024), (2048, 1024), (1024, 1024)]  # 16 MiB of weights, as much momentum
 
@@ -57,8 +59,17 @@ def fill(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
         opt.state[p]["momentum_buffer"].fill_(m)
 
 
-def _alive() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("muon_ckpt"))
+def _alive(mgr: CheckpointManager) -> list[str]:
+    """The muon-ckpt threads running, once the jobs the manager holds have ended (their
+    threads aside: their helpers end before them)."""
+    saves = mgr._saves
+    held = [job for job in (saves.pending, saves.memory_job) if job is not None]
+    for job in held:
+        job._ended.wait()
+    held = {job._thread for job in held}
+    return sorted(
+        t.name for t in threading.enumerate() if t.name.startswith("muon_ckpt") and t not in held
+    )
 
 
 def _newest(mgr: CheckpointManager) -> int:
@@ -83,8 +94,15 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1)  # the parent's diagnosis of a child that hangs
     model, opt = build()
     opts = json.loads(sys.argv[2])
+    memory = MemoryOptions(**json.loads(sys.argv[3])) if len(sys.argv) > 3 else None
     mgr = CheckpointManager(
-        sys.argv[1], model=model, optimizer=opt, keep_last=2, io_threads=3, storage_options=opts
+        sys.argv[1],
+        model=model,
+        optimizer=opt,
+        keep_last=2,
+        io_threads=3,
+        storage_options=opts,
+        memory=memory,
     )
     step = count = 0
     _say("ready")
@@ -106,7 +124,7 @@ def main() -> None:
                 _await_interrupt()
         except KeyboardInterrupt:
             count += 1
-            _say(f"interrupted {count} newest {_newest(mgr)} alive {_alive()}")
+            _say(f"interrupted {count} newest {_newest(mgr)} alive {_alive(mgr)}")
         except CheckpointError as e:
             _say(f"error {type(e).__name__}: {e}")
     if cmd == "final":

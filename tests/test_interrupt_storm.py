@@ -46,9 +46,10 @@ BOUND_S = 120.0  # the longest any one answer of the child may take (a loaded ho
 
 
 class _Child:
-    def __init__(self, url: str, opts: dict[str, Any]) -> None:
+    def __init__(self, url: str, opts: dict[str, Any], memory: dict | None = None) -> None:
+        more = [] if memory is None else [json.dumps(memory)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests._interrupt_child", url, json.dumps(opts)],
+            [sys.executable, "-m", "tests._interrupt_child", url, json.dumps(opts), *more],
             cwd=_ROOT,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
             stdin=subprocess.PIPE,
@@ -108,14 +109,21 @@ def test_sigint_storm_inside_save_and_load(request, tmp_path, backend):
     else:
         bucket, opts = request.getfixturevalue("s3_bucket")
         url = f"s3://{bucket}/run"
-    child = _Child(url, opts)
+    storm(url, opts, SIGNALS[backend])
+
+
+def storm(url: str, opts: dict[str, Any], signals: int, memory: dict | None = None) -> None:
+    """``signals`` SIGINTs at random moments of a child's saves and loads (``memory``: its
+    manager's MemoryOptions, as keywords), then the README's loop ended by one more; every
+    committed step loads bitwise."""
+    child = _Child(url, opts, memory)
     rng = random.Random(49)
     took: dict[str, list[float]] = {"save": [], "load": []}
     sent = acked = committed = 0
     try:
         assert child.line() == "ready"
         rounds = 0
-        while sent < SIGNALS[backend]:
+        while sent < signals:
             rounds += 1
             cmd = "load" if rounds % 5 == 0 and committed else "save"
             hit = rounds % 4 != 1 and len(took[cmd]) >= 2

@@ -7,13 +7,18 @@ every rank is ready before any starts DCP's collectives. read: the verifying rea
 place is applied. agree: every rank has read and applied before any keeps what it read. A
 failure anywhere, on any rank, is a ``LoadOutcome`` with failures, which the caller undoes
 (``undo``); an interrupt or a failed agreement undoes this rank's part before it propagates.
+Once the ranks agreed to keep it, the load is kept: undoing it on one rank would leave the
+ranks apart. Ctrl-C from just before that agreement on is deferred to the end of the load's
+tail (``LoadTargets.tail``: the caller's records of it), where it is raised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +33,7 @@ from muon_ckpt._errors import (
     interrupt_in,
     raise_interrupt,
 )
+from muon_ckpt._interrupts import interrupts_deferred
 from muon_ckpt.load._decide import Decision
 from muon_ckpt.load._planner import SafeLoadPlanner
 from muon_ckpt.load._reader import VerifyingReader
@@ -64,6 +70,18 @@ class LoadTargets:
     group: Any
     hosts: int  # hosts the ranks run on (read_once's default)
     warned: set[str]  # warnings given once per manager
+    # Inside ``tail()``: where a deferral begun at the last agreement ends
+    _tail: contextlib.ExitStack | None = dataclasses.field(default=None, init=False, repr=False)
+
+    @contextlib.contextmanager
+    def tail(self) -> Iterator[None]:
+        """A load and the caller's records of it: Ctrl-C after the ranks agreed to keep the
+        load is raised when this block ends, not inside it."""
+        with contextlib.ExitStack() as self._tail:
+            try:
+                yield
+            finally:
+                self._tail = None
 
     def reads_once(self, storage: Storage) -> bool:
         """Whether a load from ``storage`` reads shared items once (``read_once``)."""
@@ -143,7 +161,7 @@ def attempt(
                 _read(t, storage, d, where, flat, out, strict, parts, out.rollback, alone)
             except Exception as e:
                 out.error = e
-            out.failures = _agree(RankFailure.of(out.error, since), t.group)
+            out.failures = _keep_agreed(t, RankFailure.of(out.error, since))
             raise_interrupt(out.error, since)  # (never a step to fall back past)
     except BaseException:
         undo(t, out.rollback)
@@ -178,6 +196,19 @@ def _agree(failure: RankFailure | None, group: Any) -> dict[int, RankFailure]:
     """Every rank's failure so far (this rank's: ``failure``), on every rank."""
     outcome = coll.all_gather(failure, group)
     return {r: o for r, o in enumerate(outcome) if o is not None}
+
+
+def _keep_agreed(t: LoadTargets, failure: RankFailure | None) -> dict[int, RankFailure]:
+    """The last agreement: kept by every rank (no failures), Ctrl-C from just before it is
+    deferred to the end of ``t.tail()``; else raised at once (every rank undoes)."""
+    if t._tail is None:
+        return _agree(failure, t.group)
+    with contextlib.ExitStack() as deferred:
+        deferred.enter_context(interrupts_deferred())
+        failures = _agree(failure, t.group)
+        if not failures:
+            t._tail.enter_context(deferred.pop_all())
+    return failures
 
 
 def _prepare(

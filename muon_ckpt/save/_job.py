@@ -15,7 +15,8 @@ whose files were confirmed, and a retention delete that fails is a warning (the 
 committed). An overwrite is written beside the step it replaces and swapped in at the commit.
 
 The background thread's collectives run on a gloo group of their own (``group``), never on
-the default group the training loop uses, so the two cannot interleave or deadlock.
+the default group the training loop uses, so the two cannot interleave or deadlock. Ctrl-C
+(``SaveJob.stop``) starts no new file: the step fails on every rank, unless it was committed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import muon_ckpt._collective as coll
 import muon_ckpt._dcp as _dcp
 from muon_ckpt._config import ManagerConfig, reads_back
 from muon_ckpt._errors import CheckpointError, handled, interrupt_in
+from muon_ckpt._interrupts import Stop, interrupts_deferred
+from muon_ckpt._threads import join, start
 from muon_ckpt.save._dedup import DedupBase
 from muon_ckpt.save._line import Admission
 from muon_ckpt.save._snapshot import Snapshot, StagedSavePlanner
@@ -103,6 +106,11 @@ class WriteSpec:
     verified: tuple[int, int] | None = None  # the newest step known to verify: retention keeps it
     gate: threading.Event | None = None  # tests: the write starts once this is set
     parts: Prebuilt | None = None  # files copied as they are instead of the snapshot written
+    stop: Stop = field(default_factory=Stop)  # Ctrl-C: no new file, no commit
+
+    def check_stop(self) -> None:  # (before the read-back, and before the commit)
+        if self.stop.is_set:
+            raise CheckpointError(f"step {self.step} is not committed: stopped by Ctrl-C")
 
     @property
     def step(self) -> int:
@@ -166,6 +174,7 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
         base=w.base,
         gen=w.admission.plan.gen,
         confirm=w.config.confirm,
+        stop=w.stop,
     )
     share, failed = _write(w, writer, since)
     t1 = time.perf_counter()
@@ -242,6 +251,7 @@ def _confirmed(
     try:
         if failed is not None:
             raise failed
+        w.check_stop()
         if w.snap.deferred is not None:  # every copy has landed (finish): was a source changed?
             w.snap.deferred.verify()
         records = writer.fs.records.files
@@ -259,6 +269,7 @@ def commit(
 ) -> None:
     """Rank 0: every rank's files (or its failure) committed as the step's manifest; a
     copy's ``.metadata`` written first, as DCP's finish writes it."""
+    w.check_stop()
     files: dict[str, FileEntry] = {}
     data_gens: dict[str, int] = {}
     for part, err, part_gens, _ in gathered:
@@ -337,8 +348,7 @@ def _copied(
 class SaveJob:
     """The write and commit of one step: ``start()`` runs it in a background thread, ``run()``
     in this one; ``wait()`` joins it, calls ``finish`` with its results (in the caller's
-    thread: it gives the snapshot's buffers back) and returns the step, or raises its
-    failure."""
+    thread: it gives the snapshot's buffers back) and returns the step, or raises."""
 
     def __init__(self, spec: WriteSpec, finish: Callable[[Written], None]) -> None:
         self.spec = spec
@@ -368,43 +378,48 @@ class SaveJob:
         self._thread = threading.Thread(
             target=self._run, name=f"muon_ckpt-save-{self.step}", daemon=False
         )
-        self._thread.start()
+        start(self._thread)
+
+    def stop(self) -> None:
+        """Ctrl-C (from its signal handler): no new file starts; uncommitted, it fails."""
+        self.spec.stop.set()
 
     def run(self) -> int:
-        self._run()
-        return self.wait()
+        """The job in this thread; Ctrl-C stops it (``stop``) and is raised once ``finish``
+        ran: files end whole, ranks fail together, a step committed is recorded so."""
+        with interrupts_deferred(self.stop):
+            self._run()
+            return self.wait()
 
     def done(self) -> bool:
         return self._thread is None or self._ended.is_set()
 
     def wait(self) -> int:
-        """Join the work (again, if a first wait was interrupted); then, once, give the
-        snapshot's buffers back and return the step or raise the failure."""
+        """Join the work (Ctrl-C while it runs keeps it pending); then, once, Ctrl-C deferred,
+        give the snapshot's buffers back and return the step or raise the failure."""
         if self._thread is not None:
             self._ended.wait()
-            self._thread.join()
-        self.joined = True
-        finish, self._finish = self._finish, None
-        err, self._error = self._error, None
-        try:
-            if finish is not None:
-                finish(self.written)
-        finally:
-            if err is not None:
-                self._raise(err)
+        with interrupts_deferred():
+            if self._thread is not None:
+                join(self._thread)
+            self.joined = True
+            finish, self._finish = self._finish, None
+            err, self._error = self._error, None
+            try:
+                if finish is not None:
+                    finish(self.written)
+            finally:
+                if err is not None:
+                    self._raise(err)
         return self.step
 
     def _raise(self, err: BaseException) -> None:
         if not self._background or getattr(err, "committed", False):
             raise err  # (committed: the error says where the step is)
-        if isinstance(err, CheckpointError):
-            raise type(err)(
-                f"the asynchronous save of step {self.step} failed, so it was not committed "
-                f"(committed steps are unchanged): {err}"
-            ) from err
-        raise CheckpointError(
+        ours = isinstance(err, CheckpointError)
+        raise (type(err) if ours else CheckpointError)(
             f"the asynchronous save of step {self.step} failed, so it was not committed "
-            f"(committed steps are unchanged): {type(err).__name__}: {err}"
+            f"(committed steps are unchanged): {'' if ours else type(err).__name__ + ': '}{err}"
         ) from err
 
 

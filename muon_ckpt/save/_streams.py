@@ -28,6 +28,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
+from muon_ckpt._errors import CheckpointError
+from muon_ckpt._interrupts import Stop
 from muon_ckpt._threads import beside
 from muon_ckpt.save._writeback import start_writeback
 from muon_ckpt.save._zip_crc import torch_save_without_zip_crc
@@ -147,12 +149,16 @@ class _CrcStream(io.RawIOBase):
 
 class RecordingFileSystem(DelegatingFileSystem):
     """Delegates to ``inner``; write streams are checksummed into ``records``, by their name
-    from the step directory ``step_path`` (``../data/<dir>/<file>`` for a data file)."""
+    from the step directory ``step_path`` (``../data/<dir>/<file>`` for a data file). Once
+    ``stop`` is set (Ctrl-C), no new file is created: the save fails as not committed."""
 
-    def __init__(self, inner: FileSystemBase, records: FileRecords, step_path: str) -> None:
+    def __init__(
+        self, inner: FileSystemBase, records: FileRecords, step_path: str, stop: Stop | None = None
+    ) -> None:
         super().__init__(inner)
         self.records = records
         self._step_path = step_path
+        self._stop = stop
 
     def name(self, path: str | os.PathLike) -> str:
         return posixpath.relpath(os.fspath(path), self._step_path)
@@ -161,6 +167,8 @@ class RecordingFileSystem(DelegatingFileSystem):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
         name = self.name(path)
         try:
+            if "w" in mode and self._stop is not None and self._stop.is_set:
+                raise CheckpointError(f"{name} not written: stopped by Ctrl-C")
             with self.inner.create_stream(path, mode) as raw:
                 if "w" not in mode:
                     yield raw

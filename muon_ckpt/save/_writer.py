@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from muon_ckpt._config import ManagerConfig
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
+from muon_ckpt._interrupts import Stop
 from muon_ckpt._threads import beside, run_all
 from muon_ckpt.save._dedup import Dedup, DedupBase, Stored, tensor_digest
 from muon_ckpt.save._streams import FileRecords, RecordingFileSystem
@@ -74,7 +75,7 @@ class StepWriter(FileSystemWriter):
     ``.metadata`` stays in the step directory and names them ``../data/<dir>/<file>``), where
     a tensor ``base`` holds unchanged is referred to (``Dedup``) when its file was written
     fewer than ``policy.max_age`` saves before this one (generation ``gen``) and checks out
-    (``store.check_stored``, as ``confirm`` says)."""
+    (``store.check_stored``, as ``confirm`` says). Once ``stop`` is set, no file starts."""
 
     def __init__(
         self,
@@ -88,6 +89,7 @@ class StepWriter(FileSystemWriter):
         base: DedupBase | None = None,
         gen: int = 0,
         confirm: str = "checksum",
+        stop: Stop | None = None,
     ) -> None:
         super().__init__(
             storage.path(step_dir),
@@ -97,7 +99,9 @@ class StepWriter(FileSystemWriter):
             thread_count=io_threads,
             overwrite=True,
         )
-        self.fs = RecordingFileSystem(dcp_filesystem(storage), records, storage.path(step_dir))
+        self.fs = RecordingFileSystem(
+            dcp_filesystem(storage), records, storage.path(step_dir), stop
+        )
         self.path = self.fs.init_path(storage.path(step_dir))
         self.storage, self.step_dir, self.data_dir = storage, step_dir, data_dir
         self.policy, self.gen, self.confirm = policy, gen, confirm
