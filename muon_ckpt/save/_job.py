@@ -64,6 +64,7 @@ class Prebuilt(Protocol):
     step's ``.metadata`` from every rank's share of it."""
 
     keys: int  # this rank's keys (the manifest's "keys", as len(sd) of a snapshot)
+    about: dict[str, Any]  # what the parts' manifests say of the state (``Handoff.about``)
 
     def copy(self, writer: StepWriter) -> Any:
         """This rank's files copied (``writer.prepare`` with all their items first, then
@@ -81,12 +82,13 @@ _log = logging.getLogger("muon_ckpt")
 @dataclass(frozen=True)
 class Handoff:
     """A step as the save coordinator hands it to a writer (the url's or the memory tier's):
-    its snapshot, its admission, and the optimizer's type (the manifest's, for messages)."""
+    its snapshot, its admission, and what the manifest's ``extra`` says of the state
+    (``state.describe``: the optimizer's type, the layout, the update rules)."""
 
     step: int
     snap: Snapshot  # host tensors (or the live ones, for a synchronous save) and objects
     admission: Admission  # rank 0's plan, the line, the save's id, what it may refer to
-    optimizer: str | None = None
+    about: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -274,9 +276,7 @@ def commit(
         files.update(md)
     listed = {ref[0] for n in files if (ref := data_ref(n)) is not None}
     keys = len(w.snap.sd) if w.parts is None else w.parts.keys
-    extra: dict[str, Any] = {"io_threads": config.write_threads, "keys": keys}
-    if w.handoff.optimizer is not None:
-        extra["optimizer"] = w.handoff.optimizer
+    extra: dict[str, Any] = {"io_threads": config.write_threads, "keys": keys, **w.handoff.about}
     m = w.catalog.commit(
         w.step,
         w.world_size,

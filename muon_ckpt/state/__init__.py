@@ -2,6 +2,7 @@
 one flat dict keyed by parameter name (``FlatState``), fitted to a checkpoint before a load
 and applied after it; host copies of it for saves and for undoing a failed load."""
 
+from muon_ckpt.state._about import ABOUT, describe
 from muon_ckpt.state._apply import apply_loaded
 from muon_ckpt.state._extra import check_objects, check_stateful, extra_digests, module_extra_states
 from muon_ckpt.state._fit import LoadReport, fit
@@ -13,6 +14,7 @@ from muon_ckpt.state._staging import HostStaging
 from muon_ckpt.state._values import load_value, loadable, pack, unpack
 
 __all__ = [
+    "ABOUT",
     "PARTS",
     "FlatState",
     "HostStaging",
@@ -23,6 +25,7 @@ __all__ = [
     "check_objects",
     "check_parts",
     "check_stateful",
+    "describe",
     "extra_digests",
     "fit",
     "freeze_offloaded",
