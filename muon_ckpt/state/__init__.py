@@ -10,6 +10,7 @@ from muon_ckpt.state._flat import PARTS, FlatState, check_parts, prepare_optimiz
 from muon_ckpt.state._names import canonical_names, param_fqns, strip_wrappers
 from muon_ckpt.state._offloaded import freeze_offloaded, offloaded_views, optimizer_name
 from muon_ckpt.state._rollback import Rollback
+from muon_ckpt.state._rules import RuleCheck, record_rules
 from muon_ckpt.state._staging import HostStaging
 from muon_ckpt.state._values import load_value, loadable, pack, unpack
 
@@ -20,6 +21,7 @@ __all__ = [
     "HostStaging",
     "LoadReport",
     "Rollback",
+    "RuleCheck",
     "apply_loaded",
     "canonical_names",
     "check_objects",
@@ -37,6 +39,7 @@ __all__ = [
     "pack",
     "param_fqns",
     "prepare_optimizer_state",
+    "record_rules",
     "strip_wrappers",
     "unpack",
 ]
