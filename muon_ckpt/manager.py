@@ -66,6 +66,7 @@ class CheckpointManager:
         compression: str | None = None,
         read_once: bool | None = None,
         new_run: bool = False,
+        certify_replicas: bool = False,
         memory: MemoryOptions | None = None,
         **deprecated: Unpack[DeprecatedOptions],
     ) -> None:

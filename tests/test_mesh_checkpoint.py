@@ -110,7 +110,9 @@ def body_between_layouts(rank, world_size, root, cases):
         model = build(a)
         opt = _muon(model)
         _train(model, opt, a, grads[:SAVED])
-        with CheckpointManager(url, model=model, optimizer=opt, async_save=True) as mgr:
+        # (replicas certified: TP's Replicate() and HSDP's replicas agree, no false alarm)
+        kw = {"async_save": True, "certify_replicas": True}
+        with CheckpointManager(url, model=model, optimizer=opt, **kw) as mgr:
             mgr.save(SAVED)
             mgr.wait()
             info = mgr.step_info()

@@ -7,8 +7,9 @@ step once it is committed, or raises a CheckpointError naming the step and the c
 Ordering, on every rank: ``dcp.save`` (DCP's planning collectives, then this rank's writer
 threads, each file checksummed as it is written; a failure on any rank fails it on all) ->
 each rank confirms that the storage holds what it wrote (``store.confirm_files``: read-back
-of sizes and crc32 by default) -> gather every rank's file records (or its failure) on rank 0
--> rank 0 checks the files and the write lease and writes the manifest (the commit), then
+of sizes and crc32 by default) and checksums its replicated shards (``_replicas``) -> gather
+every rank's file records and checksums (or its failure) on rank 0 -> rank 0 checks the
+replicas, the files and the write lease and writes the manifest (the commit), then
 applies retention -> the outcome is broadcast. A failure anywhere before the manifest leaves
 the step uncommitted and every committed step untouched; retention runs only after a commit
 whose files were confirmed, and a retention delete that fails is a warning (the step is
@@ -33,6 +34,7 @@ from muon_ckpt._config import ManagerConfig, reads_back
 from muon_ckpt._errors import CheckpointError, handled, interrupt_in
 from muon_ckpt.save._dedup import DedupBase
 from muon_ckpt.save._line import Admission
+from muon_ckpt.save._replicas import differing, replica_checksums
 from muon_ckpt.save._snapshot import Snapshot, StagedSavePlanner
 from muon_ckpt.save._streams import FileRecords
 from muon_ckpt.save._writer import StepWriter, WritePolicy
@@ -173,10 +175,14 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
     t1 = time.perf_counter()
     failed = _confirmed(w, writer, dirname, failed, since)
     out.timings["confirm"] = time.perf_counter() - t1
+    sums: Any = {}
+    if w.config.certify_replicas and failed is None and w.parts is None:  # (not a copy's)
+        sums, failed = replica_checksums(w.step, w.snap.sd)
+    out.timings["replicas"] = time.perf_counter() - t1 - out.timings["confirm"]
     gens = writer.dedup.gens(w.data_dir, w.admission.plan.gen)
     # files of earlier saves the step refers to (checked before), and its own
     files = {**writer.dedup.refs, **records.files}
-    gathered = coll.gather_to_rank0((files, failed, gens, share), w.group)
+    gathered = coll.gather_to_rank0((files, failed, gens, sums, share), w.group)
     coll.on_rank0(lambda: commit(w, writer, dirname, gathered or [], t1 - t0), w.group)
     t2 = out.committed_at = time.perf_counter()
     out.written_bytes = sum(e.size for e in records.files.values())
@@ -197,7 +203,7 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
         out.timings["retention"] = time.perf_counter() - t2
     out.timings.update(
         dcp_save=t1 - t0,
-        commit=t2 - t1 - out.timings["confirm"],
+        commit=t2 - t1 - out.timings["confirm"] - out.timings["replicas"],
         write_data=writer.write_seconds,
         stage_wait=w.snap.staging.wait_seconds,
         **records.thread_seconds(),
@@ -259,15 +265,18 @@ def _confirmed(
 def commit(
     w: WriteSpec, writer: StepWriter, dirname: str, gathered: list[Any], seconds: float
 ) -> None:
-    """Rank 0: every rank's files (or its failure) committed as the step's manifest; a
-    copy's ``.metadata`` written first, as DCP's finish writes it."""
+    """Rank 0: every rank's files (or its failure) committed as the step's manifest, once
+    the replicas agree; a copy's ``.metadata`` written first, as DCP's finish writes it."""
     files: dict[str, FileEntry] = {}
     data_gens: dict[str, int] = {}
-    for part, err, part_gens, _ in gathered:
+    for part, err, part_gens, _, _ in gathered:
         if err is not None:
             raise err
         files.update(part)
         data_gens.update(part_gens)
+    bad = differing(w.step, [sums for *_, sums, _ in gathered])
+    if bad is not None:
+        raise bad
     storage, config = w.catalog.storage, w.config
     if w.parts is not None:
         writer.finish(*w.parts.metadata([s for *_, s in gathered]))
