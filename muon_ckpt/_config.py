@@ -115,6 +115,9 @@ OPTIONS: dict[str, str] = {
     "(None: when storage is remote or ranks span hosts)",
     "new_run": "a first `save()` without `load()` may start a new run where another run's "
     "steps are: they are deleted once its first step is committed",
+    "certify_replicas": "before a commit, the ranks holding a replicated shard (a DTensor's "
+    "`Replicate()` placement: HSDP, tensor parallelism) compare its CRC32C; a mismatch fails "
+    "the save on every rank, nothing committed (one more pass over the replicated bytes)",
     "memory": "`MemoryOptions(interval=K, ...)`: also keep every K-th step in host memory that "
     "outlives the process, restored first by `load()` (see the memory tier, below); None: off",
 }
@@ -270,6 +273,7 @@ _RULES = (
         "read_once", _flag(none=True), "None, True or False", "None: chosen per storage and hosts"
     ),
     Rule("new_run", _flag(), "True or False"),
+    Rule("certify_replicas", _flag(), "True or False"),
     Rule("dedup", _flag(), "True or False", "False: every save writes every tensor"),
     Rule(
         "dedup_max_age",
@@ -351,6 +355,7 @@ class ManagerConfig:
     resume_storage_options: dict[str, Any] | None = None
     read_once: bool | None = None
     new_run: bool = False
+    certify_replicas: bool = False
     memory: MemoryOptions | None = None
 
     @property

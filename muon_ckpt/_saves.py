@@ -50,7 +50,7 @@ from muon_ckpt.save import (
     Written,
     take,
 )
-from muon_ckpt.state import HostStaging, optimizer_name
+from muon_ckpt.state import HostStaging, describe
 from muon_ckpt.store import Catalog
 
 __all__ = ["Saves"]
@@ -217,7 +217,8 @@ class Saves:
         return snap
 
     def _handoff(self, step: int, snap: Snapshot, adm: Admission) -> Handoff:
-        return Handoff(step, snap, adm, optimizer_name(self.sources.optimizer))
+        about = describe(self.sources.model, self.sources.optimizer, snap.sd)
+        return Handoff(step, snap, adm, about)
 
     def _start_memory(
         self, h: Handoff, *, owns: bool, gate: threading.Event | None, src: SaveSources | None
@@ -344,7 +345,7 @@ class Saves:
     def _copy_in(self, step: int, parts: PartCopy) -> None:
         """Commit ``step`` from the memory tier's ``parts``: admitted as any url save."""
         adm = self._admit(step, url=True)
-        h = self._handoff(step, Snapshot({}, HostStaging(), background=False), adm)
+        h = Handoff(step, Snapshot({}, HostStaging(), background=False), adm, parts.about)
         finish = functools.partial(self._url_done, h, {})
         job = self.url.job(h, self.calls.write_group, finish=finish, parts=parts)
         self._flushing = job

@@ -67,13 +67,13 @@ class CheckpointManager:
         compression: str | None = None,
         read_once: bool | None = None,
         new_run: bool = False,
+        certify_replicas: bool = False,
         memory: MemoryOptions | None = None,
         **deprecated: Unpack[DeprecatedOptions],
     ) -> None:
         # ``deprecated``: the keywords of before 0.3, moved to their new spelling with a
         # DeprecationWarning; any other keyword is a TypeError, as without ``**``.
-        given = locals()
-        given = {k: v for k, v in given.items() if k in ManagerConfig.__dataclass_fields__}
+        given = {k: v for k, v in locals().items() if k in ManagerConfig.__dataclass_fields__}
         self.config = ManagerConfig(**upgrade(given, dict(deprecated)))
         self._extra, self._rank_extra = check_objects(model, optimizer, extra, rank_extra)
         self._model, self._optimizer = model, optimizer

@@ -76,6 +76,9 @@ LAYOUTS = {
     # 8 ranks (MUON_CKPT_TEST_8_RANKS): 9 rows over tp 2 then dp 4 is where torch's own
     # left-to-right reading of _StridedShard differs from where FSDP2 puts the rows.
     "tp2xfsdp4": ((4, 2), ("dp", "tp"), "tp+fsdp"),
+    # 6 ranks (the same switch): 13 rows over tp 2 then dp 3, where DCP's chunks (torch's
+    # reading) overlapped and the save failed (tests/test_mesh_checkpoint.py)
+    "tp2xfsdp3": ((3, 2), ("dp", "tp"), "tp+fsdp"),
     "hsdp2x4": ((2, 4), ("rep", "shard"), "fsdp"),
 }
 

@@ -31,6 +31,7 @@ BAD = {
     "confirm": ["never", False],
     "read_once": [1, "yes"],
     "new_run": [1, None],
+    "certify_replicas": [1, None],
     "dedup": [1, None],
     "dedup_max_age": [0, -1, 2.5, True, None],
     "compression": ["lz4", "", 1, True],

@@ -42,6 +42,7 @@ from muon_ckpt.state import (
     HostStaging,
     LoadReport,
     Rollback,
+    RuleCheck,
     apply_loaded,
     fit,
     module_extra_states,
@@ -119,6 +120,7 @@ class LoadOutcome:
     rollback: Rollback | None = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     bytes_read: int = 0
+    rules: RuleCheck | None = None  # the update rules compared (an optimizer that reports them)
 
     @property
     def corrupt(self) -> bool:
@@ -149,7 +151,8 @@ def attempt(
             kept |= t.extra if "extra" in parts else {}
             kept |= t.rank_extra if "rank_extra" in parts else {}
             out.rollback = Rollback(t.optimizer, kept, t.staging)
-            flat, out.report, out.timings = _prepare(t, d, where, strict, parts, out.rollback)
+            prepared = _prepare(t, d, where, strict, parts, out.rollback)
+            flat, out.report, out.timings, out.rules = prepared
         except Exception as e:
             out.error = e
         out.failures = _agree(RankFailure.of(out.error, since), t.group)
@@ -218,9 +221,10 @@ def _prepare(
     strict: bool,
     parts: tuple[str, ...],
     rollback: Rollback,
-) -> tuple[FlatState, LoadReport, dict[str, float]]:
+) -> tuple[FlatState, LoadReport, dict[str, float], RuleCheck | None]:
     """The flat state to read ``d.step`` into, fitted to its metadata, its backup taken
-    (``rollback``), and the seconds that took."""
+    (``rollback``), the seconds that took, and the comparison of update rules (a strict
+    load that would change one raises here)."""
     t0 = time.perf_counter()
     if "rank_extra" in parts and t.rank_extra and d.world_size != coll.world_size():
         raise CheckpointMismatchError(
@@ -229,6 +233,7 @@ def _prepare(
             "size; load(elastic=True) loads the rest and leaves rank_extra as it is"
         )
     opt = t.optimizer if "optim" in parts else None
+    rules = RuleCheck.before(t.model, opt, d.update_rules, where, strict)
     fresh = prepare_optimizer_state(opt) if opt is not None else set()
     flat = FlatState.build(
         t.model, opt, t.extra, rank_extra=t.rank_extra, rank=coll.rank(), parts=parts
@@ -248,7 +253,7 @@ def _prepare(
             limit,
         )
         t.warned.add("load backup")
-    return flat, report, {"prepare": t1 - t0, "backup": time.perf_counter() - t1}
+    return flat, report, {"prepare": t1 - t0, "backup": time.perf_counter() - t1}, rules
 
 
 def _read(
@@ -284,3 +289,6 @@ def _read(
     out.bytes_read = reader.bytes_read
     report = out.report if out.report is not None else LoadReport()
     apply_loaded(flat, t.optimizer if "optim" in parts else None, where, report, strict=strict)
+    if out.rules is not None:  # (after the hyperparameters: a rule they change is checked)
+        out.rules.after(flat)
+        report.rules = out.rules.changed

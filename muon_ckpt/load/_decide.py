@@ -53,6 +53,7 @@ class Decision:
     optimizer: str | None = None  # the type of the optimizer that saved it (its manifest's)
     gen: int | None = None  # its commit's generation, for a step of url (None: another source)
     data_gens: dict[str, int] = dataclasses.field(default_factory=dict)  # its manifest's
+    update_rules: Any = None  # each param's update rule when saved (its manifest's; unchecked)
 
 
 @dataclasses.dataclass
@@ -121,6 +122,7 @@ class History:
             optimizer=m.extra.get("optimizer"),
             gen=m.gen if url else None,
             data_gens=m.data_gens if url else {},
+            update_rules=m.extra.get("update_rules"),
         )
 
 

@@ -34,6 +34,7 @@ from muon_ckpt.memory._dirs import own_dirname
 from muon_ckpt.memory._restore import check_part
 from muon_ckpt.memory._tier import MemoryTier
 from muon_ckpt.save import StepWriter
+from muon_ckpt.state import ABOUT
 from muon_ckpt.store import METADATA, FileEntry, Manifest, Storage, open_regular
 from muon_ckpt.store.checksums import file_checksum
 from muon_ckpt.store.dcp import parse_metadata
@@ -92,6 +93,7 @@ class PartCopy:
     def __init__(self, run_dir: str, rel: str, m: Manifest, md: Metadata) -> None:
         self.run_dir, self.rel, self.m, self.md = run_dir, rel, m, md
         self.keys = len(md.state_dict_metadata)
+        self.about = {k: m.extra[k] for k in ABOUT if k in m.extra}  # (rank 0's commits)
 
     @classmethod
     def checked(cls, tier: MemoryTier, step: int, save_id: str) -> PartCopy | str:

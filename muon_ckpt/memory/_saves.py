@@ -94,7 +94,7 @@ class MemoryWriter:
             world_size=world,
             rank=rank,
             layout=layout_digest(snap.sd),
-            extra={"optimizer": h.optimizer} if h.optimizer is not None else {},
+            extra=dict(h.about),
             io_threads=self._io_threads,
             digests=self._digests,
             group=group,

@@ -6,16 +6,10 @@ step's files (``StepWriter``, as its ``WritePolicy`` says), which the memory tie
 too."""
 
 from muon_ckpt.save._deferred import hook_step
-from muon_ckpt.save._job import (
-    Handoff,
-    Prebuilt,
-    SaveJob,
-    UrlWriter,
-    WriteSpec,
-    Written,
-)
+from muon_ckpt.save._job import SaveJob, UrlWriter
 from muon_ckpt.save._line import Admission, RunLine, new_id
 from muon_ckpt.save._snapshot import SaveSources, Snapshot, StagedSavePlanner, take
+from muon_ckpt.save._spec import Handoff, Prebuilt, WriteSpec, Written
 from muon_ckpt.save._streams import FileRecords
 from muon_ckpt.save._writer import StepWriter, WritePolicy
 

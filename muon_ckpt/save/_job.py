@@ -7,8 +7,9 @@ step once it is committed, or raises a CheckpointError naming the step and the c
 Ordering, on every rank: ``dcp.save`` (DCP's planning collectives, then this rank's writer
 threads, each file checksummed as it is written; a failure on any rank fails it on all) ->
 each rank confirms that the storage holds what it wrote (``store.confirm_files``: read-back
-of sizes and crc32 by default) -> gather every rank's file records (or its failure) on rank 0
--> rank 0 checks the files and the write lease and writes the manifest (the commit), then
+of sizes and crc32 by default) and checksums its replicated shards (``_replicas``) -> gather
+every rank's file records and checksums (or its failure) on rank 0 -> rank 0 checks the
+replicas, the files and the write lease and writes the manifest (the commit), then
 applies retention -> the outcome is broadcast. A failure anywhere before the manifest leaves
 the step uncommitted and every committed step untouched; retention runs only after a commit
 whose files were confirmed, and a retention delete that fails is a warning (the step is
@@ -25,133 +26,30 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import muon_ckpt._collective as coll
 import muon_ckpt._dcp as _dcp
-from muon_ckpt._config import ManagerConfig, reads_back
+from muon_ckpt._config import ManagerConfig
 from muon_ckpt._errors import CheckpointError, handled, interrupt_in
-from muon_ckpt._interrupts import Stop, interrupts_deferred
+from muon_ckpt._interrupts import interrupts_deferred
 from muon_ckpt._threads import join, start
-from muon_ckpt.save._dedup import DedupBase
-from muon_ckpt.save._line import Admission
-from muon_ckpt.save._snapshot import Snapshot, StagedSavePlanner
+from muon_ckpt.save._commit import commit, tidy
+from muon_ckpt.save._replicas import replica_checksums
+from muon_ckpt.save._snapshot import StagedSavePlanner
+from muon_ckpt.save._spec import Handoff, Prebuilt, WriteSpec, Written
 from muon_ckpt.save._streams import FileRecords
-from muon_ckpt.save._writer import StepWriter, WritePolicy
+from muon_ckpt.save._writer import StepWriter
 from muon_ckpt.store import (
-    METADATA,
     Catalog,
-    FileEntry,
     confirm_files,
-    data_dirname,
-    data_ref,
-    step_dirname,
     write_dirname,
 )
 
-__all__ = [
-    "Handoff",
-    "Prebuilt",
-    "SaveJob",
-    "UrlWriter",
-    "WriteSpec",
-    "Written",
-    "write_and_commit",
-]
-
-
-class Prebuilt(Protocol):
-    """A step's files written and checksummed elsewhere (the memory tier's parts), which a
-    save copies instead of writing a snapshot: each rank copies its own, rank 0 writes the
-    step's ``.metadata`` from every rank's share of it."""
-
-    keys: int  # this rank's keys (the manifest's "keys", as len(sd) of a snapshot)
-
-    def copy(self, writer: StepWriter) -> Any:
-        """This rank's files copied (``writer.prepare`` with all their items first, then
-        ``writer.copy_file`` each); its share of the metadata."""
-        ...
-
-    def metadata(self, shares: list[Any]) -> tuple[Any, list[Any]]:
-        """Rank 0: the step's DCP metadata and each rank's write results, from the shares."""
-        ...
+__all__ = ["SaveJob", "UrlWriter", "write_and_commit"]
 
 
 _log = logging.getLogger("muon_ckpt")
-
-
-@dataclass(frozen=True)
-class Handoff:
-    """A step as the save coordinator hands it to a writer (the url's or the memory tier's):
-    its snapshot, its admission, and the optimizer's type (the manifest's, for messages)."""
-
-    step: int
-    snap: Snapshot  # host tensors (or the live ones, for a synchronous save) and objects
-    admission: Admission  # rank 0's plan, the line, the save's id, what it may refer to
-    optimizer: str | None = None
-
-
-@dataclass
-class WriteSpec:
-    """What the write of one step to the url takes: the manager's options, the step handed
-    over (its snapshot is written, or ``parts`` copied as they are). Its results are a
-    ``Written``."""
-
-    catalog: Catalog
-    config: ManagerConfig
-    handoff: Handoff
-    world_size: int  # ranks that took the snapshot (the process group it needs)
-    group: Any = None  # process group of the collectives (None: the default group)
-    verified: tuple[int, int] | None = None  # the newest step known to verify: retention keeps it
-    gate: threading.Event | None = None  # tests: the write starts once this is set
-    parts: Prebuilt | None = None  # files copied as they are instead of the snapshot written
-    stop: Stop = field(default_factory=Stop)  # Ctrl-C: no new file, no commit
-
-    def check_stop(self) -> None:  # (before the read-back, and before the commit)
-        if self.stop.is_set:
-            raise CheckpointError(f"step {self.step} is not committed: stopped by Ctrl-C")
-
-    @property
-    def step(self) -> int:
-        return self.handoff.step
-
-    @property
-    def snap(self) -> Snapshot:
-        return self.handoff.snap
-
-    @property
-    def admission(self) -> Admission:
-        return self.handoff.admission
-
-    @property
-    def policy(self) -> WritePolicy:
-        return WritePolicy.of(self.config)
-
-    @property
-    def data_dir(self) -> str | None:
-        """With dedup, the directory under <url>/data/ the data files go to (format 3); else
-        None: the step's own directory (format 2)."""
-        if not self.config.dedup:
-            return None
-        return data_dirname(self.step, self.admission.save_id)
-
-    @property
-    def base(self) -> DedupBase | None:
-        """What the run holds that the save refers to when unchanged (with dedup)."""
-        return self.admission.base if self.config.dedup else None
-
-
-@dataclass
-class Written:
-    """What the write of one step did on this rank (filled as it goes: a failed one keeps
-    what it measured)."""
-
-    committed_at: float | None = None  # time.perf_counter() once the step was committed
-    written_bytes: int = 0  # bytes of the files this rank wrote
-    referred_bytes: int = 0  # bytes of the unchanged tensors it referred to instead
-    next_base: DedupBase | None = None  # once committed with dedup: the next save's base
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 def write_and_commit(w: WriteSpec, out: Written) -> None:
@@ -180,10 +78,14 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
     t1 = time.perf_counter()
     failed = _confirmed(w, writer, dirname, failed, since)
     out.timings["confirm"] = time.perf_counter() - t1
+    sums: Any = {}
+    if w.config.certify_replicas and failed is None and w.parts is None:  # (not a copy's)
+        sums, failed = replica_checksums(w.step, w.snap.sd)
+    out.timings["replicas"] = time.perf_counter() - t1 - out.timings["confirm"]
     gens = writer.dedup.gens(w.data_dir, w.admission.plan.gen)
     # files of earlier saves the step refers to (checked before), and its own
     files = {**writer.dedup.refs, **records.files}
-    gathered = coll.gather_to_rank0((files, failed, gens, share), w.group)
+    gathered = coll.gather_to_rank0((files, failed, gens, sums, share), w.group)
     coll.on_rank0(lambda: commit(w, writer, dirname, gathered or [], t1 - t0), w.group)
     t2 = out.committed_at = time.perf_counter()
     out.written_bytes = sum(e.size for e in records.files.values())
@@ -204,7 +106,7 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
         out.timings["retention"] = time.perf_counter() - t2
     out.timings.update(
         dcp_save=t1 - t0,
-        commit=t2 - t1 - out.timings["confirm"],
+        commit=t2 - t1 - out.timings["confirm"] - out.timings["replicas"],
         write_data=writer.write_seconds,
         stage_wait=w.snap.staging.wait_seconds,
         **records.thread_seconds(),
@@ -262,74 +164,6 @@ def _confirmed(
             # public call lets it out; the other ranks' collectives time out, as for one)
         return e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")
     return None
-
-
-def commit(
-    w: WriteSpec, writer: StepWriter, dirname: str, gathered: list[Any], seconds: float
-) -> None:
-    """Rank 0: every rank's files (or its failure) committed as the step's manifest; a
-    copy's ``.metadata`` written first, as DCP's finish writes it."""
-    w.check_stop()
-    files: dict[str, FileEntry] = {}
-    data_gens: dict[str, int] = {}
-    for part, err, part_gens, _ in gathered:
-        if err is not None:
-            raise err
-        files.update(part)
-        data_gens.update(part_gens)
-    storage, config = w.catalog.storage, w.config
-    if w.parts is not None:
-        writer.finish(*w.parts.metadata([s for *_, s in gathered]))
-        md = {METADATA: writer.fs.records.files[METADATA]}
-        confirm_files(storage, dirname, md, config.confirm, writer.thread_count)
-        files.update(md)
-    listed = {ref[0] for n in files if (ref := data_ref(n)) is not None}
-    keys = len(w.snap.sd) if w.parts is None else w.parts.keys
-    extra: dict[str, Any] = {"io_threads": config.write_threads, "keys": keys}
-    if w.handoff.optimizer is not None:
-        extra["optimizer"] = w.handoff.optimizer
-    m = w.catalog.commit(
-        w.step,
-        w.world_size,
-        files,
-        extra,
-        plan=w.admission.plan,
-        line=w.admission.line,
-        data=w.data_dir,
-        compressed=writer.compressed,
-        data_gens={d: g for d, g in data_gens.items() if d in listed},
-    )
-    _log.info(
-        "committed step %d to %s: %d files, %d bytes, written in %.2f s (%d bytes new; "
-        "the rest unchanged since earlier steps)",
-        w.step,
-        storage.url_of(step_dirname(w.step)),
-        len(m.files),
-        m.total_bytes,
-        seconds,
-        m.written_bytes,
-    )
-
-
-def tidy(w: WriteSpec) -> None:
-    """Rank 0, after the commit: retention and the retired steps deleted (a failure is a
-    WARNING: the step is committed)."""
-    step, plan, keep_last = w.step, w.admission.plan, w.config.keep_last
-    try:
-        # The step just committed was read back whole (its references included)
-        checked = (step, plan.gen) if reads_back(w.config.confirm) else w.verified
-        replaced, deleted = w.catalog.tidy(keep_last, step, plan.drop, checked)
-    except Exception as e:  # the step is committed: a failed clean-up does not undo that
-        _log.warning("retention after step %d failed (steps kept): %s", step, e)
-        return
-    if replaced:
-        _log.warning(
-            "%s: deleted steps %s, replaced by this run's line (a rewind or a new run)",
-            w.catalog.storage.url,
-            replaced,
-        )
-    if deleted:
-        _log.info("retention (keep_last=%d) deleted steps %s", keep_last, deleted)
 
 
 def _copied(

@@ -20,10 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 import muon_ckpt._collective as coll
 import muon_ckpt._dcp as _dcp
 from muon_ckpt._errors import CheckpointError
+from muon_ckpt._shards import chunk_of, has_strided
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.save._deferred import DeferredCopies
 from muon_ckpt.state import FlatState, HostStaging, extra_digests, freeze_offloaded, offloaded_views
@@ -223,12 +226,31 @@ def _differing_extra(step: int, digests: list[dict[str, str]]) -> CheckpointErro
 
 class StagedSavePlanner(_dcp.SavePlanner):
     """The save planner (``_dcp.SavePlanner``: DCP's, its global plan linear in ranks); a
-    writer thread resolving an item first waits for its copy."""
+    writer thread resolving an item first waits for its copy. A DTensor's chunk is where its shard lies (``shard_box``: torch misreads uneven strided
+    shards, which then overlap and fail the plan)."""
 
     def __init__(self, staging: HostStaging) -> None:
         super().__init__()
         self._staging = staging
 
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        if any(has_strided(v) for v in self.state_dict.values()):
+            items = [_boxed(it, self.state_dict[it.index.fqn]) for it in plan.items]
+            plan = self.plan = dataclasses.replace(plan, items=items)
+        return plan
+
     def resolve_data(self, write_item: Any) -> Any:
         self._staging.wait(write_item.index.fqn)
         return super().resolve_data(write_item)
+
+
+def _boxed(item: WriteItem, value: Any) -> WriteItem:
+    """``item`` of a DTensor with a strided shard, its chunk where the shard lies."""
+    if not has_strided(value) or item.tensor_data is None:
+        return item
+    chunk = chunk_of(value)
+    data = dataclasses.replace(item.tensor_data, chunk=chunk)
+    return dataclasses.replace(
+        item, index=MetadataIndex(item.index.fqn, chunk.offsets), tensor_data=data
+    )

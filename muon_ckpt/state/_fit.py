@@ -39,7 +39,9 @@ class LoadReport:
     optimizer state created for the load starts fresh: zeros, step 0); ``unexpected``: keys of
     the checkpoint that nothing here takes; ``mismatched``: ``(key, why)`` for keys whose
     shape, dtype or kind differ (left as they were); ``kept_hparams``: ``(group, hparam, why)``
-    for hyperparameters left as they are because the group's params disagreed when saved.
+    for hyperparameters left as they are because the group's params disagreed when saved;
+    ``rules``: ``(param, saved rule, rule here)`` for params this optimizer updates by another
+    rule than the checkpoint's did (it goes on with its own: ``state._rules``).
     """
 
     step: int | None = None
@@ -47,9 +49,12 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, str]] = field(default_factory=list)
     kept_hparams: list[tuple[int, str, str]] = field(default_factory=list)
+    rules: list[tuple[str, str, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.missing or self.unexpected or self.mismatched or self.kept_hparams)
+        return bool(
+            self.missing or self.unexpected or self.mismatched or self.kept_hparams or self.rules
+        )
 
     def summary(self) -> str:
         parts = []
@@ -58,6 +63,7 @@ class LoadReport:
             ("not taken from the checkpoint", self.unexpected),
             ("different shape/dtype/kind", [k for k, _ in self.mismatched]),
             ("hyperparameters kept", [f"group {g} {h}" for g, h, _ in self.kept_hparams]),
+            ("update rule changed", [f"{p} ({s} -> {h})" for p, s, h in self.rules]),
         ):
             if items:
                 shown = ", ".join(items[:6]) + (

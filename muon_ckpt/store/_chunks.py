@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt._shards import chunk_of
 from muon_ckpt.store._codec import DESCRIPTOR, MAX_RATIO
 
 __all__ = ["check_held_chunks", "check_tensors", "tiling_problem"]
@@ -296,7 +297,8 @@ def check_held_chunks(sd: dict[str, Any], md: Metadata, where: str) -> None:
         if not isinstance(v, torch.Tensor) or not isinstance(meta, TensorStorageMetadata):
             continue
         if isinstance(v, DTensor):
-            want = sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.__create_chunk_list__())
+            c = chunk_of(v)
+            want = [(tuple(c.offsets), tuple(c.sizes))]
         else:
             want = [((0,) * v.dim(), tuple(v.shape))]
         got = sorted((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks)
