@@ -37,7 +37,7 @@ from muon_ckpt.save._dedup import DedupBase
 from muon_ckpt.save._deferred import DeferredCopies
 from muon_ckpt.save._snapshot import Snapshot
 from muon_ckpt.save._writer import ChecksumWriter, FileRecords
-from muon_ckpt.state import HostStaging
+from muon_ckpt.state import HostStaging, structure_records
 from muon_ckpt.store import (
     METADATA,
     Catalog,
@@ -74,6 +74,14 @@ class StagedSavePlanner(DefaultSavePlanner):
     def __init__(self, staging: HostStaging) -> None:
         super().__init__()
         self._staging = staging
+
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        # Beside DCP's map of each key's path, what that map loses: the original dict keys
+        # and containers of nested values, so a load hands back what was saved.
+        self.mappings.update(structure_records(state_dict, self.mappings))
 
     def resolve_data(self, write_item: Any) -> Any:
         self._staging.wait(write_item.index.fqn)

@@ -10,6 +10,7 @@ from muon_ckpt.state._names import canonical_names, param_fqns, strip_wrappers
 from muon_ckpt.state._offloaded import freeze_offloaded, offloaded_views, optimizer_name
 from muon_ckpt.state._rollback import Rollback
 from muon_ckpt.state._staging import HostStaging
+from muon_ckpt.state._structure import structure_records
 from muon_ckpt.state._values import load_value, loadable, pack, unpack
 
 __all__ = [
@@ -35,5 +36,6 @@ __all__ = [
     "param_fqns",
     "prepare_optimizer_state",
     "strip_wrappers",
+    "structure_records",
     "unpack",
 ]
