@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from muon_ckpt import CheckpointError, CheckpointManager, CheckpointMismatchError
+from muon_ckpt import CheckpointError, CheckpointManager, CheckpointMismatchError, MemoryOptions
 from muon_ckpt.state._structure import RECORD
 from muon_ckpt.store import Storage
 from tests._crafted import StepEditor, craft_step
@@ -270,3 +270,44 @@ def test_dtensors_in_extra_reshard_and_ones_the_object_lacks_come_back_whole(tmp
         assert same_object and str(placements) == "(Shard(dim=1),)"
         assert torch.equal(got, full)
         assert type(whole) is torch.Tensor and torch.equal(whole, full)
+
+
+def _per_rank(rank: int) -> dict:
+    """A rank's own state that grew in training: int and tuple keys, an empty dict."""
+    return {rank: 10 * rank, "w": {(rank,): torch.full((2,), rank)}, "empty": {}}
+
+
+def _tiered(rank: int, world: int, url: str, mem: str) -> tuple:
+    """Both tiers hand back the structure: step 1 saved to the memory tier only, flushed to
+    the url at close; a fresh object loads it from the tier, then from the url alone."""
+
+    def manager(memory: bool, h: Holder, r: Holder) -> CheckpointManager:
+        tier = MemoryOptions(interval=1, dir=f"{mem}/node{rank}", node_size=1) if memory else None
+        kw = {"memory": tier} if memory else {}
+        return CheckpointManager(
+            url, model=nn.Linear(2, 2), interval=5, extra={"h": h}, rank_extra={"r": r}, **kw
+        )
+
+    mgr = manager(True, Holder(_trained()), Holder(_per_rank(rank)))
+    assert mgr.save(1) and mgr.wait() == 1
+    mgr.close()  # the flush: each rank's part, its records included, to the url
+    got = []
+    for memory in (True, False):
+        h, r = Holder({}), Holder({})
+        mgr = manager(memory, h, r)
+        assert mgr.load() == 1
+        got.append((mgr.last_load_tier, h.value, r.value))
+        if memory:
+            mgr._saves.memory.mark = None  # (nothing to flush: this manager saved nothing)
+        mgr.close()
+    return got
+
+
+def test_the_memory_tier_and_its_flush_keep_the_structure(tmp_path):
+    """The records of each rank's part reach the step the flush merges from every part."""
+    url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
+    for rank, got in enumerate(run_on_ranks(_tiered, 2, url, mem)):
+        assert [tier for tier, _, _ in got] == ["memory", "storage"], rank
+        for _, h, r in got:
+            assert same(h, _trained()), h
+            assert same(r, _per_rank(rank)), r
