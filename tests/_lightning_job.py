@@ -5,10 +5,12 @@ a child process by tests/test_integration_lightning.py and benchmarks/bench_inte
 ``STEPS`` optimizer steps over 5 batches per epoch (so the run crosses epochs and saves mid-
 epoch) from a resumable dataloader, saving every ``EVERY`` steps asynchronously (``--every``),
 then writes what the comparison needs to ``OUT`` (torch.save). ``--shuffle``: the module has
-dropout, the loader shuffles (``DataLoader(shuffle=True)``, its order resumable), and the RNG
+dropout, the loader shuffles (a ``RandomSampler``, its order resumable), and the RNG
 states go in ``rank_extra`` as the README says, beside a callback whose state holds NumPy
-values. With ``--kill-at``, once that step is trained
-and the pending save committed, the process SIGKILLs itself. ``--lightning-ckpt`` saves with
+values. ``--augment``: the dataset adds noise drawn from the global RNG to each sample it
+fetches. ``--lazy``: the loader makes its DataLoader iterator at its first batch (a
+generator). With ``--kill-at``, once that step is trained and the pending save committed,
+the process SIGKILLs itself. ``--lightning-ckpt`` saves with
 Lightning's own ModelCheckpoint (offload off: its save calls ``optimizer.state_dict()``) into
 that directory instead, resuming from its ``last.ckpt``. ``--devices 2``: DDP over two CPU
 processes (Lightning launches the second; rank 0 writes OUT).
@@ -28,7 +30,14 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+)
 
 from muon_ckpt.integrations.lightning import MuonCheckpoint
 from optim import Muon
@@ -36,27 +45,46 @@ from optim import Muon
 STEPS, EVERY, BATCH, BATCHES = 12, 3, 4, 5
 
 
+class _FromBatch(BatchSampler):
+    """A batch sampler that starts at batch ``start`` of its epoch: the batches before it are
+    drawn from the sampler but never fetched (a resumed loader loads no sample it skips)."""
+
+    start = 0
+
+    def __iter__(self) -> Any:
+        for i, b in enumerate(super().__iter__()):
+            if i >= self.start:
+                yield b
+
+
 class ResumableLoader(DataLoader):
     """Batches in order (``shuffle``: in an order drawn from the global RNG at each epoch's
     start, as ``RandomSampler`` draws it), resumable where the last one was drawn (Lightning
     restores a dataloader's position only through its ``state_dict``/``load_state_dict``)."""
 
-    def __init__(self, ds: TensorDataset, shuffle: bool = False) -> None:
-        super().__init__(ds, batch_size=BATCH, shuffle=shuffle)
+    def __init__(self, ds: Dataset, shuffle: bool = False, lazy: bool = False) -> None:
+        order = RandomSampler(ds) if shuffle else SequentialSampler(ds)
+        super().__init__(ds, batch_sampler=_FromBatch(order, BATCH, drop_last=False))
         self.drawn = 0
         self.seed: int | None = None  # the order of the epoch in progress (shuffle)
+        self.lazy = lazy
 
     def __iter__(self) -> Any:
         start = self.drawn if self.drawn < len(self) else 0  # a finished epoch starts over
-        if isinstance(self.sampler, RandomSampler):
+        batches = self.batch_sampler
+        if isinstance(batches.sampler, RandomSampler):
             if start == 0:
                 self.seed = int(torch.empty((), dtype=torch.int64).random_().item())
-            self.sampler.generator = torch.Generator().manual_seed(self.seed)
-        self.drawn = start
-        for i, b in enumerate(super().__iter__()):
-            if i >= start:
-                self.drawn = i + 1
-                yield b
+            batches.sampler.generator = torch.Generator().manual_seed(self.seed)
+        self.drawn = batches.start = start
+        # DataLoader's iterator draws from the global RNG as it is made: here (as
+        # DataLoader's own __iter__ makes it), or at the first batch (``lazy``: a generator).
+        return self._batches(None if self.lazy else super().__iter__(), start)
+
+    def _batches(self, it: Any, start: int) -> Any:
+        for i, b in enumerate(super().__iter__() if it is None else it, start):
+            self.drawn = i + 1
+            yield b
 
     def state_dict(self) -> dict[str, Any]:
         return {"drawn": self.drawn, "seed": self.seed}
@@ -155,10 +183,26 @@ class Began(pl.Callback):
         self.seen = {"global_step": trainer.global_step, "params": params}
 
 
-def data(n: int = BATCH * BATCHES) -> TensorDataset:
+class Augmented(Dataset):
+    """Each sample with random noise added, drawn from the global RNG as it is fetched (a
+    random augmentation, as a torchvision transform draws it with ``num_workers=0``)."""
+
+    def __init__(self, base: TensorDataset) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        x, y, idx = self.base[i]
+        return x + 0.1 * torch.randn_like(x), y, idx
+
+
+def data(n: int = BATCH * BATCHES, augment: bool = False) -> Dataset:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, x.sum(1, keepdim=True).sin(), torch.arange(n))
+    ds = TensorDataset(x, x.sum(1, keepdim=True).sin(), torch.arange(n))
+    return Augmented(ds) if augment else ds
 
 
 def main() -> None:
@@ -172,6 +216,8 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=1, help="> 1: DDP over CPU processes")
     ap.add_argument("--every", type=int, default=EVERY)
     ap.add_argument("--shuffle", action="store_true")
+    ap.add_argument("--augment", action="store_true")
+    ap.add_argument("--lazy", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)  # bitwise across processes, as in tests/conftest.py
     torch.manual_seed(0)
@@ -209,7 +255,8 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     t0 = time.perf_counter()
-    trainer.fit(model, ResumableLoader(data(), shuffle=a.shuffle), **fit)
+    loader = ResumableLoader(data(augment=a.augment), shuffle=a.shuffle, lazy=a.lazy)
+    trainer.fit(model, loader, **fit)
     if trainer.global_rank != 0:
         return  # (every rank of a DDP fit ends with the same state)
     opt = trainer.optimizers[0]

@@ -53,13 +53,18 @@ def test_fit_killed_after_a_save_resumes_bitwise(tmp_path, pl):
             assert torch.equal(got["states"][name][k], v), (name, k)
 
 
-@pytest.fixture(scope="module")
-def shuffled_ref(tmp_path_factory, pl):
-    """An uninterrupted fit of the module with dropout over a shuffled loader."""
+def _ref(tmp_path_factory, *flags):
     tmp = tmp_path_factory.mktemp("ref")
-    r, out = _job(tmp / "run", tmp / "ref.pt", "--shuffle")
+    r, out = _job(tmp / "run", tmp / "ref.pt", "--shuffle", *flags)
     assert r.returncode == 0, r.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def shuffled_ref(tmp_path_factory, pl):
+    """An uninterrupted fit of the module with dropout over a shuffled loader, its dataset
+    adding noise from the global RNG to each sample it fetches (a random augmentation)."""
+    return _ref(tmp_path_factory, "--augment")
 
 
 @pytest.mark.parametrize(
@@ -67,16 +72,30 @@ def shuffled_ref(tmp_path_factory, pl):
     [(EVERY, 8, 6), (5, 7, 5)],
     ids=["mid-epoch", "at-an-epochs-end"],
 )
-def test_dropout_and_a_shuffled_loader_resume_bitwise(
+def test_dropout_a_shuffled_loader_and_augmentation_resume_bitwise(
     tmp_path, shuffled_ref, every, kill_at, resumed
 ):
     """RNG states in rank_extra and a resumable shuffled loader, as the README says: the
-    resumed fit trains on the same batches with the same dropout masks, bitwise, although
-    Lightning makes the loader's iterator (which draws from the global RNG) after the load;
-    a callback's NumPy state comes back through MuonCheckpoint's blob."""
-    ref = shuffled_ref
+    resumed fit trains on the same batches with the same augmentation noise and dropout
+    masks, bitwise, although Lightning makes the loader's iterator (which draws from the
+    global RNG) after the load; a callback's NumPy state comes back through
+    MuonCheckpoint's blob."""
+    _check_resume(tmp_path, shuffled_ref, ("--augment", "--every", str(every)), kill_at, resumed)
+
+
+def test_a_loader_making_its_iterator_at_its_first_batch_resumes_bitwise(
+    tmp_path, tmp_path_factory, pl
+):
+    """A loader whose ``__iter__`` is a generator draws from the global RNG as its first
+    batch is fetched, not when Lightning asks for its iterator: dropout and the shuffled
+    order still resume bitwise (a dataset drawing the global RNG then does not:
+    docs/integrations.md)."""
+    _check_resume(tmp_path, _ref(tmp_path_factory, "--lazy"), ("--lazy",), 8, 6)
+
+
+def _check_resume(tmp_path, ref, flags, kill_at, resumed):
     url = tmp_path / "run"
-    shuffle = ("--shuffle", "--every", str(every))
+    shuffle = ("--shuffle", *flags)
     r, _ = _job(url, tmp_path / "killed.pt", "--kill-at", str(kill_at), *shuffle)
     assert r.returncode == -signal.SIGKILL, r.stderr
     r, got = _job(url, tmp_path / "resumed.pt", *shuffle)

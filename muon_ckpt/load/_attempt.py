@@ -243,6 +243,7 @@ def _prepare(
     report.step = d.step
     t1 = time.perf_counter()
     created = {k for k, (p, _) in flat.state_slots.items() if id(p) in fresh}
+    created |= set(flat.leaf_of)  # (statefuls are undone through load_state_dict: Rollback)
     limit = t.config.max_staging_bytes
     kept = rollback.keep_values(flat.sd, skip=created, limit=limit, pooled=pooled)
     if not kept and "load backup" not in t.warned:

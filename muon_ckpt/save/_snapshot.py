@@ -29,7 +29,14 @@ from muon_ckpt._errors import CheckpointError
 from muon_ckpt._shards import chunk_of, has_strided
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.save._deferred import DeferredCopies
-from muon_ckpt.state import FlatState, HostStaging, extra_digests, freeze_offloaded, offloaded_views
+from muon_ckpt.state import (
+    FlatState,
+    HostStaging,
+    extra_digests,
+    freeze_offloaded,
+    offloaded_views,
+    structure_records,
+)
 
 __all__ = ["SaveSources", "Snapshot", "StagedSavePlanner", "take"]
 
@@ -232,6 +239,14 @@ class StagedSavePlanner(_dcp.SavePlanner):
     def __init__(self, staging: HostStaging) -> None:
         super().__init__()
         self._staging = staging
+
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        # Beside DCP's map of each key's path, what that map loses: the original dict keys
+        # and containers of nested values, so a load hands back what was saved.
+        self.mappings.update(structure_records(state_dict, self.mappings))
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()

@@ -12,6 +12,7 @@ from muon_ckpt.state._offloaded import freeze_offloaded, offloaded_views, optimi
 from muon_ckpt.state._rollback import Rollback
 from muon_ckpt.state._rules import RuleCheck, record_rules
 from muon_ckpt.state._staging import HostStaging
+from muon_ckpt.state._structure import structure_records
 from muon_ckpt.state._values import load_value, loadable, pack, unpack
 
 __all__ = [
@@ -41,5 +42,6 @@ __all__ = [
     "prepare_optimizer_state",
     "record_rules",
     "strip_wrappers",
+    "structure_records",
     "unpack",
 ]

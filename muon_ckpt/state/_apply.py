@@ -39,7 +39,7 @@ def apply_loaded(
                 flat, optimizer, gi, [f for f in fqns if f in saved], saved, url, report, strict
             )
     for key, obj in flat.stateful.items():
-        obj.load_state_dict(flat.sd[key])
+        obj.load_state_dict(flat.loaded_value(key))
 
 
 def saved_hparams(flat: FlatState) -> dict[str, dict[str, Any]]:
