@@ -203,7 +203,9 @@ def write_and_commit(w: WriteSpec) -> None:
         if interrupt_in(e, since) is not None:
             raise  # (a Ctrl-C that broke the read-back, as if raised itself: the manager's
             # public call lets it out; the other ranks' collectives time out, as for one)
-        failed = e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")
+        failed = (
+            e if isinstance(e, CheckpointError) else _dcp.dcp_failure(e, f"confirming step {step}")
+        )
     w.timings["confirm"] = time.perf_counter() - t1
     refs = writer.dedup.refs  # files of earlier saves the step refers to (checked before)
     gens = writer.dedup.gens(w.base, w.data_dir, w.plan.gen)

@@ -38,12 +38,14 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
+import muon_ckpt._collective as coll
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointStorageError
 from muon_ckpt._threads import beside, run_all
 from muon_ckpt.save._dedup import MIN_REF_BYTES, DedupBase, DedupRecords, Stored, tensor_digest
 from muon_ckpt.save._writeback import start_writeback
 from muon_ckpt.save._zip_crc import torch_save_without_zip_crc
 from muon_ckpt.store import DATA, FileEntry, Storage, check_stored, data_ref_name
+from muon_ckpt.store import is_storage_failure as storage_failed
 from muon_ckpt.store.checksums import Checksum
 from muon_ckpt.store.codec import DESCRIPTOR, MIN_COMPRESS_BYTES, Encoder, stride_of
 from muon_ckpt.store.dcp import DelegatingFileSystem, dcp_filesystem
@@ -256,6 +258,12 @@ class ChecksumWriter(FileSystemWriter):
         self.packed = [0, 0]  # compressed tensors written: their bytes in, the bytes stored
         self.compressed = False  # (rank 0, once finished) whether the step has such items
 
+    def prepare_local_plan(self, plan: Any) -> Any:
+        # DCP's also asks the storage whether a .metadata is there, only to warn (overwrite=
+        # True): one request per rank for nothing, where a slow rank stalls DCP's planning.
+        self.fs.mkdir(self.path)
+        return plan
+
     def finish(self, metadata: Any, results: Any) -> None:
         super().finish(metadata, results)
         infos = (metadata.storage_data or {}).values()
@@ -269,12 +277,14 @@ class ChecksumWriter(FileSystemWriter):
             fut = self._write_own(plan, planner)
         results = fut.wait()  # (a completed future)
         self.write_seconds = time.perf_counter() - t0
+        coll.arrive("DCP's gather of the written files")  # (names a rank that never gets there)
         errors = self.fs.records.errors
         written = {r.index for r in results or ()}
         missing = [it.index.fqn for it in plan.items if it.index not in written]
         if errors or missing:
             name, err = errors[0] if errors else ("?", None)
-            raise CheckpointError(
+            failed = CheckpointStorageError if storage_failed(err) else CheckpointError
+            raise failed(
                 f"writing {self.path}: {len(missing)} of {len(plan.items)} items were not "
                 f"written (first failed file: {name}: {type(err).__name__}: {err}); the step "
                 "is not committed and nothing committed was touched"
