@@ -17,8 +17,11 @@ request (``kind_of``): ``LIST``, ``GET``, ``HEAD``, ``PUT``, ``COPY``, ``CREATE`
 * ``"delay"``: the request is forwarded after ``delay_s`` seconds (a slow store, no error);
 * ``"corrupt_request"``: one byte of the request body flipped, the request's checksum
   headers dropped (a store that does not check what it is sent); ``"truncate_request"``: the
-  body cut in half, likewise; ``"flip_request"``: one byte flipped, the headers kept (the
-  store checks them and refuses the upload);
+  body cut in half, likewise;
+* ``"flip_request"``: one byte of the body flipped on the way, answered as S3 answers a body
+  that fails the checksum it came with (400 BadDigest; moto checks none); one that came
+  without a checksum is stored damaged; ``"short_request"``: fewer bytes than the request's
+  Content-Length arrived, answered as S3 does (400 IncompleteBody);
 * ``"corrupt_response"``: one byte of the response body flipped; ``"truncate_response"``:
   half the body sent under the full Content-Length (a short body, a lying length), then the
   connection closed;
@@ -76,7 +79,7 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "prox
 _CHECKSUM_HEADERS = re.compile(
     r"^(content-md5|x-amz-checksum-.*|x-amz-sdk-checksum-.*|x-amz-trailer)$"
 )
-_BODY_FAULTS = {"corrupt_request", "truncate_request", "flip_request"}
+_BODY_FAULTS = {"corrupt_request", "truncate_request", "flip_request", "short_request"}
 _CONTROL = "/__faults__/"
 
 
@@ -275,7 +278,12 @@ class FaultProxy:
         picked = self._pick(rank, h.command, kind, h.path, body)
         fault, _, salt = (picked or "").partition(":")
         if fault in ("500", "503"):
-            return _s3_error(h, int(fault))
+            return _s3_error(h, fault)
+        checked = any(_CHECKSUM_HEADERS.match(k.lower()) for k in h.headers)
+        if fault == "short_request" and body:
+            return _s3_error(h, "IncompleteBody")
+        if fault == "flip_request" and body and checked:
+            return _s3_error(h, "BadDigest")
         if fault == "reset":
             return _reset(h)
         if fault == "stall":
@@ -349,12 +357,25 @@ class FaultControl:
         return [tuple(x) for x in self._post("log")]  # type: ignore[misc]
 
 
-def _s3_error(h: BaseHTTPRequestHandler, status: int) -> None:
-    """The error response S3 sends: 500 InternalError, 503 SlowDown."""
-    code, text = {
-        500: ("InternalError", "We encountered an internal error. Please try again."),
-        503: ("SlowDown", "Please reduce your request rate."),
-    }[status]
+_S3_ERRORS = {
+    "500": (500, "InternalError", "We encountered an internal error. Please try again."),
+    "503": (503, "SlowDown", "Please reduce your request rate."),
+    "BadDigest": (
+        400,
+        "BadDigest",
+        "The CRC32 you specified did not match the calculated checksum.",
+    ),
+    "IncompleteBody": (
+        400,
+        "IncompleteBody",
+        "You did not provide the number of bytes specified by the Content-Length HTTP header.",
+    ),
+}
+
+
+def _s3_error(h: BaseHTTPRequestHandler, which: str) -> None:
+    """The error response S3 sends (``_S3_ERRORS``), with its XML body."""
+    status, code, text = _S3_ERRORS[which]
     rid = uuid.uuid4().hex[:16].upper()
     data = (
         '<?xml version="1.0" encoding="UTF-8"?>\n'
