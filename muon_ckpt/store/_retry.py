@@ -36,7 +36,7 @@ from muon_ckpt._collective import is_dist, rank
 
 __all__ = ["ATTEMPTS", "Budget", "RequestFailed", "client_options", "own_retries"]
 
-ATTEMPTS = 10  # attempts of one request at most, whatever its time allows
+ATTEMPTS = 5  # attempts of one request at most, whatever its time allows (botocore legacy mode)
 BASE = 0.05  # seconds: the first pause after a failed attempt (doubling)
 THROTTLED_BASE = 0.25  # ... after an answer that asks to slow down
 CAP = 5.0  # seconds: the longest pause
@@ -158,7 +158,7 @@ def own_retries(fs: Any, budget: Budget) -> None:
 async def _within(budget: Budget, one: Any, method: str, args: tuple, kwargs: dict) -> Any:
     start = time.monotonic()
     deadline = None if budget.timeout is None else start + budget.timeout
-    attempt = 0
+    attempt, answered = 0, None  # answered: the last attempt's failure that came back
     while True:
         attempt += 1
         left = None if deadline is None else deadline - time.monotonic()
@@ -168,11 +168,18 @@ async def _within(budget: Budget, one: Any, method: str, args: tuple, kwargs: di
             slow = _retryable(e, budget.reconnect)
             if slow is None:
                 raise
+            cut = isinstance(e, _Cut)
+            answered = answered if cut else e
             pause = _pause(attempt, slow)
-            ran_out = deadline is not None and time.monotonic() + pause >= deadline
+            ran_out = cut or (deadline is not None and time.monotonic() + pause >= deadline)
             if attempt >= budget.attempts or ran_out:
-                raise _failed(budget, method, kwargs, attempt, start, e) from e
+                why = _failed(budget, method, kwargs, attempt, start, answered or e, cut)
+                raise why from e
             await asyncio.sleep(pause)
+
+
+class _Cut(TimeoutError):
+    """An attempt still running when the request's budget ran out (abandoned)."""
 
 
 async def _bounded(attempt: Any, seconds: float | None) -> Any:
@@ -188,7 +195,7 @@ async def _bounded(attempt: Any, seconds: float | None) -> Any:
     if not done:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
-        raise TimeoutError()
+        raise _Cut()
     return task.result()
 
 
@@ -276,8 +283,17 @@ def _parsing(e: BaseException) -> bool:
 
 
 def _failed(
-    budget: Budget, method: str, kwargs: dict, attempts: int, start: float, e: BaseException
+    budget: Budget,
+    method: str,
+    kwargs: dict,
+    attempts: int,
+    start: float,
+    e: BaseException,
+    cut: bool = False,
 ) -> RequestFailed:
+    """The error of a request that ran out of its budget: ``e`` is the last failure that
+    came back (an answer, a reset), ``cut`` whether the last attempt was abandoned unanswered
+    at the budget's end."""
     key = kwargs.get("Key") or kwargs.get("Prefix") or ""
     what = f"{_VERBS.get(method, method)} s3://{kwargs.get('Bucket', '?')}/{key}"
     if "PartNumber" in kwargs:
@@ -285,11 +301,14 @@ def _failed(
     where = f" on rank {rank()}" if is_dist() else ""
     answer = _answer(e)
     if answer is not None:
-        last = f"{answer[0]} {answer[1]}: {answer[2]}".rstrip(": ")
-    elif isinstance(e, TimeoutError) and not str(e):
+        code = "" if answer[1] == str(answer[0]) else f" {answer[1]}"  # (a HEAD has no body)
+        last = f"{answer[0]}{code}: {answer[2]}".rstrip(": ")
+    elif isinstance(e, _Cut):
         last = "no answer within the budget"
     else:
         last = f"{type(e).__name__}: {e}"
+    if cut and not isinstance(e, _Cut):
+        last += "; the last attempt had no answer when the budget ran out"
     bound = "" if budget.timeout is None else f", storage_timeout={budget.timeout:g} s"
     return RequestFailed(
         f"{what}{where} failed: {last} (gave up after {attempts} attempt(s) in "
