@@ -2,9 +2,8 @@
 
 ``ChecksumWriter`` is DCP's ``FileSystemWriter`` with its ``fs`` swapped for one whose write
 streams compute the manifest's checksums (CRC32C per chunk, ``store.Checksum``) and size as
-the bytes pass through, so the manifest costs no read-back;
-a large buffer's crc runs in a helper thread while the same buffer is written (both release
-the GIL). Locally, each large write's pages are queued for write-out right away
+the bytes pass through, so the manifest costs no read-back; a large buffer's crc runs in a
+helper thread while the same buffer is written (both release the GIL). Locally, each large write's pages are queued for write-out right away
 (``_writeback``), and every file is fsynced once, by DCP. While a writer thread writes a file,
 ``torch.save`` (which DCP calls once per tensor) is told not to compute its zip records' crc32
 (``torch.serialization.set_crc32_options``, set in that thread): that is a second full pass
@@ -24,7 +23,7 @@ import posixpath
 import threading
 import time
 from collections.abc import Generator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
 
 import torch
@@ -67,12 +66,8 @@ class FileRecords:
         self._lock = threading.Lock()
         self.files: dict[str, FileEntry] = {}
         self.errors: list[tuple[str, BaseException]] = []  # (file, error) of failed writes
-        self._seconds = {
-            "write": 0.0,
-            "writeback": 0.0,
-            "crc_wait": 0.0,
-            "sync": 0.0,
-        }  # summed over threads
+        kinds = ("write", "writeback", "crc_wait", "sync")
+        self._seconds = dict.fromkeys(kinds, 0.0)  # summed over threads
 
     def add_seconds(self, kind: str, seconds: float) -> None:
         with self._lock:
@@ -112,11 +107,19 @@ class _CrcStream(io.RawIOBase):
         self.sum = Checksum.for_writing()
         self.size = 0
         self.last_write_end = time.perf_counter()
+        self.failed: Exception | None = None  # a write's (torch.save raises its own instead)
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
+        try:
+            return self._write(b)
+        except Exception as e:
+            self.failed = self.failed or e
+            raise
+
+    def _write(self, b: Any) -> int:
         mv = memoryview(b)
         n = mv.nbytes
         if n >= _CUT_BYTES:  # a tensor's bytes: a checksum chunk of their own from here
@@ -176,6 +179,7 @@ class _RecordingFileSystem(DelegatingFileSystem):
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
         name = self.name(path)
+        s: _CrcStream | None = None
         try:
             with self.inner.create_stream(path, mode) as raw:
                 if "w" not in mode:
@@ -191,7 +195,7 @@ class _RecordingFileSystem(DelegatingFileSystem):
         except BaseException as e:
             # DCP's writer threads die silently (dcp.save still returns): remember the error
             # so that ChecksumWriter fails the save instead of committing a partial step.
-            self.records.fail(name, e)
+            self.records.fail(name, getattr(s, "failed", None) or e)
             raise
         # Recorded only once the inner stream closed cleanly (an object store's upload done).
         self.records.add_seconds("sync", time.perf_counter() - tail_start)
@@ -204,12 +208,9 @@ class _RecordingFileSystem(DelegatingFileSystem):
 
 def _local_fd(raw: Any) -> int | None:
     """The OS file descriptor behind a local file stream, else None (object stores)."""
-    if not isinstance(raw, io.IOBase):
-        return None
-    try:
-        return raw.fileno()
-    except (OSError, AttributeError, io.UnsupportedOperation):
-        return None
+    with suppress(OSError, AttributeError, io.UnsupportedOperation):
+        return raw.fileno() if isinstance(raw, io.IOBase) else None
+    return None
 
 
 class ChecksumWriter(FileSystemWriter):
