@@ -97,7 +97,10 @@ OPTIONS: dict[str, str] = {
     "needs more runs synchronously",
     "collective_timeout": "seconds a rank waits for the others in `save()`/`load()` before it "
     "raises, naming the ranks that did not join",
-    "storage_timeout": "seconds one storage request may take (None: the client's own)",
+    "storage_timeout": (
+        "seconds one storage request may take, its retries included (None: the client's own "
+        "timeout per attempt)"
+    ),
     "lease_seconds": "the run's write lease expires this long after this job's last save",
     "confirm": "before a commit, each rank reads its files back and checks their CRC32C; "
     '`"size"`: sizes only; `"off"`',

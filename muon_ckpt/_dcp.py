@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
+import muon_ckpt._collective as coll
 from muon_ckpt._errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -88,7 +89,8 @@ def save(
     when there is no process group); a failure is a CheckpointError naming ``what``
     (``failures``)."""
     alone = _single_process(alone)
-    with failures(what):
+    with failures(what, group, collective=not alone), coll.lane(None if alone else group):
+        coll.arrive("the start of DCP's save")
         dcp.save(sd, storage_writer=writer, planner=planner, process_group=group, no_dist=alone)
 
 
@@ -105,14 +107,17 @@ def load(
     None: when there is no process group); a failure is a CheckpointError naming ``what``
     (``failures``)."""
     alone = _single_process(alone)
-    with failures(what):
+    with failures(what, group, collective=not alone), coll.lane(None if alone else group):
+        coll.arrive("the start of DCP's load")
         dcp.load(sd, storage_reader=reader, planner=planner, process_group=group, no_dist=alone)
 
 
 @contextlib.contextmanager
-def failures(what: str) -> Iterator[None]:
+def failures(what: str, group: Any = None, *, collective: bool = False) -> Iterator[None]:
     """DCP's failures as muon-ckpt's errors (``dcp_failure``), an interrupt as itself (DCP
-    turns everything raised inside it into a CheckpointException: ``interrupt_in``)."""
+    turns everything raised inside it into a CheckpointException: ``interrupt_in``); one of
+    its own collectives on ``group`` (``collective``: it makes some) that failed (raised as
+    it is, not wrapped) as the error every rank raises for it (``coll.comm_failure``)."""
     since = handled()
     try:
         yield
@@ -120,6 +125,8 @@ def failures(what: str) -> Iterator[None]:
         stop = interrupt_in(e, since)
         if stop is not None:  # Ctrl-C (or an exit) in the middle: itself, not a failure
             raise stop from None
+        if collective and isinstance(e, RuntimeError):
+            raise coll.comm_failure(e, what, group) from e
         raise dcp_failure(e, what) from e
 
 

@@ -162,7 +162,8 @@ def _confirmed(
         if interrupt_in(e, since) is not None:
             raise  # (a Ctrl-C that broke the read-back, as if raised itself: the manager's
             # public call lets it out; the other ranks' collectives time out, as for one)
-        return e if isinstance(e, CheckpointError) else CheckpointError(f"{e!r}")
+        step = f"confirming step {w.step}"
+        return e if isinstance(e, CheckpointError) else _dcp.dcp_failure(e, step)
     return None
 
 

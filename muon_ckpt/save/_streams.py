@@ -98,11 +98,19 @@ class _CrcStream(io.RawIOBase):
         self.sum = Checksum.for_writing()
         self.size = 0
         self.last_write_end = time.perf_counter()
+        self.failed: Exception | None = None  # a write's (torch.save raises its own instead)
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
+        try:
+            return self._write(b)
+        except Exception as e:
+            self.failed = self.failed or e
+            raise
+
+    def _write(self, b: Any) -> int:
         mv = memoryview(b)
         n = mv.nbytes
         if n >= _CUT_BYTES:  # a tensor's bytes: a checksum chunk of their own from here
@@ -166,6 +174,7 @@ class RecordingFileSystem(DelegatingFileSystem):
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
         name = self.name(path)
+        s: _CrcStream | None = None
         try:
             if "w" in mode and self._stop is not None and self._stop.is_set:
                 raise CheckpointError(f"{name} not written: stopped by Ctrl-C")
@@ -183,7 +192,7 @@ class RecordingFileSystem(DelegatingFileSystem):
         except BaseException as e:
             # DCP's writer threads die silently (dcp.save still returns): remember the error
             # so that the writer fails the save instead of committing a partial step.
-            self.records.fail(name, e)
+            self.records.fail(name, getattr(s, "failed", None) or e)
             raise
         # Recorded only once the inner stream closed cleanly (an object store's upload done).
         self.records.add_seconds("sync", time.perf_counter() - tail_start)

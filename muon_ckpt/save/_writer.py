@@ -33,13 +33,15 @@ from torch.distributed.checkpoint.filesystem import (
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+import muon_ckpt._collective as coll
 from muon_ckpt._config import ManagerConfig
-from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointStorageError
 from muon_ckpt._interrupts import Stop
 from muon_ckpt._threads import beside, run_all
 from muon_ckpt.save._dedup import Dedup, DedupBase, Stored, tensor_digest
 from muon_ckpt.save._streams import FileRecords, RecordingFileSystem
 from muon_ckpt.store import DATA, FileEntry, Storage, check_stored, data_ref_name
+from muon_ckpt.store import is_storage_failure as storage_failed
 from muon_ckpt.store.checksums import Checksum
 from muon_ckpt.store.codec import DESCRIPTOR, MIN_COMPRESS_BYTES, Encoder, stride_of
 from muon_ckpt.store.dcp import dcp_filesystem
@@ -111,6 +113,12 @@ class StepWriter(FileSystemWriter):
         self.packed = [0, 0]  # compressed tensors written: their bytes in, the bytes stored
         self.compressed = False  # (rank 0, once finished) whether the step has such items
 
+    def prepare_local_plan(self, plan: Any) -> Any:
+        # DCP's also asks the storage whether a .metadata is there, only to warn (overwrite=
+        # True): one request per rank for nothing, where a slow rank stalls DCP's planning.
+        self.fs.mkdir(self.path)
+        return plan
+
     def finish(self, metadata: Any, results: Any) -> None:
         super().finish(metadata, results)
         infos = (metadata.storage_data or {}).values()
@@ -125,12 +133,14 @@ class StepWriter(FileSystemWriter):
             fut = super().write_data(plan, planner)
         results = fut.wait()  # (a completed future)
         self.write_seconds = time.perf_counter() - t0
+        coll.arrive("DCP's gather of the written files")  # (names a rank that never gets there)
         errors = self.fs.records.errors
         written = {r.index for r in results or ()}
         missing = [it.index.fqn for it in plan.items if it.index not in written]
         if errors or missing:
             name, err = errors[0] if errors else ("?", None)
-            raise CheckpointError(
+            failed = CheckpointStorageError if storage_failed(err) else CheckpointError
+            raise failed(
                 f"writing {self.path}: {len(missing)} of {len(plan.items)} items were not "
                 f"written (first failed file: {name}: {type(err).__name__}: {err}); the step "
                 "is not committed and nothing committed was touched"

@@ -38,6 +38,7 @@ import threading
 import time
 from typing import Any
 
+from muon_ckpt._collective import is_dist, rank
 from muon_ckpt._config import reads_back
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt._threads import run_all
@@ -55,8 +56,9 @@ _lock = threading.Lock()
 
 
 def _mismatch(where: str, what: str) -> CheckpointCorruptError:
+    by = f" (written by rank {rank()})" if is_dist() else ""  # (every rank raises it)
     return CheckpointCorruptError(
-        f"{where}: after the upload the storage holds {what} (the upload was damaged or "
+        f"{where}{by}: after the upload the storage holds {what} (the upload was damaged or "
         "overwritten); the step is NOT committed and every committed step is kept. Check the "
         "storage and retry the save"
     )
