@@ -85,10 +85,11 @@ def test_damaged_data_a_save_refers_to_is_written_again(tmp_path, request, caplo
     byte flipped in that file after the commit (bit rot, a tool rewriting the object), or the
     file deleted (a lifecycle rule): the saves that follow write the embedding again from the
     saved state instead of referring to the damage (or failing for the missing file), and a
-    restart loads the newest step bitwise; retention kept steps that load."""
+    restart loads the newest step bitwise; retention kept steps that load. (keep_last=4: a
+    file is in at most 3 saves, so step 3 would still refer to step 1's, ``dedup_bound``.)"""
     url, opts = _url(kind, tmp_path, request)
     m = _Frozen()
-    mgr = CheckpointManager(url, model=m, storage_options=opts, keep_last=2)
+    mgr = CheckpointManager(url, model=m, storage_options=opts, keep_last=4)
     for step in (1, 2):
         _at(m, step)
         mgr.save(step)
@@ -97,17 +98,17 @@ def test_damaged_data_a_save_refers_to_is_written_again(tmp_path, request, caplo
     assert data_ref(name)[0].startswith("00000001-")  # step 2 refers to step 1's file
     damage(st, name, how, offset + length // 2)
     with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
-        for step in (3, 4):
+        for step in (3, 4, 5, 6):
             _at(m, step)
             assert mgr.save(step)
     mgr.close()
     fresh = _Frozen()
     with torch.no_grad():
         fresh.emb.weight.zero_()
-    assert CheckpointManager(url, model=fresh, storage_options=opts).load() == 4
+    assert CheckpointManager(url, model=fresh, storage_options=opts).load() == 6
     _same(fresh, m)
-    assert Catalog(st).committed_steps() == [3, 4]
-    for step in (3, 4):
+    assert Catalog(st).committed_steps() == [3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
         assert verify(resolve(st, step)).ok
     assert _where(st, 3, "model.emb.weight")[0].startswith("../data/00000003-")
     assert _where(st, 4, "model.emb.weight")[0] == _where(st, 3, "model.emb.weight")[0]
@@ -167,6 +168,36 @@ def test_no_step_refers_to_data_older_than_dedup_max_age_saves(tmp_path, request
         got = CheckpointManager(url, model=fresh, storage_options=opts).load(step=step)
         assert got == step
         _same(fresh, _at(_Frozen(), step))
+
+
+@pytest.mark.parametrize("keep_last", [2, 3])
+def test_no_data_file_is_in_every_step_retention_keeps(tmp_path, keep_last):
+    """keep_last=n below dedup_max_age: a data file is in at most n - 1 consecutive saves
+    (keep_last=2: every save writes every tensor), so each is missing from a kept step, and a
+    byte flipped in the newest step's copy of the frozen embedding (bit rot after the job
+    ended) leaves an older step to load, bitwise. (Every kept step referred to one copy of it,
+    and no step loaded.)"""
+    url = str(tmp_path / "run")
+    m = _Frozen()
+    with CheckpointManager(url, model=m, keep_last=keep_last) as mgr:
+        for step in range(1, 8):
+            _at(m, step)
+            mgr.save(step)
+    st = Storage(url)
+    cat = Catalog(st)
+    kept = cat.committed_steps()
+    assert kept == list(range(8 - keep_last, 8))
+    named = {s: {n for n in cat.manifest(s).files if data_ref(n)} for s in kept}
+    for name in set().union(*named.values()):
+        assert any(name not in files for files in named.values()), (name, named)
+    name, offset, length = _where(st, 7, "model.emb.weight")
+    damage(st, name, "flip", offset + length // 2)
+    fresh = _Frozen()
+    with torch.no_grad():
+        fresh.emb.weight.zero_()
+    got = CheckpointManager(url, model=fresh).load()
+    assert got == 6
+    _same(fresh, _at(_Frozen(), 6))
 
 
 def test_each_referred_file_is_read_back_once_while_it_is_unchanged(tmp_path, monkeypatch):

@@ -105,7 +105,7 @@ class WriteSpec:
     # directory, format 2), and what the run holds that the save refers to when unchanged
     data_dir: str | None = None
     base: DedupBase | None = None
-    max_age: int = 1  # a save refers only to data written fewer saves before it (dedup_max_age)
+    max_age: int = 1  # a save refers only to data written fewer saves before it (dedup_bound)
     verified: tuple[int, int] | None = None  # the newest step known to verify: retention keeps it
     compress: bool = False  # tensors stored compressed (store.codec; format 4)
     parts: Prebuilt | None = None  # files copied as they are instead of ``sd`` written
@@ -150,7 +150,7 @@ def spec_for(
         deferred=snap.deferred,
         data_dir=data_dir,
         base=base,
-        max_age=config.dedup_max_age,
+        max_age=config.dedup_bound,
         verified=verified,
         compress=config.compression == "zstd",
     )
