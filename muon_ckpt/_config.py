@@ -15,8 +15,16 @@ __all__ = ["ManagerConfig", "MemoryOptions", "read_threads"]
 # "checksum": sizes and the manifest's checksums (CRC32C, or zlib crc32 in older manifests) of
 # every file read; "crc32" is its name before CRC32C, still accepted; "size": sizes only.
 VERIFY_MODES = ("checksum", "crc32", "size")
-CONFIRM_MODES = ("checksum", "crc32", "size", "off")  # as muon_ckpt.store.CONFIRM_MODES
+# How a save confirms that the storage holds what it wrote (``store.confirm_files``): its
+# checksums read back ("crc32": the name of "checksum" before CRC32C), sizes only, or nothing.
+CONFIRM_MODES = ("checksum", "crc32", "size", "off")
 COMPRESSIONS = (None, "zstd")
+
+
+def reads_back(confirm: str) -> bool:
+    """Whether ``confirm`` (one of CONFIRM_MODES) reads every byte written back: a step so
+    committed is known to verify, its references included."""
+    return confirm in ("checksum", "crc32")
 
 
 def checks_content(verify: str) -> bool:

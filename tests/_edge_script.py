@@ -52,9 +52,9 @@ def in_zip(signals: _Signals) -> None:
     ``io_threads=1`` the only one that writes), once some records are written. The zip
     writer's context manager then fails on the way out ("unexpected pos"), a RuntimeError
     whose __context__ is the KeyboardInterrupt."""
-    from muon_ckpt.save import _writer
+    from muon_ckpt.save import _streams
 
-    real = _writer._CrcStream.write
+    real = _streams._CrcStream.write
     writes = [0]  # by torch.save, in the main thread, since the signal was armed
 
     def from_zip_writer() -> bool:
@@ -75,7 +75,7 @@ def in_zip(signals: _Signals) -> None:
                 time.sleep(0.5)  # the interrupt is raised here, inside the zip writer's write
         return real(self, b)
 
-    _writer._CrcStream.write = write  # type: ignore[method-assign]
+    _streams._CrcStream.write = write  # type: ignore[method-assign]
 
 
 class _Pickled:

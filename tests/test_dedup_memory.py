@@ -1,7 +1,6 @@
-"""Dedup with the memory tier: a memory step's bytes are never in the url, so a url step saved
-after memory-only steps refers only to data that a url step holds, a memory step flushed at
-``close()`` is the tier's files as they are (it refers to nothing), and the url's retention
-keeps whatever a kept step refers to.
+"""Dedup with the memory tier: a memory step's bytes are never in the url, so a url step --
+one saved after memory-only steps, or a memory step flushed at ``close()`` -- refers only to
+data that a url step holds, and the url's retention keeps whatever a kept step refers to.
 
 One process, local directories; exactness is bitwise.
 """
@@ -9,6 +8,7 @@ One process, local directories; exactness is bitwise.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,14 +53,12 @@ def _loads_from_url(url: str, step: int, want: nn.Module) -> None:
     _same(fresh, want)
 
 
-def test_url_steps_around_memory_only_steps_refer_only_to_url_data(tmp_path):
-    """interval=3, memory every step, keep_last=1. ``b`` changes at memory-only steps 4 and
-    7: url step 6 writes ``b`` (its base is url step 3, not memory step 5), refers ``a`` to
-    step 3's data; ``close()`` flushes memory step 7 to the url: its parts' files, copied
-    whole (the tier's own bytes, no reference). Retention deleted steps 3 and 6 and their
-    data, which nothing refers to any more. Step 7 loads bitwise from the url alone; a
-    manager that loads it from memory writes its next url step whole."""
-    url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
+def _seven_steps(
+    url: str, mem: str, at: Callable[[int], None] | None = None
+) -> tuple[_Two, CheckpointManager]:
+    """interval=3, memory every step, keep_last=1: steps 1 to 7 saved, each waited for
+    (then ``at(step)``); ``b`` changes at memory-only steps 4 and 7, ``head`` at every
+    step. The model and the manager, not closed."""
     m = _Two()
     mgr = CheckpointManager(
         url, model=m, interval=3, memory=MemoryOptions(interval=1, dir=mem), keep_last=1
@@ -72,14 +70,31 @@ def test_url_steps_around_memory_only_steps_refer_only_to_url_data(tmp_path):
                 m.b.weight.add_(1.0)
         assert mgr.save(step)
         mgr.wait()
+        if at is not None:
+            at(step)
+    return m, mgr
+
+
+def test_url_steps_around_memory_only_steps_refer_only_to_url_data(tmp_path):
+    """interval=3, memory every step, keep_last=1. ``b`` changes at memory-only steps 4 and
+    7: url step 6 writes ``b`` (its base is url step 3, not memory step 5), refers ``a`` to
+    step 3's data; ``close()`` flushes memory step 7 to the url, which writes ``b`` again
+    and still refers ``a`` to step 3's data. Retention deleted steps 3 and 6 and kept step
+    3's file that step 7 refers to; step 6's data went. Step 7 loads bitwise from the url
+    alone; a manager that loads it from memory writes its next url step whole."""
+    url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
+
+    def at(step: int) -> None:
         if step == 6:
             st = Storage(url)
             assert _dirs_of(st, 6) == {"model.a.weight": 3, "model.b.weight": 6, **_head(6)}
+
+    m, mgr = _seven_steps(url, mem, at)
     mgr.close()  # memory_flush: step 7 to the url
     st = Storage(url)
     assert Catalog(st).committed_steps() == [7]
-    assert _dirs_of(st, 7) == {"model.a.weight": 7, "model.b.weight": 7, **_head(7)}
-    assert {parse_data_dirname(d) for d in st.listdir("data")} == {7}
+    assert _dirs_of(st, 7) == {"model.a.weight": 3, "model.b.weight": 7, **_head(7)}
+    assert {parse_data_dirname(d) for d in st.listdir("data")} == {3, 7}
     _no_orphans(st)
     assert verify(resolve(st, 7)).ok
     shutil.move(mem, mem + "_moved")  # the url alone
@@ -99,3 +114,29 @@ def test_url_steps_around_memory_only_steps_refer_only_to_url_data(tmp_path):
 
 def _head(step: int) -> dict[str, int]:
     return {"model.head.weight": step, "model.head.bias": step}
+
+
+def test_the_flush_writes_a_tensor_again_where_the_url_file_it_would_refer_to_is_damaged(
+    tmp_path, caplog
+):
+    """As above, but the file of step 3's save that holds ``a`` has a byte flipped before
+    ``close()``: the flush refers to nothing the url no longer holds as written (the checks
+    of every save's references): it writes ``a`` again from the memory step's part, with a
+    WARNING naming the file, and step 7 loads bitwise from the url alone."""
+    url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
+    m, mgr = _seven_steps(url, mem)
+    st = Storage(url)
+    _, md = Catalog(st).checked(6)
+    (info,) = [i for x, i in md.storage_data.items() if x.fqn == "model.a.weight"]
+    path = tmp_path / "run" / "step-00000006" / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + info.length // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    mgr.close()  # memory_flush: step 7 to the url, ``a`` written again
+    assert Catalog(st).committed_steps() == [7]
+    assert _dirs_of(st, 7) == {"model.a.weight": 7, "model.b.weight": 7, **_head(7)}
+    assert "written again from the saved state" in caplog.text
+    _no_orphans(st)
+    assert verify(resolve(st, 7)).ok
+    shutil.move(mem, mem + "_moved")  # the url alone
+    _loads_from_url(url, 7, m)

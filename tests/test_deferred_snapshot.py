@@ -42,7 +42,7 @@ def save_then_train_at_once(url, opts, world, offload, step=2):
     )
     want = state_of(model, opt, data)
     assert mgr.save(step)
-    assert mgr._saves.pending is not None and mgr._saves.pending.spec.deferred is not None
+    assert mgr._saves.pending is not None and mgr._saves.pending.spec.snap.deferred is not None
     for s in range(step + 1, step + 3):  # at once: the step waits for the copies
         forward_backward_step(model, opt, s)
     data.pos = 99

@@ -55,7 +55,7 @@ def test_each_old_memory_keyword_warns_once_and_configures_the_same_tier(tmp_pat
 
 def test_old_memory_keywords_without_an_interval_leave_the_tier_off(tmp_path):
     mgr, msgs = _old(tmp_path, memory_keep=3, replicas=2)
-    assert mgr.config.memory is None and mgr._memory is None and len(msgs) == 2
+    assert mgr.config.memory is None and mgr._saves.memory is None and len(msgs) == 2
     mgr, msgs = _old(tmp_path, memory_interval=None)
     assert mgr.config.memory is None and len(msgs) == 1
     assert msgs[0].endswith("; pass memory=None"), msgs
@@ -151,7 +151,7 @@ def test_a_run_configured_the_old_way_saves_and_restores_from_memory(tmp_path):
         mgr.save(s)
         mgr.wait()
     want = _state(model, opt)
-    mgr._memory.mark = None  # (keep step 6 in memory only)
+    mgr._saves.memory.mark = None  # (keep step 6 in memory only)
     mgr.close()
     model2, opt2 = _fresh(seed=1)
     mgr2, msgs = _old(tmp_path, model=model2, optimizer=opt2, memory_flush=False, **kw)

@@ -263,20 +263,20 @@ def test_write_failure_in_a_writer_thread_fails_the_save_and_keeps_the_last_step
     import threading
 
     from muon_ckpt import CheckpointError, CheckpointManager
-    from muon_ckpt.save import _writer
+    from muon_ckpt.save import _streams
 
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
     url = str(tmp_path / "run")
     with CheckpointManager(url, model=model, keep_last=1, io_threads=4) as mgr:
         mgr.save(1, force=True)
-        real_write = _writer._CrcStream.write
+        real_write = _streams._CrcStream.write
 
         def disk_full(self, b):
             if threading.current_thread() is not threading.main_thread():
                 raise OSError(28, "No space left on device")
             return real_write(self, b)
 
-        monkeypatch.setattr(_writer._CrcStream, "write", disk_full)
+        monkeypatch.setattr(_streams._CrcStream, "write", disk_full)
         with pytest.raises(CheckpointError, match=r"not written.*No space left on device"):
             mgr.save(2, force=True)
         monkeypatch.undo()

@@ -90,11 +90,11 @@ def test_a_memory_save_while_one_runs_is_queued_and_the_newest_kept(tmp_path, ca
             train(model, opt, 1, seed=4)
         said = _not_kept(caplog)
         assert len(said) == 1 and "step 2 " in said[0] and "step 3 replaced" in said[0], said
-        assert mgr._memory.tier.skipped == 1
+        assert mgr._saves.memory.tier.skipped == 1
     finally:
         gate.set()  # (a failure here must not leave the job waiting at exit)
     assert mgr.wait() == 3
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
     step, tier, got = _load_fresh(tmp_path, offload=offload)
     assert (step, tier) == (3, "memory")
@@ -112,7 +112,7 @@ def test_a_queued_memory_save_beside_a_write_in_flight_is_the_newest_kept(tmp_pa
     gate = mgr._saves.gate = threading.Event()
     try:
         assert mgr.save(5)  # due for both tiers; the url's write waits at the gate
-        mgr._memory.job.wait()  # (the memory part of step 5 is not gated)
+        mgr._saves.memory_job.wait()  # (the memory part of step 5 is not gated)
         train(model, opt, 1, seed=1)
         assert mgr.save(6)  # memory only, beside the write: held at the gate
         train(model, opt, 1, seed=2)
@@ -123,7 +123,7 @@ def test_a_queued_memory_save_beside_a_write_in_flight_is_the_newest_kept(tmp_pa
         gate.set()
     assert mgr.wait() == 7
     assert mgr.steps() == [5]
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
     step, tier, got = _load_fresh(tmp_path, offload=offload)
     assert (step, tier) == (7, "memory")
@@ -138,18 +138,18 @@ def test_a_memory_save_does_not_wait_for_a_write_in_flight(tmp_path, offload):
     train(model, opt, 1, seed=0)
     gate = mgr._saves.gate = threading.Event()
     assert mgr.save(5)  # due for both tiers; the url's write waits at the gate
-    mgr._memory.job.wait()  # (the memory part of step 5 is not gated)
+    mgr._saves.memory_job.wait()  # (the memory part of step 5 is not gated)
     mgr._saves.gate = None
     train(model, opt, 1, seed=1)
     want = _state(model, opt)
     assert mgr.save(6)  # memory only: its own buffers, offloaded states copied
-    mgr._memory.job.wait()
+    mgr._saves.memory_job.wait()
     assert mgr._saves.pending is not None and not mgr._saves.pending.done()  # step 5 still writing
     train(model, opt, 1, seed=2)  # step 6's snapshot is not changed by this
     gate.set()
     assert mgr.wait() == 6  # the newest step pending in any tier
     assert mgr.steps() == [5]
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
     step, tier, got = _load_fresh(tmp_path, offload=offload)
     assert (step, tier) == (6, "memory")
@@ -187,7 +187,7 @@ def test_memory_steps_of_another_run_are_not_loaded(tmp_path):
     assert mgr2.save(1) and mgr2.wait() == 1
     run = _run_dir(tmp_path)
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == ["step-00000001"]
-    mgr2._memory.mark = None
+    mgr2._saves.memory.mark = None
     mgr2.close()
 
 
@@ -201,7 +201,7 @@ def test_after_a_rewind_the_first_memory_save_retires_the_newer_steps_of_both_ti
     for s in range(1, 8):  # url: 5; memory: 7
         mgr.save(s)
         mgr.wait()
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
     model, opt = _fresh(seed=2)
     mgr = _mgr(tmp_path, model, opt)
@@ -227,7 +227,7 @@ def test_after_a_rewind_the_first_memory_save_retires_the_newer_steps_of_both_ti
     with pytest.raises(CheckpointError, match="not loadable"):  # retired by memory step 6
         model2, opt2 = _fresh(seed=4)
         _mgr(tmp_path, model2, opt2).load(10)
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
     assert mgr.steps() == [5, 10]
 
@@ -250,9 +250,9 @@ def test_over_the_budget_a_memory_save_is_skipped(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
         assert mgr.save(1)
         mgr.wait()
-    assert mgr._memory.tier.skipped == 1
+    assert mgr._saves.memory.tier.skipped == 1
     assert any("max_staging_bytes=4096" in r.getMessage() for r in caplog.records)
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
 
 
@@ -264,7 +264,7 @@ def test_the_budget_counts_this_ranks_parts_only(tmp_path):
     mgr = _mgr(tmp_path, model, opt, interval=100)
     mgr.load()
     assert mgr.save(1) and mgr.wait() == 1
-    tier = mgr._memory.tier
+    tier = mgr._saves.memory.tier
     step = _run_dir(tmp_path) / "step-00000001"
     mine = tier.held_bytes({1}, 0, 2)
     assert mine > 0
@@ -275,7 +275,7 @@ def test_the_budget_counts_this_ranks_parts_only(tmp_path):
     manifest.write_text(json.dumps(m))
     assert tier.held_bytes({1}, 0, 2) == mine
     assert tier.held_bytes({1}, 1, 2) == mine
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
 
 

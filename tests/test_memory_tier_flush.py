@@ -137,7 +137,7 @@ def test_a_run_resumes_from_a_flushed_step_and_saves_on(tmp_path):
     assert_same_nested(want, everything(model, opt, data, rng))
     train_and_save(mgr, model, opt, data, rng, [10])
     want = everything(model, opt, data, rng)
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
     assert mgr.steps() == [5, 7, 10]
     shutil.rmtree(tmp_path / "mem")

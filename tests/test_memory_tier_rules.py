@@ -104,6 +104,32 @@ def test_close_still_flushes_the_newest_memory_step_with_its_own_bytes(tmp_path)
     _assert_same(states[7], got)
 
 
+def test_a_load_from_memory_retires_a_newer_corrupt_url_step_as_a_url_load_does(tmp_path):
+    """url: 5; memory: 7; then a CORRUPT url step 8 (its manifest unreadable). A load takes
+    memory step 7 and, as a load of url step 5 would, passes over step 8: the next save of
+    step 8 takes its number (it is not refused as "already present but CORRUPT")."""
+    mgr, _ = _trained(tmp_path, range(1, 8))
+    mgr._saves.memory.mark = None
+    mgr.close()
+    bad = tmp_path / "run" / step_dirname(8)
+    bad.mkdir()
+    (bad / MANIFEST).write_text("{ not a manifest")
+    model, opt = _fresh(seed=5)
+    mgr = _mgr(tmp_path, model, opt)
+    assert mgr.load() == 7 and mgr.last_load_tier == "memory"
+    train(model, opt, 1, seed=8)
+    assert mgr.save(8, force=True)
+    mgr.wait()
+    want = _state(model, opt)
+    mgr._saves.memory.mark = None
+    mgr.close()
+    assert mgr.steps() == [5, 8]
+    shutil.rmtree(tmp_path / "mem")  # the url alone
+    step, tier, got = _load_fresh(tmp_path)
+    assert (step, tier) == (8, "storage")
+    _assert_same(want, got)
+
+
 def _newer(path) -> None:
     m = json.loads(path.read_text())
     m["format_version"] = 99
@@ -112,7 +138,7 @@ def _newer(path) -> None:
 
 def test_a_newer_format_in_the_url_is_refused_as_without_a_tier(tmp_path):
     mgr, _ = _trained(tmp_path, range(1, 11))  # url: 5, 10; memory: 10
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
     run = tmp_path / "run"
     shutil.copytree(run / step_dirname(10), run / step_dirname(12))
@@ -127,13 +153,13 @@ def test_a_newer_format_in_the_url_is_refused_as_without_a_tier(tmp_path):
         mgr.load()
     _assert_same(before, _state(model, opt))
     assert mgr.load(step=10) == 10  # an older step asked for by name loads, as from the url
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
 
 
 def test_a_newer_format_in_the_tier_is_refused(tmp_path):
     mgr, _ = _trained(tmp_path, range(1, 8))  # url: 5; memory: 7
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
     _newer(_run_dir(tmp_path) / step_dirname(7) / "rank-00000" / MANIFEST)
     model, opt = _fresh(seed=5)
@@ -192,7 +218,7 @@ class _Writer:
 
     def restart(self, flush):
         if not flush:  # as a job killed after its last save: nothing more is written
-            self.mgr._memory.mark = None
+            self.mgr._saves.memory.mark = None
         self.mgr.close()
         self.model, self.opt = _fresh(seed=self.rng.randrange(100))
         self.mgr = _mgr(self.tmp_path, self.model, self.opt, interval=3)

@@ -58,7 +58,7 @@ def _falls_back_and_recovers(tmp_path: Any, caplog: Any, names: str | None) -> N
     train(model, opt, 1, seed=60)
     assert mgr.save(6) and mgr.wait() == 6
     want = _state(model, opt)
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
     step, tier, got = _load_fresh(tmp_path)
     assert (step, tier) == (6, "memory")
@@ -141,8 +141,8 @@ def test_a_tier_another_user_owns_is_neither_written_nor_read(tmp_path, caplog):
         f"{run} belongs to user id 12345" in said
         and "a directory of your own (MemoryOptions(dir=" in said
     ), said
-    assert mgr._memory.tier.skipped == 1 and not os.path.exists(run / "step-00000006")
-    mgr._memory.mark = None
+    assert mgr._saves.memory.tier.skipped == 1 and not os.path.exists(run / "step-00000006")
+    mgr._saves.memory.mark = None
     mgr.close()
     os.chown(run, 0, 0)
     os.chown(tmp_path / "mem", 12345, 12345)
@@ -167,14 +167,14 @@ def test_two_runs_share_a_tier_directory(tmp_path):
         mgr.save(2 + i)  # memory only: a at 2, b at 3
         mgr.wait()
         want[url] = _state(model, opt)
-        mgr._memory.mark = None
+        mgr._saves.memory.mark = None
         mgr.close()
 
     def load(url: str) -> tuple[Any, Any, Any]:
         model, opt = _fresh(seed=7)
         mgr = CheckpointManager(url, model=model, optimizer=opt, **kw)
         got = mgr.load(), mgr.last_load_tier, _state(model, opt)
-        mgr._memory.mark = None
+        mgr._saves.memory.mark = None
         mgr.close()
         return got
 
@@ -232,7 +232,7 @@ def _full_tier(tmp: str) -> None:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     with open(os.path.join(tmp, "failed"), "w") as f:
-        f.write(str(mgr._memory.tier.failed))
+        f.write(str(mgr._saves.memory.tier.failed))
     mgr.close()  # the tier's flush: step 4 is not in memory, step 3 goes to the url
 
 
@@ -256,7 +256,7 @@ def test_a_full_tier_skips_the_step_and_loses_nothing(tmp_path):
     train(model, opt, 1, seed=40)
     assert mgr.save(4) and mgr.wait() == 4
     want = _state(model, opt)
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
     step, tier, got = _load_fresh(tmp_path, interval=100)
     assert (step, tier) == (4, "memory")
@@ -275,7 +275,7 @@ def _killed_while_keeping_step_4(tmp: str, point: str) -> None:
     import threading
 
     import muon_ckpt.memory._tier as tier_mod
-    from muon_ckpt.save import _writer
+    from muon_ckpt.save import _streams
 
     model, opt, mgr = _three_steps(tmp)
 
@@ -286,14 +286,14 @@ def _killed_while_keeping_step_4(tmp: str, point: str) -> None:
         return threading.current_thread().name.startswith("muon_ckpt-memory")
 
     if point == "writing its data":
-        write = _writer._CrcStream.write
+        write = _streams._CrcStream.write
 
         def writing(self: Any, b: Any) -> int:
             if in_memory_job():
                 kill()
             return write(self, b)
 
-        _writer._CrcStream.write = writing  # type: ignore[method-assign]
+        _streams._CrcStream.write = writing  # type: ignore[method-assign]
     elif point == "before its manifest's rename":
         replace = os.replace
 
@@ -333,7 +333,7 @@ def test_a_sigkill_at_each_point_of_a_memory_save_leaves_a_whole_step(point, tmp
     assert mgr.load() == want and mgr.last_load_tier == "memory"
     _assert_same(torch.load(tmp_path / f"want-{want}.pt"), _state(model, opt))
     assert mgr.save(want + 1) and mgr.wait() == want + 1
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
     assert sorted(os.listdir(_run_dir(tmp_path))) == ["run.json", f"step-{want + 1:08d}"]
     assert os.listdir(_part(tmp_path, want + 1)) and not glob.glob(str(tmp_path / "**/*.tmp"))

@@ -111,7 +111,7 @@ def test_a_keyword_neither_spelling_knows_is_a_type_error(tmp_path):
 def test_the_memory_tier_is_configured_in_one_place(tmp_path):
     mem = MemoryOptions(interval=2, dir=str(tmp_path / "mem"), keep=3)
     mgr = CheckpointManager(str(tmp_path / "run"), memory=mem)
-    assert mgr._memory is not None and mgr._memory.tier.opts is mem
-    assert mgr._memory.tier.run_dir.startswith(str(tmp_path / "mem") + os.sep)
+    assert mgr._saves.memory is not None and mgr._saves.memory.tier.opts is mem
+    assert mgr._saves.memory.tier.run_dir.startswith(str(tmp_path / "mem") + os.sep)
     mgr.close()
-    assert CheckpointManager(str(tmp_path / "run2"))._memory is None
+    assert CheckpointManager(str(tmp_path / "run2"))._saves.memory is None

@@ -357,9 +357,9 @@ def test_an_exit_in_a_background_save_leaves_wait_as_itself(tmp_path, monkeypatc
     commits."""
     import threading
 
-    from muon_ckpt.save import _writer
+    from muon_ckpt.save import _streams
 
-    real = _writer._CrcStream.write
+    real = _streams._CrcStream.write
     main = threading.main_thread()
 
     def exits(self: Any, b: Any) -> int:
@@ -370,7 +370,7 @@ def test_an_exit_in_a_background_save_leaves_wait_as_itself(tmp_path, monkeypatc
     model, opt = tiny_run(seed=0)
     url = str(tmp_path / "run")
     mgr = CheckpointManager(url, model=model, optimizer=opt, async_save=True, io_threads=1)
-    monkeypatch.setattr(_writer._CrcStream, "write", exits)
+    monkeypatch.setattr(_streams._CrcStream, "write", exits)
     mgr.save(1, force=True)
     with pytest.raises(SystemExit):
         mgr.wait()

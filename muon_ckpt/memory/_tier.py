@@ -192,6 +192,8 @@ class MemoryTier:
         self.complete_steps.add(step)
         if replicated:
             self.replicated = step
+        # By line, not by the parts' ``retires`` as the url's retention goes: a step of another
+        # line here is one a later line retired, or another run's, which no ``retires`` names.
         lines: dict[int, set[str | None]] = {}
         for p in self.parts():
             if p.manifest is not None:
@@ -251,6 +253,7 @@ class MemoryWrite:
     extra: dict[str, Any]  # the manifest's extra (the optimizer's type)
     io_threads: int
     group: Any
+    digests: bool = False  # each tensor's SHA-256 recorded (the flush refers by them)
     before_commit: Callable[[], None] | None = None
     owns_staging: bool = True  # the snapshot is this save's alone: its copies end here
     gate: threading.Event | None = None  # tests: the job starts once this is set
@@ -376,6 +379,7 @@ class MemoryJob:
                 },
                 extra=w.extra,
                 io_threads=w.io_threads,
+                digests=w.digests,
                 before_commit=w.before_commit,
             )
         except Exception as e:

@@ -17,9 +17,27 @@ import muon_ckpt._collective as coll
 from muon_ckpt.save._dedup import DedupBase
 from muon_ckpt.store import Catalog, SavePlan
 
-__all__ = ["RunLine"]
+__all__ = ["Admission", "RunLine", "new_id"]
 
 _log = logging.getLogger("muon_ckpt")
+
+
+def new_id() -> str:
+    """A new line's id, or a save's (rank 0 draws it: the memory tier's parts record it, so
+    that parts of one step written by different saves, a step saved again, never mix)."""
+    return uuid.uuid4().hex[:16]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A save as rank 0 admitted it, the same on every rank: what it retires and its
+    generation (``plan``), the line its commit carries, its id, and what this rank's save may
+    refer to instead of writing (``base``)."""
+
+    plan: SavePlan
+    line: str
+    save_id: str
+    base: DedupBase | None = None
 
 
 @dataclass
@@ -33,9 +51,29 @@ class RunLine:
     base: DedupBase | None = None
     verified: tuple[int, int] | None = None  # (step, gen)
 
-    def begin(self, catalog: Catalog, step: int, overwrite: bool) -> tuple[SavePlan, str]:
-        """Rank 0, before a save: ready ``step`` and decide what it retires (``Catalog.begin``);
-        the line id its commit carries (this run's, or a new one)."""
+    def admit(
+        self, catalog: Catalog, step: int, group: Any, *, url: bool, overwrite: bool = False
+    ) -> Admission:
+        """Every rank, before a save of ``step`` (``url``: to the url; else to the memory tier
+        only): rank 0 readies it (``_ready``) and draws its id; every rank learns them and
+        what the save may refer to (``saving``)."""
+        plan, line, save_id = coll.on_rank0(
+            lambda: (*self._ready(catalog, step, url, overwrite), new_id()), group
+        )
+        return Admission(plan, line, save_id, self.saving(plan, line, url=url))
+
+    def _ready(
+        self, catalog: Catalog, step: int, url: bool, overwrite: bool
+    ) -> tuple[SavePlan, str]:
+        """Rank 0: the url's rules for a save of ``step`` and what it retires: to the url,
+        ``Catalog.begin`` readies the step directory; to the memory tier only,
+        ``Catalog.admit`` (the lease, another run's steps, a newer format; nothing written
+        there). Returns the plan and the line id its commit carries (this run's, or new)."""
+        if not url:
+            plan = catalog.admit(
+                step, resumed=self.resumed, new_run=self.new_run, abandon=self.abandoned
+            )
+            return plan, self.line or new_id()
         plan = catalog.begin(
             step,
             overwrite=overwrite,
@@ -45,14 +83,14 @@ class RunLine:
             refer_to=None if self.base is None else self.base.key,
             pass_over=self.passed,
         )
-        url = catalog.storage.url
+        url_name = catalog.storage.url
         newly = {s for s, _, _ in self.passed}  # (gen None: its manifest was unreadable)
         for s, _, why in plan.passed:
             if s in newly:
                 _log.warning(
                     "%s: step %d, which the load passed over (%s), is retired from this run's "
                     "line by step %d%s",
-                    url,
+                    url_name,
                     s,
                     why,
                     step,
@@ -65,7 +103,7 @@ class RunLine:
             _log.warning(
                 "%s: new_run=True: starting a new run here; the steps of the previous one %s "
                 "are deleted once step %d is committed",
-                url,
+                url_name,
                 plan.replacing,
                 step,
             )
@@ -73,29 +111,23 @@ class RunLine:
             _log.warning(
                 "%s: this run was rewound to an earlier step; step %d retires the steps of the "
                 "abandoned line %s, which are deleted once it is committed",
-                url,
+                url_name,
                 step,
                 plan.replacing,
             )
-        return plan, self.line or uuid.uuid4().hex[:16]
+        return plan, self.line or new_id()
 
-    def admit(self, catalog: Catalog, step: int) -> tuple[SavePlan, str]:
-        """Rank 0, before a save of ``step`` to the memory tier only: the url's rules
-        (``Catalog.admit``: the lease, another run's steps, a newer format, what it retires)
-        and the line id it carries, kept for the saves after it. ``base`` is left as it is:
-        the memory step's bytes are not in the url, so the next url save refers only to the
-        url's last commit."""
-        plan = catalog.admit(
-            step, resumed=self.resumed, new_run=self.new_run, abandon=self.abandoned
-        )
-        self.line = self.line or uuid.uuid4().hex[:16]
-        return plan, self.line
-
-    def saving(self, plan: SavePlan, line: str) -> DedupBase | None:
-        """Every rank, once the save began: until it commits, the next save retires them.
-        Returns what the save may refer to: the base, while rank 0 found its step committed
-        (else it is forgotten: a step deleted meanwhile, by a prune or by hand)."""
-        self.resumed, self.line = True, line
+    def saving(self, plan: SavePlan, line: str, *, url: bool = True) -> DedupBase | None:
+        """Every rank, once a save began: its line id is the run's from now on. A save to the
+        url retires what its plan retires until it commits (the next save retires them too),
+        and may refer to the base while rank 0 found its step committed (else it is
+        forgotten: a step deleted meanwhile, by a prune or by hand). A memory step leaves
+        both to the next save to the url, which the memory step is not in. Returns what the
+        save may refer to."""
+        self.line = line
+        if not url:
+            return self.base
+        self.resumed = True
         self.abandoned = [*((s, g) for s, g in plan.retires), *((s, None) for s in plan.drop)]
         if self.base is not None and plan.refer_to != self.base.key:
             self.base = None

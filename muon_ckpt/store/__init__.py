@@ -26,7 +26,7 @@ from muon_ckpt.store._layout import (
     step_dirname,
 )
 from muon_ckpt.store._lease import LEASE
-from muon_ckpt.store._lines import SavePlan, live_newer, mark_tier
+from muon_ckpt.store._lines import SavePlan, mark_tier
 from muon_ckpt.store._local import open_regular
 from muon_ckpt.store._probe import check_run_root, open_run, open_storage
 from muon_ckpt.store._resolve import Resolved, VerifyResult, prune, resolve, verify
@@ -57,7 +57,6 @@ __all__ = [
     "data_ref_name",
     "is_file_name",
     "is_storage_failure",
-    "live_newer",
     "mark_tier",
     "open_regular",
     "open_run",
