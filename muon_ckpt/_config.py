@@ -109,7 +109,8 @@ OPTIONS: dict[str, str] = {
     "by the steps (False: every step writes all of its state into its own directory)",
     "dedup_max_age": "a save refers only to data written by one of its last N saves; an "
     "unchanged tensor stored longer ago is written again (about 1/N of the unchanged state per "
-    "save), so a damaged file reaches at most N steps; 1: every save writes every tensor",
+    "save), so a damaged file reaches at most N steps; at most `keep_last - 1` saves where "
+    "`keep_last` >= 2, so no data file is in every kept step; 1: every save writes every tensor",
     "compression": '`"zstd"`: tensors of 64 KiB and more are stored losslessly compressed '
     "(about 1.2x fp32, 1.45x bf16), by the writer threads; needs `muon-ckpt[zstd]`. Off by "
     "default: plain DCP readers (`dcp_to_torch_save`) cannot open a compressed step, and on a "
@@ -374,6 +375,15 @@ class ManagerConfig:
     def read_threads(self, local: bool) -> int:
         """Threads a load from local (or remote) storage reads with (``read_threads``)."""
         return read_threads(self.io_threads, local)
+
+    @property
+    def dedup_bound(self) -> int:
+        """How many consecutive saves hold a data file at most (the one that wrote it, then
+        those that refer to it): ``dedup_max_age``, and at most ``keep_last - 1`` where
+        ``keep_last`` >= 2, so that every data file is missing from a step retention keeps
+        (one damaged file never leaves no step to load)."""
+        n = self.keep_last
+        return self.dedup_max_age if n is None or n < 2 else min(self.dedup_max_age, n - 1)
 
     def __post_init__(self) -> None:
         _fspath(self, "url")

@@ -127,7 +127,8 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self.stall_s = stall_s
         self.delay_s = delay_s
-        self.rules: list[list[Any]] = []  # [method, path, body, fault, times left, kind, rank]
+        # [method, path, body, fault, times left, kind, rank, at]
+        self.rules: list[list[Any]] = []
         self.rate = 0.0
         self.kinds: tuple[str, ...] = KINDS
         self.injected: dict[str, int] = {}
@@ -193,15 +194,18 @@ class FaultProxy:
         *,
         kind: str | None = None,
         rank: int | None = None,
+        at: int | None = None,
     ) -> None:
         """Every ``method`` request ("*": any) whose path matches ``path`` (and body
         ``body``; and, when given, of request kind ``kind`` that came to rank ``rank``'s
-        port) gets ``fault``; only the first ``times`` of them when ``times`` >= 0."""
+        port) gets ``fault``; only the first ``times`` of them when ``times`` >= 0. ``at``:
+        the byte a corrupting fault flips (default: one drawn at random; 0 makes a JSON body
+        invalid)."""
         if kind is not None and kind not in REQUEST_KINDS:
             raise ValueError(f"kind must be one of {REQUEST_KINDS}, got {kind!r}")
         pat = None if body is None else re.compile(body)
         with self._lock:
-            self.rules.append([method, re.compile(path), pat, fault, times, kind, rank])
+            self.rules.append([method, re.compile(path), pat, fault, times, kind, rank, at])
 
     def clear(self) -> None:
         with self._lock:
@@ -249,9 +253,9 @@ class FaultProxy:
     # ------------------------------------------------------------------ one request
     def _pick(self, rank: int, method: str, kind: str, path: str, body: bytes) -> str | None:
         with self._lock:
-            fault = None
+            fault, at = None, None
             for r in self.rules:
-                m, p, b, f, times, k, rk = r
+                m, p, b, f, times, k, rk, flip_at = r
                 if (
                     times
                     and m in (method, "*")
@@ -260,7 +264,7 @@ class FaultProxy:
                     and p.search(path)
                     and (b is None or b.search(body))
                 ):
-                    fault, r[4] = f, times - 1
+                    fault, r[4], at = f, times - 1, flip_at
                     break
             if fault is None and self.rate and self.rng.random() < self.rate:
                 kinds = [k for k in self.kinds if body or k not in _BODY_FAULTS]
@@ -270,7 +274,7 @@ class FaultProxy:
             self.seen[rank, kind] = self.seen.get((rank, kind), 0) + 1
             self.log.append((rank, kind, method, path, fault))
             flip = self.rng.randrange(1 << 30)
-        return None if fault is None else f"{fault}:{flip}"
+        return None if fault is None else f"{fault}:{flip if at is None else at}"
 
     def _handle(self, h: BaseHTTPRequestHandler, rank: int) -> None:
         body = _read_body(h)

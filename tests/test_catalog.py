@@ -92,11 +92,21 @@ def test_manager_ls_and_verify_agree_on_a_damaged_manifest(run, capsys, how):
         mgr2.save(4)
     assert mgr2.steps() == [1, 2]
     assert run["storage"].exists(step_dirname(3), MANIFEST)
-    # Resumed at step 2, the damaged step 3 belongs to the abandoned line: the next commit
-    # retires it, and it is deleted once that commit is made (README "Rewinds").
+    # Resumed at step 2 past the damaged step 3 (a manifest that read as damaged twice may
+    # be a read fault: no proof of damage), the next commit retires it from the line but
+    # keeps it (docs/semantics.md, "A fallback is no rewind") until retention or prune keeps
+    # only newer steps.
     assert mgr2.load() == 2
     assert mgr2.save(4)
     assert mgr2.steps() == [1, 2, 4]
+    assert run["storage"].exists(step_dirname(3), MANIFEST)
+    rc, out, _ = _cli(capsys, "ls", run["url"], *run["flags"])
+    assert re.search(r"^\s+3\s+PASSED-OVER\s", out, re.M), out
+    assert "3 committed, 1 passed over, 0 uncommitted; newest committed: 4" in out, out
+    rc, out, _ = _cli(capsys, "verify", run["url"], *run["flags"])
+    assert rc == 1 and any(ln.startswith("step 3: FAILED") for ln in out.splitlines()), out
+    rc, out, _ = _cli(capsys, "prune", run["url"], "--keep", "1", *run["flags"])
+    assert rc == 0 and mgr2.steps() == [4]
     assert not run["storage"].exists(step_dirname(3))
 
 

@@ -156,3 +156,33 @@ def test_a_link_inside_a_data_directory_is_never_followed(tmp_path):
     # (the links went, as any file no step names, never what they link to)
     assert not os.path.lexists(os.path.join(d, "sub"))
     assert not os.path.lexists(os.path.join(d, "linked.distcp"))
+
+
+def test_a_data_directory_moved_behind_a_link_is_written_again_not_read(tmp_path, caplog):
+    """A data directory later saves refer to, moved elsewhere and replaced by a link to the
+    copy (``mv data/D /disk2/D; ln -s /disk2/D data/D``): the saves that follow write its
+    tensors again from the saved state (a WARNING names the link) instead of failing, never
+    read through the link, and the newest step loads bitwise; the moved copy is untouched.
+    (keep_last=4: step 3 may still refer to step 1's data, ``dedup_bound``; steps 1 and 2
+    age out.)"""
+    url = str(tmp_path / "run")
+    model, opt = _model()
+    mgr = CheckpointManager(url, model=model, optimizer=opt, keep_last=4)
+    for step in (1, 2):
+        train(model, opt, 1, seed=step)
+        mgr.save(step)
+    (first,) = [d for d in os.listdir(os.path.join(url, DATA)) if d.startswith("00000001-")]
+    moved = str(tmp_path / "disk2" / first)
+    shutil.move(os.path.join(url, DATA, first), moved)
+    os.symlink(moved, os.path.join(url, DATA, first))
+    before = _tree(moved)
+    own = {}
+    with caplog.at_level("WARNING", logger="muon_ckpt"):
+        for step in (3, 4, 5, 6):
+            train(model, opt, 1, seed=step)
+            assert mgr.save(step)
+            own[step] = _state(model, opt)
+    mgr.close()
+    assert f"behind the symbolic link {os.path.join(url, DATA, first)}" in caplog.text
+    _loads(url, own)
+    assert _tree(moved) == before

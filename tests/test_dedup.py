@@ -96,15 +96,16 @@ def _no_orphans(st: Storage) -> None:
 
 # ---------------------------------------------------------------------- what is written
 def test_a_95_percent_frozen_model_saved_3_times_stores_about_one_full_step(tmp_path):
-    """keep_last=3, three saves of a model whose embedding is frozen (97% of the state; the
+    """keep_last=4, three saves of a model whose embedding is frozen (97% of the state; the
     head and its AdamW moments change at every step): at most 1.1x one full step in all,
-    where the same run with dedup=False stores 3x."""
+    where the same run with dedup=False stores 3x. (With keep_last=3 the third save writes
+    the embedding again: no data file is in every kept step, ``dedup_bound``.)"""
     stored = {}
     for dedup in (True, False):
         url = str(tmp_path / f"run-{dedup}")
         m = _Frozen(rows=4096)  # 2 MiB frozen, 4 KiB trained (+ 8 KiB of moments)
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.1)
-        mgr = CheckpointManager(url, model=m, optimizer=opt, keep_last=3, dedup=dedup)
+        mgr = CheckpointManager(url, model=m, optimizer=opt, keep_last=4, dedup=dedup)
         sizes = []
         for step in (1, 2, 3):
             m.head(m.emb(torch.tensor([step]))).sum().backward()
@@ -291,26 +292,28 @@ def test_a_new_run_in_a_used_url_refers_to_none_of_the_old_runs_data(tmp_path):
 def test_a_run_of_format_2_steps_continues_in_format_3(tmp_path):
     """Steps saved with dedup=False (format 2: every file in the step's directory) load,
     and a run resumed from one writes format 3 steps beside them (a full first step: format
-    2 records no digests); retention deletes the old steps without touching the new data."""
+    2 records no digests); retention deletes the old steps without touching the new data.
+    (keep_last=3: step 5 refers to step 4's data, step 6 writes it again, ``dedup_bound``.)"""
     url = str(tmp_path / "run")
     _three_saves(url, dedup=False)
     st = Storage(url)
     assert not st.exists(DATA)
     assert Catalog(st).manifest(3).format_version == 2
     m = _Frozen()
-    with CheckpointManager(url, model=m, keep_last=2) as mgr:
+    with CheckpointManager(url, model=m, keep_last=3) as mgr:
         assert mgr.load() == 3
         _same(m, _three_saves_state(3))
-        for step in (4, 5):
+        for step in (4, 5, 6):
             _set_step(m, step)
             mgr.save(step)
-    assert Catalog(st).committed_steps() == [4, 5]
+    assert Catalog(st).committed_steps() == [4, 5, 6]
     assert Catalog(st).manifest(5).format_version == 3
     assert _stored_in(st, 4, "model.emb.weight") == _stored_in(st, 5, "model.emb.weight")
     assert _stored_in(st, 4, "model.emb.weight").startswith("00000004-")
     _no_orphans(st)
     _loads(url, 4, _three_saves_state(4))
-    _loads(url, 5, m)
+    _loads(url, 5, _three_saves_state(5))
+    _loads(url, 6, m)
 
 
 def test_a_data_file_deleted_by_hand_makes_the_steps_that_name_it_corrupt(tmp_path):

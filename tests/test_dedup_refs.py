@@ -85,10 +85,11 @@ def test_damaged_data_a_save_refers_to_is_written_again(tmp_path, request, caplo
     byte flipped in that file after the commit (bit rot, a tool rewriting the object), or the
     file deleted (a lifecycle rule): the saves that follow write the embedding again from the
     saved state instead of referring to the damage (or failing for the missing file), and a
-    restart loads the newest step bitwise; retention kept steps that load."""
+    restart loads the newest step bitwise; retention kept steps that load. (keep_last=4: a
+    file is in at most 3 saves, so step 3 would still refer to step 1's, ``dedup_bound``.)"""
     url, opts = _url(kind, tmp_path, request)
     m = _Frozen()
-    mgr = CheckpointManager(url, model=m, storage_options=opts, keep_last=2)
+    mgr = CheckpointManager(url, model=m, storage_options=opts, keep_last=4)
     for step in (1, 2):
         _at(m, step)
         mgr.save(step)
@@ -97,17 +98,17 @@ def test_damaged_data_a_save_refers_to_is_written_again(tmp_path, request, caplo
     assert data_ref(name)[0].startswith("00000001-")  # step 2 refers to step 1's file
     damage(st, name, how, offset + length // 2)
     with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
-        for step in (3, 4):
+        for step in (3, 4, 5, 6):
             _at(m, step)
             assert mgr.save(step)
     mgr.close()
     fresh = _Frozen()
     with torch.no_grad():
         fresh.emb.weight.zero_()
-    assert CheckpointManager(url, model=fresh, storage_options=opts).load() == 4
+    assert CheckpointManager(url, model=fresh, storage_options=opts).load() == 6
     _same(fresh, m)
-    assert Catalog(st).committed_steps() == [3, 4]
-    for step in (3, 4):
+    assert Catalog(st).committed_steps() == [3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
         assert verify(resolve(st, step)).ok
     assert _where(st, 3, "model.emb.weight")[0].startswith("../data/00000003-")
     assert _where(st, 4, "model.emb.weight")[0] == _where(st, 3, "model.emb.weight")[0]
@@ -169,6 +170,36 @@ def test_no_step_refers_to_data_older_than_dedup_max_age_saves(tmp_path, request
         _same(fresh, _at(_Frozen(), step))
 
 
+@pytest.mark.parametrize("keep_last", [2, 3])
+def test_no_data_file_is_in_every_step_retention_keeps(tmp_path, keep_last):
+    """keep_last=n below dedup_max_age: a data file is in at most n - 1 consecutive saves
+    (keep_last=2: every save writes every tensor), so each is missing from a kept step, and a
+    byte flipped in the newest step's copy of the frozen embedding (bit rot after the job
+    ended) leaves an older step to load, bitwise. (Every kept step referred to one copy of it,
+    and no step loaded.)"""
+    url = str(tmp_path / "run")
+    m = _Frozen()
+    with CheckpointManager(url, model=m, keep_last=keep_last) as mgr:
+        for step in range(1, 8):
+            _at(m, step)
+            mgr.save(step)
+    st = Storage(url)
+    cat = Catalog(st)
+    kept = cat.committed_steps()
+    assert kept == list(range(8 - keep_last, 8))
+    named = {s: {n for n in cat.manifest(s).files if data_ref(n)} for s in kept}
+    for name in set().union(*named.values()):
+        assert any(name not in files for files in named.values()), (name, named)
+    name, offset, length = _where(st, 7, "model.emb.weight")
+    damage(st, name, "flip", offset + length // 2)
+    fresh = _Frozen()
+    with torch.no_grad():
+        fresh.emb.weight.zero_()
+    got = CheckpointManager(url, model=fresh).load()
+    assert got == 6
+    _same(fresh, _at(_Frozen(), 6))
+
+
 def test_each_referred_file_is_read_back_once_while_it_is_unchanged(tmp_path, monkeypatch):
     """The cost: a file an unchanged tensor refers to is read back by the first save that
     refers to it in this process, and again only when the storage reports a change: saves 3
@@ -195,6 +226,46 @@ def test_each_referred_file_is_read_back_once_while_it_is_unchanged(tmp_path, mo
             dirs = {d[:8] for d in reads if d[:8].isdigit()}  # (not .metadata's step directory)
             others = sorted(dirs - {f"{step:08d}"})
             assert others == (["00000001"] if step == 2 else []), (step, reads)
+
+
+def test_an_object_rewritten_in_place_on_memory_fs_is_read_back_again(monkeypatch, caplog):
+    """``memory://`` reports only an object's creation time, which an in-place write (a tool
+    rewriting one byte, ``open(..., "r+b")``) keeps: that is no change stamp, so every save
+    reads back what it refers to. Step 3 then writes the damaged file's tensor again and
+    loads bitwise (it committed on the damaged bytes, and no step after step 1 loaded)."""
+    import fsspec
+
+    from muon_ckpt.store import _confirm
+
+    # (no file is taken for one changed within the clock's tick: the stamp alone decides)
+    monkeypatch.setattr(_confirm, "SETTLED_SECONDS", 0.0)
+    url = f"memory://inplace-{os.getpid()}-{id(caplog)}/run"
+    m = _Frozen()
+    mgr = CheckpointManager(url, model=m)
+    for step in (1, 2):  # step 2 refers to step 1's file, read back by save 2
+        _at(m, step)
+        mgr.save(step)
+    st = Storage(url)
+    name, offset, length = _where(st, 2, "model.emb.weight")
+    fs = fsspec.filesystem("memory")
+    with fs.open(st.path(DATA, *data_ref(name)), "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with caplog.at_level(logging.WARNING, logger="muon_ckpt"):
+        _at(m, 3)
+        assert mgr.save(3)
+    mgr.close()
+    assert "written again" in caplog.text and data_ref(name)[0] in caplog.text
+    assert _where(st, 3, "model.emb.weight")[0].startswith("../data/00000003-")
+    fresh = _Frozen()
+    with torch.no_grad():
+        fresh.emb.weight.zero_()
+    assert CheckpointManager(url, model=fresh).load() == 3
+    _same(fresh, _at(_Frozen(), 3))
+    assert verify(resolve(st, 3)).ok
+    fs.rm(st.root, recursive=True)
 
 
 def _body_two_ranks(rank: int, world: int, url: str) -> None:

@@ -381,3 +381,40 @@ def test_prune_and_overwrite_unlink_a_symlinked_step_never_its_target(tmp_path, 
     mgr.save(2, overwrite=True)
     assert not os.path.islink(os.path.join(b2, step_dirname(2)))
     _run_a_intact(a2)
+
+
+def test_an_overwrite_entry_that_is_a_symlink_is_no_version_of_the_step(tmp_path):
+    """Run B's root holds ``overwrite-step-00000003``, a link to run A's step 3, committed
+    later than B's own (a root forked by linking every entry of another, or A's crashed
+    swap linked along). It is no interrupted replacement of B's step: B's load resumes B's
+    own step 3, and B's next save unlinks it (A's step untouched) instead of swapping A's
+    step in and deleting B's."""
+    a = three_step_run(str(tmp_path / "a"), {}, dedup=False)
+    model, opt = _fresh()
+    with CheckpointManager(a["url"], model=model, optimizer=opt, dedup=False) as mgr:  # gen 4
+        assert mgr.load() == 3
+        train(model, opt, 1, seed=9)
+        mgr.save(3, overwrite=True)
+    b = three_step_run(str(tmp_path / "b"), {})
+    link = os.path.join(b["url"], "overwrite-" + step_dirname(3))
+    os.symlink(a["storage"].path(step_dirname(3)), link)
+    model, opt = _fresh()
+    b_own = CheckpointManager(b["url"], model=model, optimizer=opt)
+    assert b_own.load() == 3
+    want = muon_state_sd(model, opt)
+    fresh_model, fresh_opt = _fresh()
+    CheckpointManager(a["url"], model=fresh_model, optimizer=fresh_opt).load(step=3)
+    theirs = muon_state_sd(fresh_model, fresh_opt)
+    assert any(not torch.equal(want[k], theirs[k]) for k in want if torch.is_tensor(want[k]))
+    train(model, opt, 1, seed=4)
+    b_own.save(4)
+    b_own.close()
+    assert not os.path.lexists(link)
+    assert not os.path.islink(os.path.join(b["url"], step_dirname(3)))
+    model, opt = _fresh()
+    assert CheckpointManager(b["url"], model=model, optimizer=opt).load(step=3) == 3
+    got = muon_state_sd(model, opt)
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v) if torch.is_tensor(v) else got[k] == v, k
+    _run_a_intact(a)

@@ -85,6 +85,45 @@ def test_an_object_store_key_that_is_not_plain_is_refused(s3_bucket, key, what):
     assert Storage(f"s3://{bucket}", opts).walk_files() == {}  # nothing written
 
 
+@pytest.mark.s3
+@pytest.mark.parametrize(
+    ("tail", "plain"),
+    [
+        ("run7?versionId=abc", "run7"),  # s3fs cuts it off every key: the lease went to run7
+        ("run7/?versionId=abc", "run7"),
+        ("run7#1712", "run7"),  # gcsfs reads a generation there
+        ("run*", None),  # fsspec reads a pattern: deleting old steps would match other runs
+        ("runs/[ab]/run7", None),
+    ],
+)
+def test_a_key_with_what_the_filesystem_parses_out_is_refused(s3_bucket, tail, plain):
+    """A url pasted with a version (``?versionId=``, ``#generation``) or holding a pattern
+    character is refused when the manager is made, naming why and the plain url; the
+    bucket's other object named like the run is untouched."""
+    import s3fs
+
+    bucket, opts = s3_bucket
+    fs = s3fs.S3FileSystem(**opts)
+    fs.pipe(f"{bucket}/run7", b"another object of the bucket")
+    url = f"s3://{bucket}/{tail}"
+    model, opt = _model()
+    with pytest.raises(ValueError) as e:
+        CheckpointManager(url, model=model, optimizer=opt, storage_options=opts)
+    msg = str(e.value)
+    assert url in msg, msg
+    fix = f"use s3://{bucket}/{plain}" if plain else "use a name without '*', '?', '['"
+    assert fix in msg, msg
+    fs.invalidate_cache()
+    assert fs.find(bucket) == [f"{bucket}/run7"]
+    assert fs.cat(f"{bucket}/run7") == b"another object of the bucket"
+
+
+@pytest.mark.parametrize("tail", ["run?", "run*", "r[0]"])
+def test_a_pattern_character_in_a_memory_url_is_refused(tail):
+    with pytest.raises(ValueError, match=r"pattern of names"):
+        Storage(f"memory://bucket/{tail}")
+
+
 def test_a_key_above_the_bucket_is_refused():
     with pytest.raises(ValueError, match=r"'\.\.' leads above the bucket.*a prefix inside"):
         Storage("memory://bucket/../run7")
@@ -119,3 +158,47 @@ def test_a_dot_dot_after_a_linked_directory_is_resolved_where_the_system_does(tm
     _check_run(url, {}, want[3])
     _check_run(str(tmp_path / "elsewhere" / "run7"), {}, want[3])
     assert not os.path.exists(tmp_path / "a" / "run7")
+
+
+def _tree(root: str) -> dict[str, int]:
+    return {
+        os.path.relpath(os.path.join(d, f), root): os.path.getsize(os.path.join(d, f))
+        for d, _, files in os.walk(root)
+        for f in files
+    }
+
+
+@pytest.mark.parametrize("where", ["step-00000002", "overwrite-step-00000002", "copy", "dcp"])
+def test_a_steps_directory_is_refused_as_a_runs_url(tmp_path, where):
+    """Run A's step directory (the form ``resume_from`` takes), a name of A's own kind, a
+    copy of a step under another name, a plain DCP checkpoint: a manager there would write a
+    run inside A's step, which A's retention deletes. Refused when it is made, naming the
+    run's url and ``resume_from``; nothing written. A run root named like a step (it holds
+    steps) stays a run."""
+    import shutil
+
+    from muon_ckpt.store import step_dirname
+
+    a = str(tmp_path / "runA")
+    _save_three(a, {})
+    url = os.path.join(a, where)
+    if where in ("copy", "dcp"):
+        url = str(tmp_path / where)
+        shutil.copytree(os.path.join(a, step_dirname(3)), url)
+        if where == "dcp":
+            os.remove(os.path.join(url, MANIFEST))
+    before = _tree(str(tmp_path))
+    model, opt = _model()
+    with pytest.raises(ValueError) as e:
+        CheckpointManager(url, model=model, optimizer=opt)
+    msg = str(e.value)
+    assert f"{url!r} is the directory of " in msg and "not a run" in msg, msg
+    if where.endswith("step-00000002"):
+        assert f"resume_from=({a!r}, 2)" in msg and f"give its url ({a!r})" in msg, msg
+    else:
+        assert "(it holds " in msg, msg
+    assert _tree(str(tmp_path)) == before
+    renamed = str(tmp_path / "step-00000009")  # a run's root may have any name
+    os.rename(a, renamed)
+    model, opt = _model()
+    assert CheckpointManager(renamed, model=model, optimizer=opt).load() == 3

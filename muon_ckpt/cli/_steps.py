@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import posixpath
 import shlex
 from typing import Any
 
@@ -27,22 +26,20 @@ def _open_run(args: argparse.Namespace, command: str) -> Any:
     """The storage of the run ``args.url`` names, for ``command`` (ls, prune): an error where
     the url does not exist, and where it is a step's directory, naming the run's url."""
     from muon_ckpt._errors import CheckpointNotFoundError
-    from muon_ckpt.store import MANIFEST, Catalog, parse_step_dirname
+    from muon_ckpt.store import check_run_root
 
     st = open_url(args)
     st.check_root()
     if not st.exists():
         raise CheckpointNotFoundError(f"no run at {args.url!r}: it does not exist")
-    url = args.url.rstrip("/")
-    step = parse_step_dirname(posixpath.basename(url).removeprefix("overwrite-"))
-    # Named as a step and holding none (a run root may have any name), or a step's manifest.
-    if (step is not None and not Catalog(st).scan()) or st.exists(MANIFEST):
-        which = f"step {step}" if step is not None else f"a step (it holds {MANIFEST})"
-        run = shlex.quote(posixpath.dirname(url) or ".")
-        raise ValueError(
-            f"{args.url!r} is the directory of {which}, not a run; give the run's url: "
-            f"muon-ckpt {command} {run} (inspect and verify take a step's directory)"
-        )
+    check_run_root(
+        st,
+        args.url,
+        lambda run, _: (
+            f"give the run's url: muon-ckpt {command} {shlex.quote(run)} (inspect "
+            "and verify take a step's directory)"
+        ),
+    )
     return st
 
 
@@ -73,7 +70,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{printable(s.time or '-')}"
         )
     done = [s.step for s in steps if s.committed]
-    corrupt = [s for s in steps if s.status == "corrupt"]
+    corrupt = [s for s in steps if s.status == "corrupt" and s.passed_over is None]
     passed = [s for s in steps if s.passed_over is not None]
     tail = f"; newest committed: {done[-1]}" if done else ""
     bad = f"{len(corrupt)} CORRUPT, " if corrupt else ""

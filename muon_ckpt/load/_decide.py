@@ -3,9 +3,10 @@
 Without a step asked for, the candidates are the committed steps of the url, newest first,
 then ``resume_from``'s (its one step, or its steps newest first); the first whose manifest,
 file sizes and metadata check out is chosen, and a step that fails those checks twice (a
-read fault is read once more) is skipped with a WARNING (``Skip``). With a step asked for,
-that step only. A step of a newer format is never skipped: a CheckpointVersionError says to
-upgrade, before anything is read.
+read fault is read once more) is skipped with a WARNING (``Skip``), as is a newer step whose
+manifest read as damaged twice (``Skip.unread``: tried again should it read; the next save
+keeps it, ``store._lines``). With a step asked for, that step only. A step of a newer format
+is never skipped: a CheckpointVersionError says to upgrade, before anything is read.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Skip:
     step: int
     why: str
     gen: int | None = None  # its commit's generation, where known
+    unread: bool = False  # a newer step whose manifest could not be read (CORRUPT): not tried
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +106,8 @@ class History:
         newer = present if from_resume else [(n, g) for n, g in present if n > s]
         newer += [(t.step, t.gen or 0) for t in self.tier if t.committed and t.step > s]
         newer += [r for r in self.retired if r not in newer]
-        if not asked and coll.rank() == 0:  # (every rank decides a load from memory)
-            for info in self.scan:
-                if info.status == Status.CORRUPT and info.step in {n for n, _ in newer}:
-                    _log.warning("skipping step %d: %s", info.step, info.problem)
+        if not asked:  # (passed over: its manifest read as damaged twice; kept, store._lines)
+            skipped = [*skipped, *self._unread(newer, skipped)]
         url = source == "url"
         return Decision(
             from_resume,
@@ -124,6 +124,18 @@ class History:
             data_gens=m.data_gens if url else {},
             update_rules=m.extra.get("update_rules"),
         )
+
+    def _unread(self, newer: list[tuple[int, int | None]], skipped: list[Skip]) -> list[Skip]:
+        """The url's newer steps whose manifest could not be read (CORRUPT, gen unknown) not
+        yet in ``skipped``, said once (rank 0: every rank decides a load from memory)."""
+        out = []
+        for info in self.scan:
+            if info.status == Status.CORRUPT and (info.step, None) in newer:
+                if coll.rank() == 0:
+                    _log.warning("skipping step %d: %s", info.step, info.problem)
+                if not any(k.unread and k.step == info.step for k in skipped):
+                    out.append(Skip(False, info.step, str(info.problem), unread=True))
+        return out
 
 
 def refuse_newer(where: str, what: str, newer: list[int], step: int | None, fix: str) -> None:
@@ -200,7 +212,7 @@ def _first_that_checks_out(
     step: int | None,
     skipped: list[Skip],
 ) -> Decision:
-    tried = {(s.from_resume, s.step) for s in skipped}
+    tried = {(s.from_resume, s.step) for s in skipped if not s.unread}
     for cat, s, from_resume in candidates:
         if (from_resume, s) in tried:
             continue

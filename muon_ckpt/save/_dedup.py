@@ -22,9 +22,10 @@ What it refers to must still be there as it was written: before a save writes, t
 it would refer to are checked (``store.check_stored``: sizes, and with ``confirm="checksum"``
 their checksums, each file read back once per process while the storage reports no change
 to it), and the tensors of a file that is missing or damaged are written again, from the
-saved state, with a WARNING. Nor does a save refer to data written ``dedup_max_age`` or more
-saves before it (by the generations of the commits, ``DedupBase.gens``): such a tensor is
-written again, so the damage of one file reaches at most that many steps.
+saved state, with a WARNING. Nor does a save refer to data written ``dedup_bound`` or more
+saves before it (``dedup_max_age``, at most ``keep_last - 1``; by the generations of the
+commits, ``DedupBase.gens``): such a tensor is written again, so the damage of one file
+reaches at most that many steps, never every step retention keeps.
 
 Order: a tensor the base holds is hashed before it is written, unless it changed at the save
 that recorded it (then it most likely changed again); that one, and a tensor the base does

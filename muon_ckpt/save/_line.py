@@ -47,7 +47,7 @@ class RunLine:
     resumed: bool = False
     line: str | None = None
     abandoned: list[tuple[int, int | None]] = field(default_factory=list)  # (step, gen)
-    passed: list[tuple[int, int, str]] = field(default_factory=list)  # (step, gen, why)
+    passed: list[tuple[int, int | None, str]] = field(default_factory=list)  # (step, gen, why)
     base: DedupBase | None = None
     verified: tuple[int, int] | None = None  # (step, gen)
 
@@ -84,9 +84,9 @@ class RunLine:
             pass_over=self.passed,
         )
         url_name = catalog.storage.url
-        newly = {(s, g) for s, g, _ in self.passed}
-        for s, g, why in plan.passed:
-            if (s, g) in newly:
+        newly = {s for s, _, _ in self.passed}  # (gen None: its manifest was unreadable)
+        for s, _, why in plan.passed:
+            if s in newly:
                 _log.warning(
                     "%s: step %d, which the load passed over (%s), is retired from this run's "
                     "line by step %d%s",

@@ -56,7 +56,7 @@ class WritePolicy:
     """How a save writes its tensors (the options ``dedup``, ``dedup_max_age`` and
     ``compression``). ``dedup``: its files go to the run's data (format 3) and a tensor the
     run holds unchanged is referred to, where its file was written fewer than ``max_age``
-    saves before; ``compress``: tensors of ``MIN_COMPRESS_BYTES`` or more are stored
+    saves before (``ManagerConfig.dedup_bound``: at most ``keep_last - 1``); ``compress``: tensors of ``MIN_COMPRESS_BYTES`` or more are stored
     compressed (format 4); ``digests``: each tensor's digest is recorded without dedup (the
     memory tier's parts, which the flush at ``close()`` refers by)."""
 
@@ -67,7 +67,7 @@ class WritePolicy:
 
     @classmethod
     def of(cls, config: ManagerConfig) -> WritePolicy:
-        return cls(config.dedup, config.dedup_max_age, config.compression == "zstd")
+        return cls(config.dedup, config.dedup_bound, config.compression == "zstd")
 
 
 class StepWriter(FileSystemWriter):

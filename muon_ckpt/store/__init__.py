@@ -28,7 +28,7 @@ from muon_ckpt.store._layout import (
 from muon_ckpt.store._lease import LEASE
 from muon_ckpt.store._lines import SavePlan, mark_tier
 from muon_ckpt.store._local import open_regular
-from muon_ckpt.store._probe import open_run, open_storage
+from muon_ckpt.store._probe import check_run_root, open_run, open_storage
 from muon_ckpt.store._resolve import Resolved, VerifyResult, prune, resolve, verify
 from muon_ckpt.store._steps import Status, StepInfo, layout_of
 from muon_ckpt.store._storage import Storage, is_storage_failure
@@ -48,6 +48,7 @@ __all__ = [
     "StepInfo",
     "Storage",
     "VerifyResult",
+    "check_run_root",
     "check_step",
     "check_stored",
     "confirm_files",

@@ -13,7 +13,7 @@ storage (``_confirm``) before rank 0 checks the write lease (``_lease``) and wri
 manifest, LAST, with every file's size and checksums, and reads it back. Deleting a step removes
 the manifest FIRST, so a crash while deleting leaves an uncommitted directory, never a
 committed step with missing files; a step directory that is a symlink is unlinked, never
-followed. A step written where a step already is (an overwrite, a rewind's or a new run's
+followed (an ``overwrite-`` entry that is one is no version of its step: ``_steps``). A step written where a step already is (an overwrite, a rewind's or a new run's
 replacement) is written beside it (``overwrite-step-XXXXXXXX``), committed there, then
 swapped in (locally one atomic ``renameat2(RENAME_EXCHANGE)``), so a crash never leaves fewer
 committed steps than before (object stores: see ``_swap_in``). Deletions of retired steps and
@@ -45,30 +45,28 @@ from muon_ckpt.store._layout import (
     METADATA,
     PLAIN_FORMAT_VERSION,
     SHARED_FORMAT_VERSION,
-    STEP_PREFIX,
     FileEntry,
     Manifest,
     data_ref,
-    parse_step_dirname,
     step_dirname,
 )
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, Lease
 from muon_ckpt.store._lines import SavePlan, aged_out, mark_superseded, plan_save
 from muon_ckpt.store._steps import (
-    COMMITTED,
     CORRUPT,
     NEWER,
+    OVERWRITE,
     SUPERSEDED,
     UNCOMMITTED,
     StepInfo,
+    pick,
     read_manifest,
     read_step,
+    step_dirs,
 )
 from muon_ckpt.store._storage import Storage
 
 __all__ = ["Catalog", "write_dirname"]
-
-_OVERWRITE = "overwrite-"  # prefix of the directory an overwrite is written to
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -76,7 +74,7 @@ _log = logging.getLogger("muon_ckpt")
 def write_dirname(step: int, overwrite: bool) -> str:
     """Where a save of ``step`` writes its files: the step's directory, or beside it for an
     overwrite (swapped in at the commit)."""
-    return _OVERWRITE + step_dirname(step) if overwrite else step_dirname(step)
+    return OVERWRITE + step_dirname(step) if overwrite else step_dirname(step)
 
 
 class Catalog:
@@ -88,32 +86,15 @@ class Catalog:
         self.lease = Lease(storage, lease_seconds)
 
     # ------------------------------------------------------------------ reading
-    def _step_dirs(self) -> tuple[dict[int, list[str]], list[str]]:
-        """step -> its directories (its own first, then an overwrite's), and the names that
-        look like steps but are not directories with canonical names (``ignored``)."""
-        steps: dict[int, list[str]] = {}
-        junk = []
-        for name, is_dir in self.storage.list_dirs().items():
-            base = name.removeprefix(_OVERWRITE)
-            if not base.startswith(STEP_PREFIX):
-                continue
-            step = parse_step_dirname(base)
-            if step is None or not is_dir:
-                junk.append(name)
-                continue
-            dirs = steps.setdefault(step, [])
-            dirs.insert(len(dirs) if name.startswith(_OVERWRITE) else 0, name)
-        return steps, junk
-
     def scan(self, *, detail: bool = False) -> list[StepInfo]:
         """Every step, oldest first, with its status (``detail``: also size, file count and
         time of the steps that are not committed, from a listing)."""
-        steps, _ = self._step_dirs()
+        steps = step_dirs(self.storage)[0]
         out = []
         for step, names in sorted(steps.items()):
-            info = _pick([read_step(self.storage, n, step) for n in names])
+            info = pick([read_step(self.storage, n, step) for n in names])
             if info is not None and info.status == CORRUPT:  # (a read fault? once more)
-                info = _pick([read_step(self.storage, n, step) for n in names])
+                info = pick([read_step(self.storage, n, step) for n in names])
             if info is not None:
                 if detail and not info.committed:
                     info = read_step(self.storage, info.dirname, step, detail=True)
@@ -125,7 +106,7 @@ class Catalog:
         """Entries under the root that look like steps but are not: names other than ``step-``
         and exactly 8 digits, and plain files (or anything not a directory) named like a
         step. Never listed, loaded or deleted."""
-        return self._step_dirs()[1]
+        return step_dirs(self.storage)[1]
 
     def step_info(self, step: int | None = None) -> StepInfo | None:
         """Committed ``step`` (default: the newest) as its manifest describes it; None when
@@ -166,10 +147,10 @@ class Catalog:
         into place that a crash (or, on an object store, a failed copy) cut short
         (``_swap_in``) when that one holds the later commit."""
         own = step_dirname(step)
-        staged = _OVERWRITE + own
-        if not self.storage.exists(staged, MANIFEST):
+        staged = OVERWRITE + own
+        if self.storage.is_link(staged) or not self.storage.exists(staged, MANIFEST):
             return own
-        info = _pick([read_step(self.storage, n, step) for n in (own, staged)])
+        info = pick([read_step(self.storage, n, step) for n in (own, staged)])
         return own if info is None else info.dirname
 
     def manifest(self, step: int, dirname: str | None = None) -> Manifest:
@@ -203,7 +184,7 @@ class Catalog:
         new_run: bool = False,
         abandon: list[tuple[int, int | None]] | None = None,
         refer_to: tuple[int, int] | None = None,
-        pass_over: list[tuple[int, int, str]] | None = None,
+        pass_over: list[tuple[int, int | None, str]] | None = None,
     ) -> SavePlan:
         """Ready a save of ``step``: take the write lease; finish or remove the leftovers of
         crashed saves (an overwrite that was committed but not swapped in is finished first);
@@ -215,7 +196,9 @@ class Catalog:
         kept."""
         self.lease.acquire()
         st = self.storage
-        steps, _ = self._step_dirs()
+        steps, _, links = step_dirs(st)
+        for name in links:  # (another run's step linked along: unlinked, never followed)
+            st.rm(name)
         for s, names in steps.items():
             for name in names[1:] if names[0] == step_dirname(s) else names:
                 self._finish_or_drop(name, s)
@@ -266,7 +249,7 @@ class Catalog:
         overwrite that never committed, or the old version an exchange left behind)."""
         own = step_dirname(step)
         infos = [read_step(self.storage, n, step) for n in (own, name)]
-        picked = _pick(infos)
+        picked = pick(infos)
         if picked is not None and picked.dirname == name:
             _log.warning("finishing the interrupted replacement of step %d", step)
             self._swap_in(name, step)
@@ -380,8 +363,8 @@ class Catalog:
         step not moved into place yet (not one being written). A step directory that is a
         symlink (to another run's step) is unlinked: its target is never touched."""
         self._remove(step_dirname(step))
-        if self.storage.exists(_OVERWRITE + step_dirname(step), MANIFEST):
-            self._remove(_OVERWRITE + step_dirname(step))
+        if self.storage.exists(OVERWRITE + step_dirname(step), MANIFEST):  # (a link: unlinked)
+            self._remove(OVERWRITE + step_dirname(step))
 
     def _remove(self, name: str) -> None:
         if self.storage.is_link(name):
@@ -428,23 +411,7 @@ class Catalog:
     def collect(self) -> list[str]:
         """Delete the run's data files that no manifest of a step directory names (``_data``;
         rank 0, under the write lease, when no save is writing). Returns what went."""
-        gone = collect_data(self.storage, self._step_dirs()[0])
+        gone = collect_data(self.storage, step_dirs(self.storage)[0])
         if gone:
             _log.info("%s: deleted data no step refers to: %s", self.storage.url, gone[:20])
         return gone
-
-
-def _pick(infos: list[StepInfo]) -> StepInfo | None:
-    """Which of a step's directories (its own first, then an overwrite's) stands for it: the
-    committed one with the later commit (its own on a tie, or when none is committed, unless
-    it has no manifest); an overwrite's directory only when committed (anything else there is
-    a leftover, not a step). A directory of a newer format always stands."""
-    own = infos[0] if infos and not infos[0].dirname.startswith(_OVERWRITE) else None
-    staged = [i for i in infos if i.dirname.startswith(_OVERWRITE) and i.status == COMMITTED]
-    if own is not None and own.status == NEWER:
-        return own
-    best = own
-    for i in staged:
-        if best is None or best.status != COMMITTED or (i.gen or 0) > (best.gen or 0):
-            best = i
-    return best

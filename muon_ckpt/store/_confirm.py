@@ -19,11 +19,15 @@ Bytes also change after their commit (bit rot, a tool rewriting an object, a lif
 deleting it). ``check_stored`` tells which of a committed step's files the storage no longer
 holds as recorded: sizes always (one listing per directory), and with ``"checksum"`` the
 checksums, reading a file back unless this process read it back already since the storage
-last reported a change to it (another size, modification time or ETag; a file changed less
-than ``SETTLED_SECONDS`` before the listing, within the coarse tick of a file system's clock,
-is read back every time). A save asks it of the files of earlier saves it would refer to for
-its unchanged tensors, and writes those tensors again where one fails (``save._dedup``); a
-load asks it of the files of a step that read as damaged before it passes over the step.
+last reported a change to it (``_stamp``: locally size, inode and the modification and
+status-change times in nanoseconds; an object's ETag or generation; another backend's
+``mtime``). A file changed less than ``SETTLED_SECONDS`` before (within the coarse tick of a
+file system's clock), or on a backend that reports no such stamp (``memory://`` keeps only
+its creation time through an in-place write), is read back every time. A file in a data
+directory that is a symbolic link is reported, never read through the link. A save asks it
+of the files of earlier saves it would refer to for its unchanged tensors, and writes those
+tensors again where one fails (``save._dedup``); a load asks it of the files of a step that
+read as damaged before it passes over the step.
 
 Seam: a store that checks a checksum sent with the upload (S3 and GCS accept CRC32C;
 ``x-amz-checksum-crc32c``) could confirm on the way: manifests record CRC32C per chunk, and a
@@ -34,6 +38,7 @@ no read-back here.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 from typing import Any
@@ -106,20 +111,21 @@ def check_stored(
     if not files:
         return {}
     now = time.time()
-    listed = listing(storage, (dirname,), set(files))
-    bad: dict[str, str] = {}
+    bad = _linked(storage, dirname, files)
+    listed = listing(storage, (dirname,), set(files) - set(bad))
 
     def one(name: str) -> None:
         want, info = files[name], listed.get(name)
         ref = data_ref(name)  # (one key per file, whichever step names it)
-        key = storage.url_of(DATA, *ref) if ref is not None else storage.url_of(dirname, name)
+        parts = (DATA, *ref) if ref is not None else (dirname, name)
+        key = storage.url_of(*parts)
         got = None if info is None else int(info.get("size") or 0)
         if got != want.size:
             bad[name] = "nothing" if got is None else f"{got} bytes, not {want.size}"
             return
         if not reads_back(mode):
             return
-        state = _state(info, now)
+        state = _stamp(storage, parts, info, now)
         with _lock:
             if state is not None and _checked.get(key) == state:
                 return
@@ -140,21 +146,47 @@ def check_stored(
                     del _checked[next(iter(_checked))]
                 _checked[key] = state
 
-    run_all(threads, one, sorted(files), name="-refs")
+    run_all(threads, one, sorted(set(files) - set(bad)), name="-refs")
     return bad
 
 
-def _state(info: dict[str, Any], now: float) -> tuple[Any, ...] | None:
-    """What the storage says of a file that changes whenever its bytes do: its ETag (S3),
-    generation (GCS) or times and inode; None where it says nothing of the kind, or the file
-    changed so recently that another change in the same tick of the clock would go unseen."""
+def _linked(storage: Storage, dirname: str, files: dict[str, FileEntry]) -> dict[str, str]:
+    """The files of ``files`` in a data directory that is (or lies behind) a symbolic link:
+    never read through it, they count as not held (a save writes their tensors again)."""
+    out = {}
+    for name in files:
+        ref = data_ref(name)
+        link = None if ref is None else storage.link_in(dirname, "..", DATA, ref[0])
+        if link is not None:
+            out[name] = f"its directory behind the symbolic link {link} (never read through)"
+    return out
+
+
+def _stamp(
+    storage: Storage, parts: tuple[str, ...], info: dict[str, Any], now: float
+) -> tuple[Any, ...] | None:
+    """What changes whenever a file's bytes do: locally its ``os.stat`` (size, inode, device,
+    modification and status-change times in ns: a rewrite that restores the modification
+    time still moves the status-change time); an object's ETag or generation; another
+    backend's ``mtime``. None where the storage reports no such stamp (``memory://``'s
+    ``created`` survives an in-place write) or the file changed so recently that another
+    change in the same tick of the clock would go unseen: then it is read back every time."""
+    if storage.is_local:
+        try:
+            st = os.lstat(storage.path(*parts))
+        except OSError:
+            return None
+        changed = max(st.st_mtime_ns, st.st_ctime_ns) / 1e9
+        if now - changed < SETTLED_SECONDS:
+            return None
+        return "stat", st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns
     for k in ("ETag", "etag", "generation", "md5Hash"):
         if info.get(k):
             return k, info.get("size"), str(info[k])
-    stamps = [t for k in ("mtime", "created", "LastModified") if (t := _seconds(info.get(k)))]
-    if not stamps or now - max(stamps) < SETTLED_SECONDS:
+    mtime = _seconds(info.get("mtime"))
+    if mtime is None or now - mtime < SETTLED_SECONDS:
         return None
-    return "times", info.get("size"), info.get("ino"), *stamps
+    return "mtime", info.get("size"), mtime
 
 
 def _seconds(v: Any) -> float | None:

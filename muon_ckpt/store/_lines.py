@@ -16,7 +16,14 @@ A step that a load passed over (``load()`` fell back past it: it could not be re
 once more) is retired as a rewind's newer steps are, so no restart resumes it and lines
 never mix; but a read fault is no proof of damage, so its files are not deleted on that
 account: the commit lists it in ``passed_over`` too, and it is deleted only once retention or
-``prune`` keeps only newer steps (``aged_out``), or when a save takes its step number.
+``prune`` keeps only newer steps (``aged_out``), or when a save takes its step number. That
+holds for a step whose manifest the load could not read as well (a read fault, or a proxy
+serving a damaged copy): found committed by the save, it is retired with its generation;
+still unreadable (CORRUPT), its generation is not known, so the commit lists ``[step, its own
+gen]``, which stands for every commit of that step not newer than itself (``_unread``; a save
+of that step number is newer), and each later commit lists it again while it is unreadable.
+A commit whose generation is below the unreadable one's (the commits above it deleted since:
+a rewind's) cannot retire it: should it read again, its line lives on beside this one.
 
 So deleting happens only after a commit, and a process that dies between a commit and the
 deletions leaves a url whose next load resumes the new line. A first save of a manager that
@@ -65,9 +72,16 @@ def mark_superseded(infos: list[StepInfo]) -> None:
                 retired.setdefault(pair, i.step)
             for s, g, why in i.passes:
                 passed.setdefault((s, g), why)
+    unread = _unread(infos)
     for i in infos:
         key = (i.step, i.gen or 0)
         by = retired.get(key)
+        gen, by_unread, why = unread.get(i.step, (-1, 0, ""))
+        if i.status == CORRUPT and gen >= 0:  # (its manifest still cannot be read)
+            i.passed_over, i.problem = why, f"{i.problem}; {_kept(why, by_unread)}"
+            continue
+        if by is None and (i.gen or 0) <= gen:
+            by, passed[key] = by_unread, why
         if i.status != COMMITTED or by is None:
             continue
         i.status, i.passed_over = SUPERSEDED, passed.get(key)
@@ -76,11 +90,28 @@ def mark_superseded(infos: list[StepInfo]) -> None:
             "never loaded, and deleted by the next save"
         )
         if i.passed_over is not None:
-            i.problem = (
-                f"passed over by a load that could not read it ({i.passed_over}); retired by "
-                f"the line of step {by}: never resumed, kept until retention or prune deletes "
-                "it (muon-ckpt verify says whether it is damaged)"
-            )
+            i.problem = _kept(i.passed_over, by)
+
+
+def _kept(why: str, by: int) -> str:
+    return (
+        f"passed over by a load that could not read it ({why}); retired by the line of step "
+        f"{by}: never resumed, kept until retention or prune deletes it (muon-ckpt verify says "
+        "whether it is damaged)"
+    )
+
+
+def _unread(infos: list[StepInfo]) -> dict[int, tuple[int, int, str]]:
+    """step -> (gen, the step retiring it, why) of the passed-over commits ``[step, gen]``
+    that a commit listed with its own generation: a step whose manifest it could not read
+    (CORRUPT, generation unknown), retired at every generation up to that one."""
+    out: dict[int, tuple[int, int, str]] = {}
+    for i in infos:
+        if i.status in (COMMITTED, SUPERSEDED):
+            for s, g, why in i.passes:
+                if g == (i.gen or 0) and s != i.step and g > out.get(s, (-1, 0, ""))[0]:
+                    out[s] = (g, i.step, why)
+    return out
 
 
 def aged_out(infos: list[StepInfo], kept: set[int]) -> list[int]:
@@ -102,7 +133,7 @@ def plan_save(
     new_run: bool,
     abandon: list[tuple[int, int | None]],
     refer_to: tuple[int, int] | None = None,
-    pass_over: list[tuple[int, int, str]] | None = None,
+    pass_over: list[tuple[int, int | None, str]] | None = None,
 ) -> SavePlan:
     """Decide a save of ``step`` over the scan ``infos`` of ``url``. ``resumed``: the
     manager loaded (or found nothing to load) or saved before; ``abandon``: the steps newer
@@ -129,17 +160,33 @@ def plan_save(
             raise CheckpointExistsError(_foreign(url, step, live))
         retires += [(i.step, i.gen or 0) for i in live]
         drop += [i.step for i in infos if i.status == CORRUPT]
+    # A new run replaces every step of the old one; a resumed run keeps what it passes over.
+    keeps: dict[tuple[int, int | None], str] = {}
+    unread: dict[int, str] = {}  # passed over, its manifest still unreadable: retired, kept
+    if resumed:
+        keeps = {(s, g): why for s, g, why in pass_over or ()}
+        for i in infos:  # (kept from an earlier commit: listed again, as ``carried`` are)
+            if i.passed_over is not None and i.status == CORRUPT:
+                unread[i.step] = i.passed_over
+            elif i.passed_over is not None:
+                keeps[i.step, i.gen or 0] = i.passed_over
     for s, g in abandon:
         info = by_step.get(s)
-        if info is not None and g is None and info.status == CORRUPT:
+        status = None if info is None else info.status
+        why = keeps.get((s, g), keeps.get((s, None)))  # (gen None: its manifest was unreadable)
+        if status == CORRUPT and why is not None:
+            unread[s] = why
+            continue
+        if status == CORRUPT:
             drop.append(s)
-        elif g is not None and (info is None or info.status == COMMITTED):
+        if info is not None and status == COMMITTED and (g is None or (s, None) in keeps):
+            g = info.gen or 0  # the load could not read its manifest; this save can
+        if g is not None and status in (None, COMMITTED, CORRUPT):
             retires.append((s, g))  # (a step of the url, or of the memory tier: mark_tier)
-    # A new run replaces every step of the old one; a resumed run keeps what it passes over.
-    keeps = {} if not resumed else {(s, g): why for s, g, why in pass_over or ()}
-    keeps |= {(i.step, i.gen or 0): i.passed_over for i in infos if i.passed_over and resumed}
+            if why is not None:
+                keeps[s, g] = why
     replacing = sorted({s for s, g in retires if (s, g) not in keeps} | set(drop))
-    replaced = {s for s, _ in carried + retires} | set(drop)  # (a passed-over one included)
+    replaced = {s for s, _ in carried + retires} | set(drop) | set(unread)
     have = by_step.get(step)
     taken = have is not None and have.status in (COMMITTED, CORRUPT) and step not in replaced
     if taken and not overwrite:
@@ -151,6 +198,10 @@ def plan_save(
     # Above every commit it could retire, the memory tier's too: a commit never retires itself.
     known = [i.gen or 0 for i in infos if i.status in (COMMITTED, SUPERSEDED)]
     gen = 1 + max([*known, *(g for _, g in abandon if g is not None)], default=0)
+    for s, why in unread.items():  # (``_unread``; a save of that step takes its place instead)
+        if s != step:
+            retires.append((s, gen))
+            keeps[s, gen] = why
     beside = overwrite or (have is not None and have.status != UNCOMMITTED)
     base = (live[-1].step, live[-1].gen or 0, live[-1].line) if live else None
     retired = sorted(set(retires + carried))

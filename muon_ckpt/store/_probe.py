@@ -8,21 +8,24 @@ credentials, an unreachable endpoint, a missing bucket or a refused access are a
 bucket) with a retry budget of its own (``_retry``: at most ``_PROBE_TIMEOUT`` seconds, less
 when ``storage_timeout`` is; an endpoint that refuses connections is not tried again), so a
 transient error does not end a job at its start. A missing bucket is never created.
+A run's url that is a step's directory (``check_run_root``) is a ``ValueError`` too: a run
+written inside another run's step is deleted with it.
 """
 
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Callable
 from typing import Any
 
 from muon_ckpt._errors import CheckpointError, CheckpointStorageError
 from muon_ckpt.store._catalog import Catalog
-from muon_ckpt.store._layout import parse_step_dirname
+from muon_ckpt.store._layout import MANIFEST, METADATA, parse_step_dirname
 from muon_ckpt.store._retry import Budget, own_retries
 from muon_ckpt.store._storage import DEFAULT_TIMEOUT, Storage, is_storage_failure
 from muon_ckpt.store._url import bad_options, check_url
 
-__all__ = ["open_run", "open_storage"]
+__all__ = ["check_run_root", "open_run", "open_storage"]
 
 _PROBE_TIMEOUT = 5.0  # seconds: the probe's budget, its retries included
 # Options a local path takes (fsspec's own, and the local filesystem's): anything else in
@@ -142,6 +145,33 @@ def open_storage(
     return storage
 
 
+def check_run_root(storage: Storage, url: str, fix: Callable[[str, int | None], str]) -> None:
+    """A ValueError when ``url`` is a step's directory, not a run's root: its last component
+    is a step directory's name (``step-XXXXXXXX``, ``overwrite-step-...``) and it holds no
+    step directory (a run's root may have any name), or it holds a step's ``manifest.json``
+    or DCP's ``.metadata``. The message ends with ``fix(run url, step)`` (step: None when
+    the name is not a step's). One listing of the root."""
+    base = posixpath.basename(url.rstrip("/"))
+    step = parse_step_dirname(base.removeprefix("overwrite-"))
+    names = storage.list_dirs()
+    steps = [n for n, d in names.items() if d and parse_step_dirname(n) is not None]
+    own = [n for n in (MANIFEST, METADATA) if n in names]
+    if not own and (step is None or steps):
+        return
+    which = f"step {step}" if step is not None else f"a checkpoint (it holds {own[0]})"
+    run = url.rstrip("/")[: -len(base)].rstrip("/") or ("/" if url.startswith("/") else ".")
+    raise ValueError(f"{url!r} is the directory of {which}, not a run; {fix(run, step)}")
+
+
+def _manager_fix(run: str, step: int | None) -> str:
+    source = f"({run!r}, {step})" if step is not None else "<this url>"
+    return (
+        "a run written inside it would be deleted with it by the run that holds it. To "
+        f"resume that run, give its url ({run!r}); to start a new run from this step, give "
+        f"a new url and resume_from={source}. Nothing was written"
+    )
+
+
 def open_run(
     url: str,
     options: dict[str, Any],
@@ -157,6 +187,7 @@ def open_run(
     catalog = Catalog(
         open_storage(url, options, field="url", timeout=timeout), lease_seconds=lease_seconds
     )
+    check_run_root(catalog.storage, url, _manager_fix)
     if resume_from is None:
         return catalog, None
     rf_url, rf_step = (resume_from, None) if isinstance(resume_from, str) else resume_from

@@ -15,6 +15,12 @@ A step directory ``step-XXXXXXXX`` is
   retention or leftover clean-up;
 * UNCOMMITTED without a manifest (a save that crashed or is running): ignored, and removed
   by the next save.
+
+A step's directories (``step_dirs``) are its own and an overwrite's (``overwrite-step-...``,
+written beside it and swapped in at the commit); ``pick`` says which stands for the step. An
+``overwrite-`` entry that is a symbolic link is never a version of the step (this library
+writes none: it is another run's step, linked along): never read, and unlinked as a leftover
+by the next save (``Catalog.begin``).
 """
 
 from __future__ import annotations
@@ -25,21 +31,32 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointVersionError
-from muon_ckpt.store._layout import MANIFEST, MAX_MANIFEST_BYTES, Manifest
+from muon_ckpt.store._layout import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    STEP_PREFIX,
+    Manifest,
+    parse_step_dirname,
+)
 from muon_ckpt.store._storage import Storage
 
 __all__ = [
     "COMMITTED",
     "CORRUPT",
     "NEWER",
+    "OVERWRITE",
     "SUPERSEDED",
     "UNCOMMITTED",
     "Status",
     "StepInfo",
     "layout_of",
+    "pick",
     "read_manifest",
     "read_step",
+    "step_dirs",
 ]
+
+OVERWRITE = "overwrite-"  # prefix of the directory an overwrite is written to
 
 
 class Status(str, enum.Enum):
@@ -165,3 +182,40 @@ def _mtime(info: dict[str, Any]) -> float | None:
         if isinstance(v, (int, float)):
             return float(v)
     return None
+
+
+def step_dirs(storage: Storage) -> tuple[dict[int, list[str]], list[str], list[str]]:
+    """step -> its directories (its own first, then an overwrite's); the names that look like
+    steps but are not directories with canonical names (``Catalog.ignored``); and the
+    ``overwrite-`` entries that are symbolic links (no version of a step: leftovers)."""
+    steps: dict[int, list[str]] = {}
+    junk, links = [], []
+    for name, is_dir in storage.list_dirs().items():
+        base = name.removeprefix(OVERWRITE)
+        if not base.startswith(STEP_PREFIX):
+            continue
+        step = parse_step_dirname(base)
+        if step is None or not is_dir:
+            junk.append(name)
+        elif name.startswith(OVERWRITE) and storage.is_link(name):
+            links.append(name)
+        else:
+            dirs = steps.setdefault(step, [])
+            dirs.insert(len(dirs) if name.startswith(OVERWRITE) else 0, name)
+    return steps, junk, links
+
+
+def pick(infos: list[StepInfo]) -> StepInfo | None:
+    """Which of a step's directories (its own first, then an overwrite's) stands for it: the
+    committed one with the later commit (its own on a tie, or when none is committed, unless
+    it has no manifest); an overwrite's directory only when committed (anything else there is
+    a leftover, not a step). A directory of a newer format always stands."""
+    own = infos[0] if infos and not infos[0].dirname.startswith(OVERWRITE) else None
+    staged = [i for i in infos if i.dirname.startswith(OVERWRITE) and i.status == COMMITTED]
+    if own is not None and own.status == NEWER:
+        return own
+    best = own
+    for i in staged:
+        if best is None or best.status != COMMITTED or (i.gen or 0) > (best.gen or 0):
+            best = i
+    return best

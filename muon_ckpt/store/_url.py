@@ -1,7 +1,8 @@
 """What a checkpoint url may be, and the filesystem it opens (``open_fs``): a scheme followed
 by ``://`` (``check_url``) whose filesystem is installed, storage options it accepts
-(``bad_options`` names a typo), and on a flat key space (object stores, ``memory://``) a key
-without empty, ``.`` or ``..`` components (``_check_key``)."""
+(``bad_options`` names a typo), a remote path without a character its filesystem parses out
+of a key (``_check_chars``: ``?``, ``#``, ``*``, ``[``), and on a flat key space (object
+stores, ``memory://``) a key without empty, ``.`` or ``..`` components (``_check_key``)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def open_fs(url: str, options: dict[str, Any], timeout: float | None) -> tuple[A
         ) from e
     root = root.rstrip("/") or "/"
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if protocol not in ("file", "local"):
+        _check_chars(url, protocol)
     if protocol in _FLAT:
         _check_key(url, protocol, root)
     return fs, root, protocol
@@ -65,6 +68,39 @@ def bad_options(url: str, options: dict[str, Any], e: TypeError) -> ValueError:
         f"url {url!r}: storage_options: {which} is not accepted ({e}); check the spelling "
         "against the filesystem's documentation (s3fs: key, secret, token, endpoint_url, "
         "client_kwargs, config_kwargs, ...)"
+    )
+
+
+# What a remote filesystem parses out of a path instead of keeping it in the key: fsspec
+# reads '*', '?' and '[' as a pattern of names (in rm, copy, expand_path: a delete of the
+# run's steps would reach other keys); s3fs cuts '?versionId=...' off every key, gcsfs
+# '#<generation>' and '?generation=...', adlfs '?versionid=...'.
+_PARSED = {
+    "?": "s3fs and gcsfs read what follows '?' as an object version (versionId, generation), "
+    "so the run's files would go to another key, and fsspec reads '?' as a pattern of names",
+    "#": "gcsfs reads what follows '#' as an object generation, so the run's files would go "
+    "to another key",
+    "*": "fsspec reads '*' as a pattern of names: deleting the run's old steps would delete "
+    "every key it matches",
+    "[": "fsspec reads '[' as a pattern of names: deleting the run's old steps would delete "
+    "every key it matches",
+}
+
+
+def _check_chars(url: str, scheme: str) -> None:
+    """A ValueError for a remote url with a character its filesystem parses out of a key
+    (``_PARSED``): ``s3://b/run7?versionId=abc`` wrote the run's lease over the object
+    ``run7``."""
+    path = url.split("://", 1)[-1]
+    found = [c for c in _PARSED if c in path]
+    if not found:
+        return
+    c = min(found, key=path.index)
+    plain = url[: len(url) - len(path) + path.index(c)].rstrip("/")
+    fix = f"use {plain}" if c in "?#" else "use a name without '*', '?', '[' or '#'"
+    raise ValueError(
+        f"url {url!r}: the object key has {c!r}: {_PARSED[c]}. A url of {scheme}:// "
+        f"names one prefix, plainly (no version, query or pattern); {fix}"
     )
 
 
