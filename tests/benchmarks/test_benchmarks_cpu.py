@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import REPO
 
 # name -> (arguments of `python -m benchmarks.<module>`, a line of its report)
 RUNS = {
@@ -64,10 +64,10 @@ RUNS = {
 @pytest.mark.parametrize("name", list(RUNS))
 def test_the_cpu_mode_of_the_benchmark_runs_to_its_report(name):
     args, line = RUNS[name]
-    env = {**os.environ, "PYTHONPATH": _ROOT, "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": REPO, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
         [sys.executable, "-m", f"benchmarks.{args[0]}", *args[1:]],
-        cwd=_ROOT,
+        cwd=REPO,
         env=env,
         capture_output=True,
         text=True,

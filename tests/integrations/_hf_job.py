@@ -1,11 +1,12 @@
-"""A ``transformers.Trainer`` run for tests/test_integration_transformers.py.
+"""A ``transformers.Trainer`` run for tests/integrations/test_integration_transformers.py.
 
-``python -m tests._hf_job URL OUT [--kill-at STEP] [--memory DIR]``: trains a 2-layer GPT-2
-for 2 epochs of 5 steps (dropout on, shuffled batches) with Muon (CPU offload on) through
-``MuonCkptTrainer``, saving every 3 steps asynchronously to URL (the newest 2 kept), and writes
-what the comparison needs to OUT (torch.save); ``--resume N`` names step N to resume. With ``--kill-at``, once that step is trained
-(and the save before it committed) the process SIGKILLs itself. Run it again on the same URL
-and it resumes. ``--memory``: every save also goes to a memory tier in DIR.
+``python -m tests.integrations._hf_job URL OUT [--kill-at STEP] [--memory DIR]``: trains a
+2-layer GPT-2 for 2 epochs of 5 steps (dropout on, shuffled batches) with Muon (CPU offload on)
+through ``MuonCkptTrainer``, saving every 3 steps asynchronously to URL (the newest 2 kept),
+and writes what the comparison needs to OUT (torch.save); ``--resume N`` names step N to
+resume. With ``--kill-at``, once that step is trained (and the save before it committed) the
+process SIGKILLs itself. Run it again on the same URL and it resumes. ``--memory``: every save
+also goes to a memory tier in DIR.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A Lightning ``Trainer.fit`` with Muon (CPU offload on) saved by ``MuonCheckpoint``, run in
-a child process by tests/test_integration_lightning.py and benchmarks/bench_integrations.py.
+a child process by tests/integrations/test_integration_lightning.py.
 
-``python -m tests._lightning_job URL OUT [--kill-at STEP] [--lightning-ckpt DIR]``: trains
-``STEPS`` optimizer steps over 5 batches per epoch (so the run crosses epochs and saves mid-
+``python -m tests.integrations._lightning_job URL OUT [--kill-at STEP] [--lightning-ckpt DIR]``:
+trains ``STEPS`` optimizer steps over 5 batches per epoch (so the run crosses epochs and saves mid-
 epoch) from a resumable dataloader, saving every ``EVERY`` steps asynchronously (``--every``),
 then writes what the comparison needs to ``OUT`` (torch.save). ``--shuffle``: the module has
 dropout, the loader shuffles (``DataLoader(shuffle=True)``, its order resumable), and the RNG

@@ -2,7 +2,7 @@
 (``torchtitan/components/checkpointer/dcp.py`` 0.3: ``_flattened_model_states_sd``;
 ``components/optimizer/utils.py``: ``get_flat_optim_state_dict``; ``lr_scheduler.py``:
 ``LRSchedulersContainer.state_dict``; ``dataloader.py``: ``ParallelAwareDataloader``;
-``trainer.py``: ``Trainer.state_dict``), for tests/test_integration_torchtitan.py.
+``trainer.py``: ``Trainer.state_dict``), for tests/integrations/test_integration_torchtitan.py.
 
 A step is ``<folder>/step-<N>``, one ``dcp.save`` of::
 

@@ -1,17 +1,18 @@
-"""torchtitan itself, for tests/test_integration_torchtitan.py (where torchtitan is installed).
+"""torchtitan itself, for tests/integrations/test_integration_torchtitan.py (where torchtitan
+is installed).
 
-``python -m tests._titan_job interop DIR``: torchtitan's own ``CheckpointManager`` resumes a
-step of ours exported with ``export_torchtitan``, and a step it writes imports into our Muon;
-prints ``interop: OK``.
+``python -m tests.integrations._titan_job interop DIR``: torchtitan's own ``CheckpointManager``
+resumes a step of ours exported with ``export_torchtitan``, and a step it writes imports into
+our Muon; prints ``interop: OK``.
 
-``python -m tests._titan_job train URL OUT [--kill-at STEP]``: the checkpointer calls of
-torchtitan's ``Trainer.train`` (``load``, then per step ``maybe_wait_for_staging`` before the
-optimizer step and ``save(step, last_step)``, then ``close``) with ``MuonCheckpointManager``
-built by its ``Config.build``, around 10 steps of ``optim.Muon`` (CPU offload on) in a
-``MuonOptimizersContainer``, torchtitan's ``LRSchedulersContainer`` and a shuffling
-``ParallelAwareDataloader``; saves every 3 steps asynchronously, keeps 2. With ``--kill-at``
-it SIGKILLs itself once that step is trained (the save before committed). (torchtitan's
-Trainer itself needs a GPU.)
+``python -m tests.integrations._titan_job train URL OUT [--kill-at STEP]``: the checkpointer
+calls of torchtitan's ``Trainer.train`` (``load``, then per step ``maybe_wait_for_staging``
+before the optimizer step and ``save(step, last_step)``, then ``close``) with
+``MuonCheckpointManager`` built by its ``Config.build``, around 10 steps of ``optim.Muon`` (CPU
+offload on) in a ``MuonOptimizersContainer``, torchtitan's ``LRSchedulersContainer`` and a
+shuffling ``ParallelAwareDataloader``; saves every 3 steps asynchronously, keeps 2. With
+``--kill-at`` it SIGKILLs itself once that step is trained (the save before committed).
+(torchtitan's Trainer itself needs a GPU.)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tests._titan import Tiny
+from tests.integrations._titan import Tiny
 
 STEPS, EVERY = 10, 3
 

@@ -1,7 +1,8 @@
 """PyTorch Lightning: a ``Trainer.fit`` with Muon (CPU offload on) saved by ``MuonCheckpoint``,
 SIGKILLed after a save and restarted with the same script, ends bitwise where an uninterrupted
 fit ends: weights, Muon and AdamW state, lr scheduler, global step, epoch, and the batches it
-trains after the restart (a resumable dataloader's position). The job: tests/_lightning_job.py.
+trains after the restart (a resumable dataloader's position). The job:
+tests/integrations/_lightning_job.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 from muon_ckpt import MemoryOptions
 from tests._dist import run_script
 
-EVERY, STEPS = 3, 12  # as in tests/_lightning_job.py (imported by the tests that need it)
+# As in the job, _lightning_job.py beside this file (imported by the tests that need it).
+EVERY, STEPS = 3, 12
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +26,14 @@ def pl():
 
 
 def _job(url, out, *args):
-    r = run_script(["-m", "tests._lightning_job", str(url), str(out), *args], timeout=240)
+    r = run_script(
+        ["-m", "tests.integrations._lightning_job", str(url), str(out), *args], timeout=240
+    )
     return r, (torch.load(out, weights_only=False) if r.returncode == 0 else None)
 
 
 def test_fit_killed_after_a_save_resumes_bitwise(tmp_path, pl):
-    from tests import _lightning_job
+    from tests.integrations import _lightning_job
 
     assert (_lightning_job.EVERY, _lightning_job.STEPS) == (EVERY, STEPS)
     r, ref = _job(tmp_path / "ref", tmp_path / "ref.pt")
@@ -129,7 +133,7 @@ def _trainer(pl, ckpt, steps):
 
 def test_ckpt_path_at_a_muon_url_fails_naming_what_to_use(tmp_path, pl):
     from muon_ckpt.integrations.lightning import MuonCheckpoint
-    from tests._lightning_job import Net, ResumableLoader, data
+    from tests.integrations._lightning_job import Net, ResumableLoader, data
 
     torch.manual_seed(0)
     url = str(tmp_path / "run")

@@ -6,7 +6,7 @@ strict ``dcp.load`` of what its objects' ``state_dict()`` ask for) resumes bitwi
 torchtitan 0.3 is not a test extra: it needs ``datasets<4.8``, which with transformers 5
 (``huggingface-hub>=2.4``) takes fsspec and s3fs back to 2025.9 for the whole CI, and its
 Trainer needs a GPU. So these tests build the steps as torchtitan's code writes and reads
-them (tests/_titan.py names the code). The tests at the end run torchtitan itself (its
+them (tests/integrations/_titan.py names the code). The tests at the end run torchtitan itself (its
 ``CheckpointManager``, ``OptimizersContainer``, ``LRSchedulersContainer``, and our
 ``MuonCheckpointManager`` through its ``Config.build``, killed and resumed) where torchtitan
 is installed (``pip install 'muon-ckpt[torchtitan]'``), and skip, saying why, where not.
@@ -27,7 +27,7 @@ from muon_ckpt.cli import main
 from muon_ckpt.interop import export_torchtitan, import_torchtitan
 from optim import Muon
 from tests._dist import run_on_ranks, run_script
-from tests._titan import (
+from tests.integrations._titan import (
     Holder,
     Tiny,
     flat_optimizer,
@@ -272,7 +272,7 @@ _WHY = (
 
 
 def _job(*args: str):
-    r = run_script(["-m", "tests._titan_job", *args], timeout=240)
+    r = run_script(["-m", "tests.integrations._titan_job", *args], timeout=240)
     return r
 
 

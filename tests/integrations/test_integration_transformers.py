@@ -4,7 +4,8 @@ where an uninterrupted run ends: weights, Muon and AdamW state, lr scheduler, gl
 epoch, the losses it logs, the batches it trains after the restart (the Trainer's skip of the
 trained batches of the epoch) and the RNG (dropout on: the Trainer's RNG states restored where
 it restores its own). A step exported with ``muon-ckpt export --hf`` loads with
-``AutoModelForCausalLM.from_pretrained`` into the same model. The job: tests/_hf_job.py.
+``AutoModelForCausalLM.from_pretrained`` into the same model. The job:
+tests/integrations/_hf_job.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from muon_ckpt.cli import main
 from tests._dist import run_script
 
-EVERY, STEPS = 3, 10  # as in tests/_hf_job.py
+EVERY, STEPS = 3, 10  # as in tests/integrations/_hf_job.py
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def hf():
 
 
 def _job(url, out, *args):
-    r = run_script(["-m", "tests._hf_job", str(url), str(out), *args], timeout=240)
+    r = run_script(["-m", "tests.integrations._hf_job", str(url), str(out), *args], timeout=240)
     return r, (torch.load(out, weights_only=False) if r.returncode == 0 else None)
 
 
@@ -114,7 +115,9 @@ def test_a_run_saved_on_two_ranks_resumes_on_one(tmp_path):
     RNG states fresh with a WARNING; it trains on to its end."""
     url = tmp_path / "run"
     two = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    r = run_script([*two, "-m", "tests._hf_job", str(url), str(tmp_path / "two.pt")], timeout=240)
+    r = run_script(
+        [*two, "-m", "tests.integrations._hf_job", str(url), str(tmp_path / "two.pt")], timeout=240
+    )
     assert r.returncode == 0, r.stderr
     saved = torch.load(tmp_path / "two.pt", weights_only=False)
     assert saved["global_step"] == 6 and saved["steps"] == [3, 6]  # 3 steps an epoch on 2
@@ -128,7 +131,7 @@ def test_a_run_saved_on_two_ranks_resumes_on_one(tmp_path):
 
 
 def test_export_hf_loads_with_from_pretrained_and_a_step_resumes_by_name(tmp_path, hf):
-    from tests._hf_job import trainer_for
+    from tests.integrations._hf_job import trainer_for
 
     url = str(tmp_path / "run")
     trainer, _ = trainer_for(url, str(tmp_path / "out"))
@@ -162,7 +165,7 @@ def test_export_hf_loads_with_from_pretrained_and_a_step_resumes_by_name(tmp_pat
 
 
 def test_bad_options_fail_at_construction(tmp_path, hf):
-    from tests._hf_job import trainer_for
+    from tests.integrations._hf_job import trainer_for
 
     out = str(tmp_path / "out")
     with pytest.raises(ValueError, match=r"\['interval'\].*save_steps"):

@@ -24,7 +24,7 @@ from muon_ckpt import (
 from muon_ckpt.cli import main
 from tests._ckpt import TinyNet, make_muon, train, write_step
 from tests._dist import dist_device, run_on_ranks
-from tests.test_export import body_save_sharded
+from tests.interop.test_export import body_save_sharded
 
 
 def body_save_export_load(rank, world_size, url, full_file, hf_dir):

@@ -23,7 +23,7 @@ from muon_ckpt import CheckpointCorruptError, CheckpointManager
 from muon_ckpt.store import FileEntry, Storage
 from muon_ckpt.store.checksums import Checksum, chunk_span
 from tests._ckpt import TinyNet, file_layout, flip_byte, make_muon, muon_state_sd, train
-from tests.test_itemread import _bits, _ours
+from tests.load.test_itemread import _bits, _ours
 
 CHUNK = 64 << 10  # the manifests' chunk size here: many chunks in a small file
 

@@ -1,6 +1,6 @@
 """One rank of a training run, in an interpreter of its own, that ends the way a test asks
-(tests/test_run_edges.py): by returning, raising, Ctrl-C in the loop, a signal in the middle
-of a save, or preemption. Run as ``python -m tests._edge_script CONFIG_JSON``; with
+(tests/manager/test_run_edges.py): by returning, raising, Ctrl-C in the loop, a signal in the middle
+of a save, or preemption. Run as ``python -m tests.manager._edge_script CONFIG_JSON``; with
 ``WORLD_SIZE`` > 1 in the environment it joins a gloo process group (``env://``).
 
 It trains ``tiny_run`` (one thread: the same bits in every process), saves with the manager

@@ -1,5 +1,6 @@
 """A process that saves and loads on its parent's command while the parent sends it SIGINTs
-(tests/test_interrupt_storm.py). Run as ``python -m tests._interrupt_child URL OPTIONS``
+(tests/manager/test_interrupt_storm.py). Run as
+``python -m tests.manager._interrupt_child URL OPTIONS``
 (``storage_options`` as JSON).
 
 Commands, one a line on stdin: ``save`` (the state filled from the step number, then a

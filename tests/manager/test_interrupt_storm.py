@@ -1,5 +1,5 @@
 """Ctrl-C wherever it lands in a synchronous save or a load (issue 49, point 9): a child
-(tests/_interrupt_child.py) saves 32 MiB and loads on command, catching each
+(tests/manager/_interrupt_child.py) saves 32 MiB and loads on command, catching each
 KeyboardInterrupt; the parent sends hundreds of SIGINTs at random moments of those calls
 (local disk; fewer on S3, whose calls are slower) and checks that each one came back as
 exactly one KeyboardInterrupt (none swallowed), that no muon-ckpt thread was still running
@@ -38,9 +38,9 @@ import torch
 
 from muon_ckpt import CheckpointManager
 from muon_ckpt._threads import beside, run_all
-from tests._interrupt_child import build, expected
+from tests import REPO
+from tests.manager._interrupt_child import build, expected
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIGNALS = {"local": 200, "s3": 60}  # SIGINTs inside the storm (S3: slower calls, fewer)
 BOUND_S = 120.0  # the longest any one answer of the child may take (a loaded host)
 
@@ -48,8 +48,8 @@ BOUND_S = 120.0  # the longest any one answer of the child may take (a loaded ho
 class _Child:
     def __init__(self, url: str, opts: dict[str, Any]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests._interrupt_child", url, json.dumps(opts)],
-            cwd=_ROOT,
+            [sys.executable, "-m", "tests.manager._interrupt_child", url, json.dumps(opts)],
+            cwd=REPO,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -6,7 +6,6 @@ at another world size in one ``load(elastic=True)``."""
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -15,10 +14,9 @@ import pytest
 import torch
 
 from muon_ckpt import CheckpointManager, CheckpointMismatchError
+from tests import REPO
 from tests._dist import run_on_ranks
 from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_a_load_that_finds_nothing_says_so(tmp_path, caplog):
@@ -85,7 +83,7 @@ def test_the_command_line_piped_into_head_exits_quietly(tmp_path):
     for s in range(1, 4):
         mgr.save(s)
     cmd = f"{sys.executable} -m muon_ckpt.cli inspect {url} | head -n 1"
-    r = subprocess.run(cmd, shell=True, cwd=_ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, shell=True, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.stdout.startswith("step 3 of"), r.stdout
     assert r.stderr == "", r.stderr
 

@@ -14,7 +14,7 @@ import torch
 from muon_ckpt import CheckpointManager
 from tests._dist import run_on_ranks, run_script
 from tests.conftest import tiny_run, tiny_train
-from tests.test_manager_fsdp import build, snapshot, train
+from tests.manager.test_manager_fsdp import build, snapshot, train
 
 READER = textwrap.dedent(
     """
@@ -23,7 +23,7 @@ READER = textwrap.dedent(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from tests.conftest import tiny_run
-    from tests.test_manager_fsdp import TinyTransformer
+    from tests.manager.test_manager_fsdp import TinyTransformer
 
     out = {}
     for name, step, model in (

@@ -22,14 +22,14 @@ import torch
 from muon_ckpt import CheckpointManager, MemoryOptions
 from muon_ckpt._config import MEMORY_OPTIONS, OPTIONS, ManagerConfig
 from optim._config import GROUP_DEFAULTS
+from tests import REPO
 from tests._dist import run_on_ranks
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _README, _REFERENCE = "README.md", os.path.join("docs", "reference.md")
 
 
 def _doc(name: str) -> str:
-    with open(os.path.join(_ROOT, name)) as f:
+    with open(os.path.join(REPO, name)) as f:
         return f.read()
 
 
@@ -149,7 +149,7 @@ def _quick_start() -> str:
 
 def test_the_single_process_quick_start_runs_as_written(tmp_path):
     code = _quick_start()
-    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for run in range(2):  # the second run resumes at step 20 and has nothing left to do
         r = subprocess.run(
             [sys.executable, "-c", code],
@@ -167,7 +167,7 @@ def test_the_set_up_commands_are_what_ci_runs():
     block = re.search(r"```bash\n(.*?)```", _section("Set-up"), re.S)
     assert block is not None
     install, tests = block.group(1).strip().splitlines()
-    with open(os.path.join(_ROOT, ".ci", "run")) as f:
+    with open(os.path.join(REPO, ".ci", "run")) as f:
         ci = f.read()
     pip = install.split(" && ")[2]  # pip install ... (the demo runs in the test suite)
     assert pip.replace("pip install ", "pip install -q ") in ci
@@ -213,7 +213,7 @@ def test_the_command_line_session_finds_the_damage_it_shows(tmp_path):
     block = re.search(r"```console\n(.*?)```", _section("The `muon-ckpt` command"), re.S)
     assert block is not None
     sessions = re.split(r"^\$ ", block.group(1), flags=re.M)[1:]
-    env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     shell = f'muon-ckpt() {{ "{sys.executable}" -m muon_ckpt.cli "$@"; }}\n'
     codes = []
     for session in sessions:

@@ -1,4 +1,4 @@
-"""The edges of a run, in real interpreters (tests/_edge_script.py): a script that ends with
+"""The edges of a run, in real interpreters (tests/manager/_edge_script.py): a script that ends with
 an asynchronous save pending (it returns, raises, or gets Ctrl-C in its loop) commits that
 step before it exits; Ctrl-C inside a save leaves as KeyboardInterrupt; SIGTERM with
 ``watch_preemption()`` finishes the pending save, saves the current step and exits 0; a
@@ -20,10 +20,9 @@ import pytest
 import torch
 
 from muon_ckpt import CheckpointManager, MemoryOptions
-from tests._edge_script import _Signals
+from tests import REPO
 from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.manager._edge_script import _Signals
 
 
 def _port() -> int:
@@ -47,8 +46,8 @@ def _launch(cfg: dict[str, Any], world_size: int) -> list[subprocess.Popen]:
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests._edge_script", json.dumps(cfg)],
-                cwd=_ROOT,
+                [sys.executable, "-m", "tests.manager._edge_script", json.dumps(cfg)],
+                cwd=REPO,
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

@@ -1,5 +1,5 @@
 """A training job whose last memory step is flushed by the interpreter's exit, not by close():
-``python -m tests._flush_job MODE URL MEMDIR STATE``.
+``python -m tests.memory._flush_job MODE URL MEMDIR STATE``.
 
 ``moved-on``: it trains and saves steps 1-7 (url: every 5th; memory tier: every step),
 torch.saves the state of step 7 (model, optimizer, extra and rank_extra) to STATE, then

@@ -24,7 +24,7 @@ import torch
 from muon_ckpt import CheckpointManager, MemoryOptions
 from tests._ckpt import flip_byte, offload_off
 from tests._dist import run_on_ranks, run_then_kill
-from tests.test_manager_fsdp import build, snapshot, train
+from tests.manager.test_manager_fsdp import build, snapshot, train
 
 NODE = 2  # ranks per node
 

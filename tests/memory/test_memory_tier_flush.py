@@ -18,6 +18,7 @@ import torch
 
 from muon_ckpt import CheckpointManager, MemoryOptions
 from muon_ckpt.store import Storage
+from tests import REPO
 from tests._ckpt import flip_byte
 from tests._dist import run_on_ranks, run_script
 from tests._memtier import (
@@ -31,8 +32,6 @@ from tests._memtier import (
     moved_on,
     train_and_save,
 )
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(tmp_path, **kw):
@@ -149,8 +148,8 @@ def test_the_exit_hook_commits_the_memory_steps_own_bytes(tmp_path, mode, step):
     """A script that returns without close(): the exit writes a queued memory step and
     flushes the newest one's own bytes."""
     url, mem, state = str(tmp_path / "run"), str(tmp_path / "mem"), str(tmp_path / "want.pt")
-    args = ["-m", "tests._flush_job", mode, url, mem, state]
-    out = run_script(args, env={"PYTHONPATH": _REPO})
+    args = ["-m", "tests.memory._flush_job", mode, url, mem, state]
+    out = run_script(args, env={"PYTHONPATH": REPO})
     assert out.returncode == 0, out.stderr
     assert Storage(url).listdir().count(f"step-{step:08d}") == 1, out.stderr
     shutil.rmtree(mem)
@@ -212,14 +211,14 @@ def _two_rank_manager(url, root, rank, model, opt, data, rng):
 
 
 def _fsdp_everything(model, opt, data, rng):
-    from tests.test_manager_fsdp import snapshot
+    from tests.manager.test_manager_fsdp import snapshot
 
     return {"state": snapshot(model, opt), "data": data.state_dict(), "rng": rng.state_dict()}
 
 
 def body_flush(rank, world_size, url, root, damage):
     from optim.newton_schulz import set_ns_compile
-    from tests.test_manager_fsdp import build, train
+    from tests.manager.test_manager_fsdp import build, train
 
     set_ns_compile(False)
     model, opt = build(world_size)
@@ -247,7 +246,7 @@ def body_flush(rank, world_size, url, root, damage):
 
 def body_load(rank, world_size, url):
     from optim.newton_schulz import set_ns_compile
-    from tests.test_manager_fsdp import build
+    from tests.manager.test_manager_fsdp import build
 
     set_ns_compile(False)
     model, opt = build(world_size)

@@ -20,10 +20,9 @@ import torch
 
 from muon_ckpt import CheckpointLeaseError, CheckpointVersionError
 from muon_ckpt.store import MANIFEST, Storage, step_dirname
+from tests import REPO
 from tests._ckpt import train
 from tests._memtier import _assert_same, _fresh, _load_fresh, _mgr, _run_dir, _state
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tier_steps(tmp_path) -> list[str]:
@@ -37,8 +36,8 @@ def test_a_job_without_the_lease_writes_nothing_to_the_tier(tmp_path):
     url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
     ready, done, state = (str(tmp_path / n) for n in ("ready", "done", "state.pt"))
     cmd = [sys.executable, "-m", "tests._lease_job", "hold-memory", url, mem, ready, done, state]
-    env = {**os.environ, "PYTHONPATH": _REPO}
-    holder = subprocess.Popen(cmd, cwd=_REPO, env=env, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    holder = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not os.path.exists(ready):

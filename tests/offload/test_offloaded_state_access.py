@@ -7,7 +7,6 @@ in the pool under its ``id``."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -15,9 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
+from tests import REPO
 from tests._dist import dist_device, run_on_ranks
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _USES = {
     "norm": lambda t: t.norm(),
@@ -59,7 +57,7 @@ def _probe(opt, params) -> dict[str, str]:
 _SCRIPT = """
 import torch
 from optim import Muon
-from tests.test_offloaded_state_access import _probe
+from tests.offload.test_offloaded_state_access import _probe
 torch.manual_seed(0)
 w = torch.nn.Parameter(torch.randn(8, 4))
 b = torch.nn.Parameter(torch.randn(4))
@@ -86,7 +84,7 @@ print("probed", len(res))
 
 def test_using_an_offloaded_state_raises_in_its_own_process():
     r = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], cwd=_ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0, (r.returncode, r.stderr)
     assert f"probed {3 * len(_USES)}" in r.stdout

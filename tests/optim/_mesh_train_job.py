@@ -1,7 +1,8 @@
 """A training script on a 2-D mesh with torch's own APIs, run under torchrun
-(tests/test_optim_mesh.py): ``python -m tests._mesh_train_job LAYOUT OUT_DIR STEPS``.
+(tests/optim/test_optim_mesh.py):
+``python -m tests.optim._mesh_train_job LAYOUT OUT_DIR STEPS``.
 
-The model of ``tests/_meshes.py`` laid out as LAYOUT (``fully_shard`` over a 2-D mesh, or
+The model of ``tests/optim/_meshes.py`` laid out as LAYOUT (``fully_shard`` over a 2-D mesh, or
 ``parallelize_module`` then ``fully_shard``), Muon with CPU offload on, a forward and backward
 per step on this rank's batch (one batch per data-parallel coordinate: tensor-parallel ranks
 share theirs). Before each step every rank records the full gradients Muon is given; at the
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from optim import Muon
-from tests._meshes import _MESHES, build, groups
+from tests.optim._meshes import _MESHES, build, groups
 
 DIMS = (10, 14)  # (even under TP, which a forward needs; uneven under fully_shard)
 

@@ -10,10 +10,11 @@ import torch
 from muon_ckpt import CheckpointManager
 from optim import Muon
 from optim.newton_schulz import _iterate, _iterate_gram, uses_gram, zeropower_via_newtonschulz
-from tests.test_optim_ns_dtype import COEFFS, _gradient_like, _ns_float64, _rel
+from tests.optim.test_optim_ns_dtype import COEFFS, _gradient_like, _ns_float64, _rel
 
 EPS = 1e-7
-# The standard fp32 iteration's bound (tests/test_optim_ns_dtype.py: ~5e-6 measured, 10x kept).
+# The standard fp32 iteration's bound (tests/optim/test_optim_ns_dtype.py: ~5e-6 measured,
+# 10x kept).
 FP32_TOL = 5e-5
 
 

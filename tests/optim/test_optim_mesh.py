@@ -3,7 +3,7 @@ states of one process, offload on, off or toggled, and each matrix is orthogonal
 exactly one rank of the whole mesh (replicas share the work).
 
 The layouts are made with torch's own APIs (``fully_shard``, ``parallelize_module``;
-``tests/_meshes.py``); gradients are set directly, each rank taking the local shard of the
+``tests/optim/_meshes.py``); gradients are set directly, each rank taking the local shard of the
 same full gradient as torch lays it out, as the seed offload test does. All 4-rank cases run
 in one set of processes (process start-up dominates on 2 cores)."""
 
@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tests._dist import eight_ranks_reason, run_on_ranks, run_script
-from tests._meshes import Net, build, groups, shard_like
+from tests.optim._meshes import Net, build, groups, shard_like
 
 STEPS = 3
 MODES = ("off", "on", "toggled")
@@ -128,7 +128,7 @@ def test_every_layout_gives_bitwise_the_params_and_states_of_one_process(four_ra
 def test_under_hsdp_each_matrix_is_orthogonalised_on_exactly_one_rank_of_the_whole_mesh(
     four_ranks,
 ):
-    from tests._meshes import build as _build
+    from tests.optim._meshes import build as _build
 
     matrices = [n for n, p in _build(None).named_parameters() if p.ndim >= 2]
     work = [res["ns_work"] for res in four_ranks]
@@ -158,11 +158,11 @@ def test_a_training_script_with_torch_apis_steps_bitwise_as_one_process(tmp_path
     full gradients ends with bitwise the params every rank holds (each rank's gather of its
     replica, so replicas are checked too)."""
     four = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    job = ["-m", "tests._mesh_train_job", layout, str(tmp_path), str(STEPS)]
+    job = ["-m", "tests.optim._mesh_train_job", layout, str(tmp_path), str(STEPS)]
     r = run_script([*four, *job], timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     runs = [torch.load(tmp_path / f"rank{k}.pt") for k in range(4)]
-    from tests._mesh_train_job import DIMS
+    from tests.optim._mesh_train_job import DIMS
 
     model = build(None, DIMS)
     opt = _muon(model)

@@ -22,7 +22,7 @@ from muon_ckpt import CheckpointError, CheckpointManager
 from muon_ckpt.state import FlatState
 from muon_ckpt.store import Catalog, Storage
 from tests._dist import run_on_ranks
-from tests.test_manager_fsdp import build, train
+from tests.manager.test_manager_fsdp import build, train
 
 MODES = ("off", "on", "toggle")  # CPU offload during the save: off, on, toggled mid-write
 

@@ -16,7 +16,7 @@ from torch import nn
 from muon_ckpt import CheckpointManager, MemoryOptions
 from muon_ckpt.store import Catalog, Storage, data_ref, parse_data_dirname, verify
 from muon_ckpt.store._resolve import resolve
-from tests.test_dedup import _no_orphans, _same
+from tests.save.test_dedup import _no_orphans, _same
 
 
 class _Two(nn.Module):

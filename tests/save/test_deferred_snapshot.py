@@ -13,8 +13,8 @@ from torch import nn
 
 from muon_ckpt import CheckpointError, CheckpointManager
 from tests._dist import dist_device, run_on_ranks
-from tests.test_async_save import DataPosition, assert_bitwise, state_of
-from tests.test_manager_fsdp import VOCAB, build
+from tests.manager.test_manager_fsdp import VOCAB, build
+from tests.save.test_async_save import DataPosition, assert_bitwise, state_of
 
 
 def forward_backward_step(model, opt, s: int) -> None:

@@ -141,7 +141,7 @@ def test_a_value_a_load_cannot_read_is_refused_at_save_naming_its_key(tmp_path, 
         CheckpointError, match=r"step 2: extra\['data'\]\['sampler'\]\['gen'\]"
     ) as e:
         mgr.save(2)
-    assert "tests.test_extra_values.Opaque" in str(e.value)
+    assert "tests.state.test_extra_values.Opaque" in str(e.value)
     assert "nothing was written" in str(e.value)
     assert _steps(url) == ["step-00000001"] and mgr.steps() == [1]
     state.value["sampler"]["gen"] = 0

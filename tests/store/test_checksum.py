@@ -19,9 +19,10 @@ import torch.distributed.checkpoint as dcp
 from muon_ckpt import CheckpointCorruptError, CheckpointManager
 from muon_ckpt.store import MANIFEST, FileEntry, Storage, _crc, resolve, verify
 from muon_ckpt.store.checksums import Checksum, check_chunks, chunk_span
+from tests import REPO
 from tests._ckpt import TinyNet, make_muon, train
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "v1_crc32")
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "v1_crc32")
 STEP = "step-00000002"
 
 

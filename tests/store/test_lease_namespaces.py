@@ -15,8 +15,7 @@ import time
 import pytest
 
 from muon_ckpt.store import LEASE, Storage, _identity, _lease, step_dirname
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import REPO
 
 
 def _unshare_prefix() -> list[str] | None:
@@ -43,11 +42,11 @@ needs_unshare = pytest.mark.skipif(
 
 
 def _job(*args: str, namespace: bool) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": _REPO}
+    env = {**os.environ, "PYTHONPATH": REPO}
     cmd = [sys.executable, "-m", "tests._lease_job", *args]
     return subprocess.Popen(
         [*(_PREFIX or []), *cmd] if namespace else cmd,
-        cwd=_REPO,
+        cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
