@@ -1,12 +1,11 @@
-"""Crafted safetensors headers (issue 31 #8): parsed in time linear in their size, and every
-malformed one a CheckpointCorruptError naming the file, never a raw AttributeError or
-RecursionError, nor a header accepted with shapes or offsets the format does not allow."""
+"""Crafted safetensors headers: parsed in time linear in their size, and every malformed one a
+CheckpointCorruptError naming the file, never a raw AttributeError or RecursionError, nor a
+header accepted with shapes or offsets the format does not allow."""
 
 from __future__ import annotations
 
 import json
 import struct
-import time
 from typing import Any
 
 import pytest
@@ -18,9 +17,10 @@ from muon_ckpt import (
     import_optimizer_state,
     load_hf_model,
 )
+from muon_ckpt.interop import _safetensors
 from tests._ckpt import TinyNet, make_muon
 
-PARSE_BOUND_S = 1.5  # a 1.6 MB header (6 to 28 s before); linear parsing takes ~0.1 s
+MAX_DIM = 1 << 63  # the largest dimension a shape may hold before its product is taken
 
 
 def _file(path: Any, header: bytes, data: bytes = b"") -> str:
@@ -54,17 +54,29 @@ JUNK = {
 
 
 @pytest.mark.parametrize("name", sorted(JUNK))
-def test_a_junk_header_is_refused_in_linear_time(tmp_path, name):
-    """1.6 MB of junk header took 6 to 28 s (a product of 800k dimensions, big integers
-    multiplied, the whole shape printed into the message); the 100 MB bound allowed hours."""
+def test_a_junk_header_is_refused_in_linear_time(tmp_path, monkeypatch, name):
+    """1.6 MB of junk header took 6 to 28 s: a product of 800k dimensions, big integers
+    multiplied, the whole shape printed into the message. Linear time holds by construction
+    when every product taken is of at most MAX_DIMS integers below 2**63, at most one per
+    entry, and the message is cut short; those are what is checked (not a wall-clock time,
+    which a loaded host stretches)."""
     header = JUNK[name]
     assert len(header) > 1_000_000
+    products: list[tuple[int, ...]] = []
+    real = _safetensors._nbytes
+
+    def counted(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+        products.append(shape)
+        return real(dtype, shape)
+
+    monkeypatch.setattr(_safetensors, "_nbytes", counted)
     d = _hf_dir(tmp_path, header, bytes(16))
-    t = time.perf_counter()
     with pytest.raises(CheckpointCorruptError, match=r"model\.safetensors") as e:
         load_hf_model(TinyNet(), d)
-    took = time.perf_counter() - t
-    assert took < PARSE_BOUND_S, took
+    assert len(products) <= header.count(b'"shape"')
+    for shape in products:
+        assert len(shape) <= _safetensors.MAX_DIMS, len(shape)
+        assert all(0 <= v < MAX_DIM for v in shape)
     assert len(str(e.value)) < 2000  # names what is wrong, without echoing the header
 
 
