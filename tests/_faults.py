@@ -27,7 +27,6 @@ import re
 import socket
 import struct
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
@@ -50,11 +49,12 @@ _BODY_FAULTS = {"corrupt_request", "truncate_request"}
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, seed: int = 0, stall_s: float = 2.0) -> None:
+    def __init__(self, upstream: str, seed: int = 0, stall_s: float | None = 2.0) -> None:
         u = urlsplit(upstream)
         self.upstream = (u.hostname or "127.0.0.1", u.port or 80)
         self.rng = random.Random(seed)
-        self.stall_s = stall_s
+        self.stall_s = stall_s  # None: a stall ends only when the proxy stops
+        self._stopped = threading.Event()
         self.rules: list[list[Any]] = []  # [method, path, body, fault, times left]
         self.rate = 0.0
         self.kinds: tuple[str, ...] = KINDS
@@ -86,6 +86,7 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        self._stopped.set()
         self._server.shutdown()
         self._server.server_close()
 
@@ -135,7 +136,7 @@ class FaultProxy:
         if fault == "reset":
             return _reset(h)
         if fault == "stall":
-            time.sleep(self.stall_s)
+            self._stopped.wait(self.stall_s)
             return _reset(h)
         headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
         if fault in _BODY_FAULTS and body:
