@@ -1,4 +1,4 @@
-"""Text from a checkpoint never reaches the terminal raw (issue 31 #9): a manifest's ``time``, a
+"""Text from a checkpoint never reaches the terminal raw: a manifest's ``time``, a
 state-dict key (an ordinary save can hold ``"\\x1b[2K\\rmodel.x"``), a stored value and a
 ``step-*`` directory name are printed by ``ls``, ``inspect`` and ``export`` with every
 non-printable character escaped, so a row cannot clear the screen, move the cursor or reorder

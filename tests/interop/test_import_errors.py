@@ -145,8 +145,7 @@ def test_optimizer_that_is_not_muon():
 
 def test_a_torch_save_file_that_inflates_is_refused_within_a_memory_bound(tmp_path):
     """A 70 KiB torch.save file whose record is deflated (256 MiB for torch.load) is refused
-    before torch.load runs, naming the file (issue 31 #4: the same check as a checkpoint's
-    items)."""
+    before torch.load runs, naming the file (the same check as a checkpoint's items)."""
     from tests._crafted import MiB, bomb_item, peak_growth
 
     path = tmp_path / "bomb.pt"

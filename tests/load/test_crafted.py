@@ -1,4 +1,4 @@
-"""Crafted steps whose checksums are consistent (issue 31): items that inflate (deflated or
+"""Crafted steps whose checksums are consistent: items that inflate (deflated or
 overlapping zip records), items whose tensor is not the one the metadata declares, chunks that
 do not tile their tensor (a gap, an overlap, a piece outside it), and declared shapes that no
 stored byte backs. Every command (load, import, export, inspect) either loads exactly what was
@@ -118,13 +118,13 @@ def _falls_back(run: dict[str, Any]) -> None:
     assert CheckpointManager(run["url"], model=model, optimizer=opt).load() == 2
 
 
-# ------------------------------------------------------------------ items that inflate (#4)
+# ------------------------------------------------------------------ items that inflate
 @pytest.mark.parametrize("how", ["deflated", "overlapping"])
 @pytest.mark.parametrize("key", [MOMENTUM, LR], ids=["tensor_item", "object_item"])
 def test_an_item_that_inflates_is_corrupt_within_a_memory_bound(
     local_run, tmp_path, capsys, how, key
 ):
-    """Issue 31 #4: an item of a few hundred KiB whose record is deflated, or whose zip
+    """An item of a few hundred KiB whose record is deflated, or whose zip
     entries overlap one stored record, made torch.load allocate INFLATED bytes (and a
     1 GiB per 70 KiB, without bound, with both). Its values are the stored ones, so only
     the expansion is wrong: every command refuses it (or does not read it) within the bound."""
@@ -182,7 +182,7 @@ def test_remote_reads_refuse_inflating_items_too(storage_url):
 
 @pytest.mark.parametrize("how", ["dtype", "larger", "transposed"])
 def test_an_item_whose_tensor_is_not_its_chunk_is_corrupt(local_run, tmp_path, capsys, how):
-    """Issue 31 #4: a stored tensor of another dtype (cast silently on load) or another shape
+    """A stored tensor of another dtype (cast silently on load) or another shape
     than its chunk declares (silently narrowed to the chunk: rows the metadata does not
     describe) is corrupt, naming the file and the key."""
 
@@ -205,14 +205,14 @@ def test_an_item_whose_tensor_is_not_its_chunk_is_corrupt(local_run, tmp_path, c
     _falls_back(local_run)
 
 
-# ------------------------------------------------------------------ chunks that do not tile (#6, #5)
+# ------------------------------------------------------------------ chunks that do not tile
 def _rows(v: torch.Tensor, lo: int, hi: int) -> tuple[list[int], list[int], bytes]:
     return [lo, 0], [hi - lo, v.shape[1]], saved(v[lo:hi].clone())
 
 
 @pytest.mark.parametrize("how", ["gap", "overlap", "outside", "none"])
 def test_chunks_that_do_not_tile_their_tensor_are_corrupt(local_run, tmp_path, capsys, how):
-    """Issue 31 #6: rows no chunk stores were left as they were by a strict load (an empty
+    """Rows no chunk stores were left as they were by a strict load (an empty
     report) and filled with heap garbage by import and export; overlapping chunks wrote
     rows twice; a chunk outside the tensor's size. Each item is exactly its chunk, so only
     the tiling is wrong: every reader refuses the step before writing anything, naming the
@@ -246,7 +246,7 @@ def test_chunks_that_do_not_tile_their_tensor_are_corrupt(local_run, tmp_path, c
 
 @pytest.mark.parametrize("size", [[24, 8], [4096, 4096]], ids=["garbage_rows", "inflated"])
 def test_export_of_a_shape_its_chunks_do_not_cover_writes_nothing(local_run, tmp_path, size):
-    """Issue 31 #5: export allocated the declared shape with torch.empty and wrote it out, the
+    """Export allocated the declared shape with torch.empty and wrote it out, the
     rows no chunk covers carrying whatever the heap held, and a declared [4096, 4096] turned
     a step of under 100 KiB into a 64 MiB file. The step is corrupt; no file is written."""
     key = "model.fc1.weight"

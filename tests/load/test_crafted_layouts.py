@@ -1,4 +1,4 @@
-"""A property over randomly crafted steps (issue 31): a tensor stored in a random grid of chunks,
+"""A property over randomly crafted steps: a tensor stored in a random grid of chunks,
 then changed in random ways (a chunk dropped, extended over its neighbour or placed outside
 the tensor; the declared shape or dtype changed; an item holding another shape or dtype; an
 item whose record is deflated or whose zip entries overlap; an object item that inflates;

@@ -1,4 +1,4 @@
-"""Ctrl-C wherever it lands in a synchronous save or a load (issue 49, point 9): a child
+"""Ctrl-C wherever it lands in a synchronous save or a load: a child
 (tests/manager/_interrupt_child.py) saves 32 MiB and loads on command, catching each
 KeyboardInterrupt; the parent sends hundreds of SIGINTs at random moments of those calls
 (local disk; fewer on S3, whose calls are slower) and checks that each one came back as

@@ -1,4 +1,4 @@
-"""A run forked by linking another run's data (issue 49, point 4): ``ln -s runA/data
+"""A run forked by linking another run's data: ``ln -s runA/data
 runB/data``, or one link per data directory, with run A's newest step copied into run B.
 
 Before the fix run B's collection listed and deleted through the links: its first save

@@ -1,4 +1,4 @@
-"""The write lease across PID namespaces (issue 31, item 2): two jobs with one hostname in
+"""The write lease across PID namespaces: two jobs with one hostname in
 separate PID namespaces (host-networked containers, a pod restarted while the old one
 terminates) must not see each other's pid as dead, or as their own. The namespace cases run
 for real under ``unshare``; the rule itself is tested on records everywhere."""

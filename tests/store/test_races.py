@@ -1,5 +1,4 @@
-"""Races of the command line against a training job (issue 31, items 10 and 11), with real
-processes on real storage: a child process saves back to back while this one runs
+"""Races of the command line against a training job, with real processes on real storage: a child process saves back to back while this one runs
 ``muon-ckpt prune`` or ``muon-ckpt verify`` over and over.
 
 ``prune`` must never collide with a writer (it takes the run's write lease: refused, naming the

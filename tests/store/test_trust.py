@@ -1,4 +1,4 @@
-"""Untrusted checkpoints stay inside their root (issue 17): crafted ``.metadata`` paths, files
+"""Untrusted checkpoints stay inside their root: crafted ``.metadata`` paths, files
 that are FIFOs, devices or symlinks, manifests nested without end, non-canonical step names,
 and a step directory that is a symlink to another run's step. Every command finishes within a
 bound, with a CheckpointCorruptError where it reads the bad step."""
@@ -93,7 +93,7 @@ def _fresh() -> tuple[Any, Any]:
 
 # ------------------------------------------------------------------ crafted .metadata paths
 def test_crafted_s3_metadata_cannot_read_another_bucket(s3_bucket, s3_server):
-    """Issue 17, hole 1: ``.metadata`` naming ``/victim/secret/copy.distcp`` made load()
+    """``.metadata`` naming ``/victim/secret/copy.distcp`` made load()
     read that object (unlisted, never checksummed) with verify="size"."""
     import s3fs
 

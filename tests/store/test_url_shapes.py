@@ -1,4 +1,4 @@
-"""Urls spelled with ``//``, ``/./``, ``..`` or a trailing slash (issue 49, point 6).
+"""Urls spelled with ``//``, ``/./``, ``..`` or a trailing slash go to the keys they name.
 
 Before the fix a save's data went to the url's own keys (``runs//run7/data/...``) while the
 size check, the read-back and every read looked at the keys normalised in the text

@@ -1,5 +1,5 @@
 """One writer per run (the lease), and ``overwrite=True`` never leaves fewer committed steps
-than before, even when killed mid-way (issue 17, holes 5 and 6)."""
+than before, even when killed mid-way."""
 
 from __future__ import annotations
 
