@@ -115,6 +115,31 @@ def _state(model, opt):
     return offload_off(opt, lambda: snapshot(model, opt))
 
 
+@pytest.fixture(scope="module")
+def trained():
+    """body_train's run (offload off) on ``world_size`` ranks of ``node_size`` per node, trained
+    once per module and handed to each test as a fresh copy at the same paths (the tier knows
+    its run by its url): the tests differ in what they damage and restore, not in the run."""
+    import tempfile
+
+    runs: dict[tuple[int, int], tuple[str, dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="trained-") as base:
+
+        def get(world_size: int, node_size: int) -> tuple[str, str, dict]:
+            work = os.path.join(base, f"{world_size}x{node_size}")
+            url, root = os.path.join(work, "run"), os.path.join(work, "mem")
+            if (world_size, node_size) not in runs:
+                want = run_then_kill(body_train, world_size, url, root, False, node_size)[0]
+                runs[world_size, node_size] = (work + ".trained", want)
+                shutil.copytree(work, work + ".trained", symlinks=True)
+            template, want = runs[world_size, node_size]
+            shutil.rmtree(work)
+            shutil.copytree(template, work, symlinks=True)
+            return url, root, want
+
+        yield get
+
+
 def _assert_state(want, got, what):
     assert sorted(want) == sorted(got), what
     bad = [k for k in want if not torch.equal(want[k].view(-1), got[k].view(-1))]
@@ -122,10 +147,12 @@ def _assert_state(want, got, what):
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["offload-off", "offload-on"])
-def test_restart_loads_the_last_step_from_memory_and_peers(tmp_path, offload):
-    url, root = str(tmp_path / "run"), str(tmp_path / "mem")
-    trained = run_then_kill(body_train, 4, url, root, offload)
-    want = trained[0]  # every rank returns the full state
+def test_restart_loads_the_last_step_from_memory_and_peers(tmp_path, trained, offload):
+    if offload:
+        url, root = str(tmp_path / "run"), str(tmp_path / "mem")
+        want = run_then_kill(body_train, 4, url, root, offload)[0]  # every rank: the full state
+    else:
+        url, root, want = trained(4, NODE)
     shutil.rmtree(os.path.join(root, "node1"))  # node 1 lost its memory
 
     got = run_on_ranks(body_restore, 4, url, root, offload)
@@ -144,9 +171,8 @@ def test_restart_loads_the_last_step_from_memory_and_peers(tmp_path, offload):
         _assert_state(want[5], g[3], f"rank {r}, step 5 from storage")
 
 
-def test_restart_on_another_world_size_loads_from_storage(tmp_path):
-    url, root = str(tmp_path / "run"), str(tmp_path / "mem")
-    want = run_then_kill(body_train, 4, url, root, False)[0]
+def test_restart_on_another_world_size_loads_from_storage(trained):
+    url, root, want = trained(4, NODE)
     got = run_on_ranks(body_restore, 3, url, root, False)
     assert [g[0] for g in got] == [5] * 3
     assert [g[1] for g in got] == ["storage"] * 3
@@ -164,10 +190,9 @@ def _part_files(root: str, node: int, kind: str, rank: int) -> list[str]:
     )
 
 
-def test_a_damaged_part_comes_from_its_replica_then_from_storage(tmp_path):
-    url, root = str(tmp_path / "run"), str(tmp_path / "mem")
+def test_a_damaged_part_comes_from_its_replica_then_from_storage(trained):
     # 2 ranks, one per node: rank 0's replica is on rank 1 and the other way round.
-    want = run_then_kill(body_train, 2, url, root, False, 1)[0]
+    url, root, want = trained(2, 1)
     own = _part_files(root, 0, "rank", 0)
     held = _part_files(root, 1, "copy", 0)
     assert own and held
@@ -207,9 +232,8 @@ def _step_dir(root: str, node: int) -> str:
     return path
 
 
-def test_parts_of_two_saves_of_a_step_never_load_together(tmp_path):
-    url, root = str(tmp_path / "run"), str(tmp_path / "mem")
-    want = run_then_kill(body_train, 2, url, root, False, 1)[0]
+def test_parts_of_two_saves_of_a_step_never_load_together(tmp_path, trained):
+    url, root, want = trained(2, 1)
     node1, first = _step_dir(root, 1), str(tmp_path / "first-save")
     shutil.copytree(node1, first)
     run_on_ranks(body_save_again, 2, url, root)
@@ -225,9 +249,8 @@ def test_parts_of_two_saves_of_a_step_never_load_together(tmp_path):
         _assert_state(want[7], g[3], f"rank {r}, the first save of step 7")
 
 
-def test_nodes_numbered_otherwise_load_the_replicas_they_hold(tmp_path):
-    url, root = str(tmp_path / "run"), str(tmp_path / "mem")
-    want = run_then_kill(body_train, 2, url, root, False, 1)[0]
+def test_nodes_numbered_otherwise_load_the_replicas_they_hold(trained):
+    url, root, want = trained(2, 1)
     # The restart gives node 0's ranks to the other machine: each rank finds the replica of
     # its own part, and no part of its own.
     os.rename(os.path.join(root, "node0"), os.path.join(root, "swap"))
