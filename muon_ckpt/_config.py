@@ -65,7 +65,7 @@ def read_threads(io_threads: int | None, local: bool = True) -> int:
 
 
 # Every argument of CheckpointManager and what it means: the one place these words are
-# written. docs/reference.md's options table is these rows (tests/test_readme.py checks it,
+# written. docs/reference.md's options table is these rows (tests/manager/test_readme.py checks it,
 # and the defaults against CheckpointManager's signature); CheckpointManager's docstring is
 # built from them. MEMORY_OPTIONS is the same for MemoryOptions and the reference's table.
 OPTIONS: dict[str, str] = {

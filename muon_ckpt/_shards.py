@@ -9,7 +9,7 @@ each TP shard split its rows as ``torch.chunk`` does). DCP then plans overlappin
 the save fails, or a load reads rows into the wrong place. So here the mesh dims that shard a
 tensor dim split it one after another as ``torch.chunk`` splits: ``Shard`` dims left to
 right, then ``_StridedShard`` dims right to left (FSDP2's order). Without a strided shard
-torch's own reading is used: the two agree there (``tests/test_mesh_checkpoint.py`` checks
+torch's own reading is used: the two agree there (``tests/manager/test_mesh_checkpoint.py`` checks
 both against FSDP2's real shards). ``optim`` reads placements by the same rule for Muon
 (``optim._mesh.piece``); the packages never import each other, so the rule is written in
 each and tested to agree.

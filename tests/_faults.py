@@ -117,7 +117,7 @@ class FaultProxy:
         self,
         upstream: str,
         seed: int = 0,
-        stall_s: float = 2.0,
+        stall_s: float | None = 2.0,
         *,
         ranks: int = 1,
         delay_s: float = 1.0,
@@ -125,7 +125,8 @@ class FaultProxy:
         u = urlsplit(upstream)
         self.upstream = (u.hostname or "127.0.0.1", u.port or 80)
         self.rng = random.Random(seed)
-        self.stall_s = stall_s
+        self.stall_s = stall_s  # None: a stall ends only when the proxy stops
+        self._stopped = threading.Event()
         self.delay_s = delay_s
         # [method, path, body, fault, times left, kind, rank, at]
         self.rules: list[list[Any]] = []
@@ -180,6 +181,7 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        self._stopped.set()
         for s in self._servers:
             s.shutdown()
             s.server_close()
@@ -291,7 +293,7 @@ class FaultProxy:
         if fault == "reset":
             return _reset(h)
         if fault == "stall":
-            time.sleep(self.stall_s)
+            self._stopped.wait(self.stall_s)
             return _reset(h)
         if fault == "delay":
             time.sleep(self.delay_s)

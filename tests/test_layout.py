@@ -10,6 +10,10 @@ both tiers) above those; ``manager`` above it; then
 package's ``__init__`` is the facade. Across packages:
 ``offload`` imports neither of the others, ``optim`` only ``offload``, and ``muon_ckpt`` never
 ``optim`` (it works with any optimizer) but in its demo.
+
+The tests follow the same folders: tests/<folder>/ for each package folder, no test file at
+the root of tests/ but this one, none over 600 lines, and docstrings that name the behaviour
+they pin rather than an issue number.
 """
 
 from __future__ import annotations
@@ -214,3 +218,94 @@ def test_no_package_is_named_like_a_standard_library_module():
 
     clash = [m for m in _modules() if m.split(".")[-1] in sys.stdlib_module_names]
     assert not clash, clash
+
+
+# ---------------------------------------------------------------------- the tests' own layout
+_TESTS = os.path.join(_ROOT, "tests")
+# Test folders that follow no package folder, and why.
+_OTHER_TEST_FOLDERS = {
+    "benchmarks": "the CPU benchmarks' smoke test (benchmarks/ is no package of the library)",
+    "gpu": "what needs CUDA, run by tests/gpu/run_gpu.sh on a GPU machine, never in CI",
+    "typing": "a user's script that mypy --strict reads (.ci/typecheck), never run",
+    "fixtures": "files the tests read",
+}
+# The seed acceptance test, kept as it came (ruff and vulture skip it too: pyproject.toml).
+_SEED = os.path.join("tests", "gpu", "test_cpu_offload.py")
+_MAX_TEST_LINES = 600
+
+
+def _package_folders() -> set[str]:
+    """The folders whose tests have a folder of their name: each sub-package of
+    ``muon_ckpt``, ``manager`` (``manager.py`` and the top-level modules), the other packages."""
+    inner = {
+        d
+        for d in os.listdir(os.path.join(_ROOT, "muon_ckpt"))
+        if os.path.isfile(os.path.join(_ROOT, "muon_ckpt", d, "__init__.py"))
+    }
+    return inner | {"manager"} | (set(_PACKAGES) - {"muon_ckpt"})
+
+
+def _test_sources() -> dict[str, str]:
+    """Path relative to the root -> text, for every Python file under tests/."""
+    out = {}
+    for dirpath, _, files in os.walk(_TESTS):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                with open(path) as fh:
+                    out[os.path.relpath(path, _ROOT)] = fh.read()
+    return out
+
+
+def test_each_package_folder_has_its_test_folder():
+    """tests/<folder>/ (a package, with test files) for each package folder; no other test
+    folder but those _OTHER_TEST_FOLDERS names."""
+    missing = []
+    for name in sorted(_package_folders()):
+        folder = os.path.join(_TESTS, name)
+        has_tests = os.path.isdir(folder) and any(
+            f.startswith("test_") and f.endswith(".py") for f in os.listdir(folder)
+        )
+        if not has_tests or not os.path.isfile(os.path.join(folder, "__init__.py")):
+            missing.append(f"tests/{name}/ (with __init__.py and test_*.py)")
+    assert not missing, f"package folders without their test folder: {missing}"
+    folders = {
+        d for d in os.listdir(_TESTS) if os.path.isdir(os.path.join(_TESTS, d)) and d[0] not in "._"
+    }
+    stray = sorted(folders - _package_folders() - set(_OTHER_TEST_FOLDERS))
+    assert not stray, f"test folders that follow no package folder: {stray}"
+
+
+def test_no_test_file_sits_at_the_root_of_tests():
+    """Each test file sits in the folder of the code it covers; at the root only this file,
+    which covers the whole tree (helpers shared by several folders sit there too)."""
+    root = sorted(f for f in os.listdir(_TESTS) if f.startswith("test_") and f.endswith(".py"))
+    assert root == ["test_layout.py"], f"move these into tests/<folder>/: {root}"
+
+
+def test_no_test_file_is_longer_than_600_lines():
+    long = {
+        path: n
+        for path, text in _test_sources().items()
+        if path != _SEED and (n := text.count("\n")) > _MAX_TEST_LINES
+    }
+    assert not long, f"split these along their sections: {long}"
+
+
+def test_test_docstrings_say_the_behaviour_not_the_issue():
+    """A docstring of a test module, class or function names the behaviour it pins; the issue
+    that asked for it is the commit's business (an issue number tells a reader nothing)."""
+    import re
+
+    issue = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
+    found = []
+    for path, text in _test_sources().items():
+        tree = ast.parse(text)
+        nodes = [tree, *ast.walk(tree)]
+        for node in nodes:
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+                continue
+            doc = ast.get_docstring(node) or ""
+            if issue.search(doc):
+                found.append(f"{path}: {getattr(node, 'name', '(module)')}")
+    assert not found, "\n".join(sorted(set(found)))
