@@ -321,7 +321,7 @@ def _overhead_line(args, model, opt, grads, step, state, mode, k, tmp, mem) -> N
         mgr.load()
         mgr.save(0)
         mgr.wait()
-        tier = mgr._memory.tier if mgr._memory is not None else None
+        tier = mgr._saves.tier
         skipped = tier.skipped if tier is not None else 0
         times, blocked = [], 0.0
         sync(device)

@@ -1,8 +1,8 @@
 """Storage requests per save and per load, and the time ``save()`` blocks, against the number
 of steps a run keeps (2, 10, 100, 1,000 by default).
 
-For each storage (moto S3 behind a counting loopback proxy, ``tests._faults.FaultProxy``, one
-per rank; a local directory, where an audit hook counts the ``open``, ``os.listdir`` and
+For each storage (moto S3 behind a counting loopback proxy, ``tests._faults.FaultProxy``, a
+port per rank; a local directory, where an audit hook counts the ``open``, ``os.listdir`` and
 ``os.scandir`` calls under the run's root) and each number of steps N:
 
 * one real save of step 1 (``keep_last=None``), then rank 0 writes steps 2..N-1 as copies of
@@ -21,14 +21,13 @@ times do.
 
 Usage::
 
-    python benchmarks/bench_requests.py                      # 2 ranks, S3 and local
-    python benchmarks/bench_requests.py --ranks 1 --steps 2 10 --store local
+    python -m benchmarks.bench_requests                      # 2 ranks, S3 and local
+    python -m benchmarks.bench_requests --ranks 1 --steps 2 10 --store local
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,6 @@ import uuid
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import torch.distributed as dist
@@ -50,7 +48,7 @@ LOCAL_KINDS = ("listdir", "open")
 def _one_store(rank: int, url: str, opts: dict, counter: Any, steps: list[int], saves: int):
     from muon_ckpt import CheckpointManager
     from tests._ckpt import TinyNet, make_muon, train
-    from tests._requests import synthetic_steps
+    from tests.store._requests import synthetic_steps
 
     rows = []
     for n in steps:
@@ -91,63 +89,21 @@ def _one_store(rank: int, url: str, opts: dict, counter: Any, steps: list[int], 
 
 
 def _rank(rank: int, world: int, urls: dict, steps: list[int], saves: int) -> dict:
-    from tests._requests import LocalCounter
+    from tests.store._requests import LocalCounter, ProxyCounter
 
     out = {}
     local = LocalCounter()
-    for store, (url, opts, proxy_seen) in urls.items():
+    for store, (url, opts, proxy) in urls.items():
         if store == "local":
             local.root = url
             out[store] = _one_store(rank, url, opts, local, steps, saves)
             local.root = None
         else:
-            counter = _RemoteCounter(proxy_seen[rank])
-            opts = {**opts, "endpoint_url": proxy_seen[rank]}
+            control, endpoints = proxy
+            counter = ProxyCounter(control, rank)
+            opts = {**opts, "endpoint_url": endpoints[rank]}
             out[store] = _one_store(rank, url, opts, counter, steps, saves)
     return out
-
-
-class _RemoteCounter:
-    """This rank's proxy's counts (the proxy runs in the parent), read and reset through its
-    control path."""
-
-    def __init__(self, proxy_url: str) -> None:
-        self.url = proxy_url
-
-    def _call(self, what: str) -> dict:
-        import urllib.request
-
-        with urllib.request.urlopen(f"{self.url}/__counts__?{what}", timeout=30) as r:
-            return json.loads(r.read())
-
-    def clear(self) -> None:
-        self._call("clear")
-
-    def read(self) -> dict:
-        return self._call("read")
-
-
-def _counting_proxy(upstream: str):
-    """A FaultProxy (no faults) whose counts a rank reads at ``/__counts__?read|clear``."""
-    from tests._faults import FaultProxy
-
-    proxy = FaultProxy(upstream)
-    handle = proxy._handle
-
-    def control(h: Any) -> None:
-        if not h.path.startswith("/__counts__"):
-            return handle(h)
-        with proxy._lock:
-            data = json.dumps(proxy.seen).encode()
-            if h.path.endswith("clear"):
-                proxy.seen.clear()
-        h.send_response(200)
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        h.wfile.write(data)
-
-    proxy._handle = control  # (the control path is the benchmark's, never forwarded)
-    return proxy.start()
 
 
 def main() -> None:
@@ -157,14 +113,14 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--store", choices=["s3", "local", "both"], default="both")
     args = ap.parse_args()
-    from bench_checkpoint import start_moto
-
+    from benchmarks.bench_checkpoint import start_moto
     from tests._dist import run_on_ranks
+    from tests._faults import FaultProxy
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     urls: dict[str, Any] = {}
-    server = proxies = None
+    server = proxy = None
     tmp = tempfile.mkdtemp(prefix="bench-requests-")
     if args.store in ("s3", "both"):
         import s3fs
@@ -172,16 +128,16 @@ def main() -> None:
         server, opts = start_moto()
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         s3fs.S3FileSystem(**opts).mkdir(bucket)
-        proxies = [_counting_proxy(opts["endpoint_url"]) for _ in range(args.ranks)]
-        urls["s3"] = (f"s3://{bucket}/run", opts, [p.url for p in proxies])
+        proxy = FaultProxy(opts["endpoint_url"], ranks=args.ranks).start()  # (no faults)
+        urls["s3"] = (f"s3://{bucket}/run", opts, (proxy.control_url, proxy.urls))
     if args.store in ("local", "both"):
         urls["local"] = (os.path.join(tmp, "run"), {}, None)
     try:
         timeout = 120.0 + 2.0 * sum(args.steps) * (args.saves + 1)
         res = run_on_ranks(_rank, args.ranks, urls, args.steps, args.saves, timeout=timeout)
     finally:
-        for p in proxies or []:
-            p.stop()
+        if proxy is not None:
+            proxy.stop()
         if server is not None:
             server.stop()
     print(f"# {args.ranks} gloo rank(s), async_save=True, medians of {args.saves} saves")

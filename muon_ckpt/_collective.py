@@ -4,16 +4,28 @@ Decisions (which step to load, whether a save committed) are made on rank 0 and 
 together with any exception, so that every rank returns the same value or raises the same error.
 ``group``: the process group to use (None: the default group). Background saves pass their own
 gloo group, so that they never share a communicator with the training loop's collectives.
+
+The groups a manager makes (``Calls``) are tracked: before each collective on one, a rank
+records in the default group's store how many it has reached (``arrive``; DCP's calls mark
+theirs through ``lane``). When a collective fails (a gloo timeout, a peer gone), the rank
+reads every rank's count and names those behind it, which did not arrive, and the ranks
+agree on one message (a verdict set once in the store): every rank raises the same
+``CheckpointCollectiveError`` naming the ranks and ``collective_timeout``. A group whose
+collective failed is broken (gloo closes its connections); the ranks agree at the next
+call's ``handshake`` to make the manager's groups again, so the next save and load work.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import pickle
 import socket
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -22,6 +34,7 @@ import torch.distributed as dist
 from muon_ckpt._errors import CheckpointCollectiveError, CheckpointError
 
 T = TypeVar("T")
+_VERDICT_WAIT = 5.0  # seconds a rank that arrived last waits for the verdict of one that did not
 
 
 def is_dist() -> bool:
@@ -56,7 +69,8 @@ def on_rank0(fn: Callable[[], T], group: Any = None) -> T:
                 raise
             box[0] = (False, _portable(e))
     if is_dist():
-        with communicating("a broadcast from rank 0"):
+        arrive("a broadcast from rank 0", group)
+        with communicating("a broadcast from rank 0", group):
             dist.broadcast_object_list(box, src=0, group=group)
     ok, value = box[0]
     if not ok:
@@ -69,7 +83,8 @@ def gather_to_rank0(obj: Any, group: Any = None) -> list[Any] | None:
     if not is_dist():
         return [obj]
     out: list[Any] | None = [None] * world_size() if rank() == 0 else None
-    with communicating("a gather to rank 0"):
+    arrive("a gather to rank 0", group)
+    with communicating("a gather to rank 0", group):
         dist.gather_object(obj, out, dst=0, group=group)
     return out
 
@@ -79,7 +94,8 @@ def all_gather(obj: Any, group: Any = None) -> list[Any]:
     if not is_dist():
         return [obj]
     out: list[Any] = [None] * world_size()
-    with communicating("an all-gather"):
+    arrive("an all-gather", group)
+    with communicating("an all-gather", group):
         dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -94,7 +110,8 @@ def new_group(timeout: float) -> Any:
     """
     if not is_dist():
         return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    with communicating("making the manager's process group"):
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
 
 def _store() -> Any:
@@ -103,10 +120,11 @@ def _store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
-def handshake(tag: str, call: str, timeout: float) -> None:
+def handshake(tag: str, call: str, timeout: float, flag: bool = False) -> bool:
     """Every rank announces ``call`` (e.g. ``"save(step=5)"``) under ``tag`` and waits until
     every rank has announced the same call; raises CheckpointCollectiveError naming the ranks that
-    did not within ``timeout`` seconds, or that announced a different call.
+    did not within ``timeout`` seconds, or that announced a different call. Returns whether
+    any rank raised its ``flag`` (every rank learns the same).
 
     Runs on the default group's key-value store (no communicator), so a rank that never calls
     costs the others ``timeout`` seconds and an error that names it, instead of a hang inside
@@ -116,10 +134,15 @@ def handshake(tag: str, call: str, timeout: float) -> None:
     another gave up follows that verdict instead of going on alone.
     """
     if not is_dist():
-        return
-    store = _store()
+        return flag
+    # (its store's host, rank 0 under ``env://``, gone: torch's DistNetworkError "Broken pipe")
+    with communicating(f"{call}: the handshake on the process group's store"):
+        return _handshake(_store(), tag, call, timeout, flag)
+
+
+def _handshake(store: Any, tag: str, call: str, timeout: float, flag: bool) -> bool:
     me, n = rank(), world_size()
-    store.set(f"{tag}/{me}", call)
+    store.set(f"{tag}/{me}", call + ("\n" if flag else ""))
     keys = [f"{tag}/{r}" for r in range(n)]
     deadline = time.monotonic() + timeout
     pause = 0.001
@@ -137,48 +160,136 @@ def handshake(tag: str, call: str, timeout: float) -> None:
             f"{call} on rank {me}: {verdict} (collective_timeout); save() and load() are "
             "collectives: call them on every rank, with the same step"
         )
-    calls = dict(enumerate(v.decode() for v in store.multi_get(keys)))
+    said = [v.decode() for v in store.multi_get(keys)]
+    calls = {r: v.rstrip("\n") for r, v in enumerate(said)}
     if len(set(calls.values())) > 1:
         raise CheckpointCollectiveError(
             f"{call} on rank {me}: the ranks called different things: "
             + ", ".join(f"rank {r}: {c}" for r, c in calls.items())
             + "; save() and load() are collectives: call them on every rank, with the same step"
         )
+    return any(v.endswith("\n") for v in said)
 
 
-def forget(tag: str) -> None:
+def forget(tag: str, call: str) -> None:
     """Remove this rank's key of an earlier ``handshake`` (once every rank is past it), and
-    rank 0 the verdict."""
-    if is_dist():
+    rank 0 the verdict, at ``call``."""
+    if not is_dist():
+        return
+    with communicating(f"{call}: the process group's store"):
         store = _store()
         store.delete_key(f"{tag}/{rank()}")
         if rank() == 0:
             store.delete_key(f"{tag}/verdict")
 
 
-def comm_failure(e: RuntimeError, what: str) -> CheckpointCollectiveError:
-    """A collective that raised (gloo timeout, a peer gone) as an error naming ``what`` and this
-    rank."""
-    return CheckpointCollectiveError(
-        f"{what} on rank {rank()}: a collective failed (a rank died, or did not answer within "
-        f"collective_timeout): {type(e).__name__}: {e}"
-    )
+@dataclasses.dataclass
+class _Track:
+    """What this rank knows of one of a manager's groups (``Calls``): the agreement points it
+    reached on it (each rank's count is in the store under ``tag``), the call they belong to,
+    and whether a collective on it failed."""
+
+    tag: str
+    timeout: float
+    call: str = "a save or load"
+    points: int = 0
+    last: str = ""  # the point this rank reached last
+    broken: bool = False
+
+
+_tracks: weakref.WeakKeyDictionary[Any, _Track] = weakref.WeakKeyDictionary()
+_lane = threading.local()  # .group: the group of the DCP call this thread is in (``lane``)
+
+
+def _track_of(group: Any) -> _Track | None:
+    group = group if group is not None else getattr(_lane, "group", None)
+    return None if group is None else _tracks.get(group)
 
 
 @contextlib.contextmanager
-def communicating(what: str) -> Iterator[None]:
+def lane(group: Any) -> Iterator[None]:
+    """DCP's collectives in this thread run on ``group``: ``arrive`` without a group, called
+    where DCP's storage work ends (its writer's and reader's), marks a point on it."""
+    before, _lane.group = getattr(_lane, "group", None), group
+    try:
+        yield
+    finally:
+        _lane.group = before
+
+
+def arrive(what: str, group: Any = None) -> None:
+    """This rank reached the next agreement point (``what``) of ``group`` (None: the group
+    of the DCP call this thread is in); a no-op on groups no manager made."""
+    t = _track_of(group)
+    if t is None or not is_dist():
+        return
+    t.points, t.last = t.points + 1, what
+    _store().set(f"{t.tag}/at/{rank()}", str(t.points))
+
+
+def comm_failure(e: BaseException, what: str, group: Any = None) -> CheckpointCollectiveError:
+    """A collective on ``group`` that raised (gloo timeout, a peer gone) as the error every
+    rank raises: the ranks that did not arrive at ``what`` and collective_timeout (on a
+    manager's group, which is then rebuilt at the next call), else ``what`` and this rank."""
+    t = _track_of(group)
+    if t is None:  # (another group: the manager's may have been waited on too)
+        for other in list(_tracks.values()):
+            other.broken = True
+        return CheckpointCollectiveError(
+            f"{what} on rank {rank()}: a collective failed (a rank died, or did not answer "
+            f"within collective_timeout): {type(e).__name__}: {e}"
+        )
+    t.broken = True
+    what = t.last or what  # (DCP's own collectives follow the point its storage work marks)
+    try:
+        verdict = _verdict(t, what, e)
+    except Exception as failed:  # (the store is gone too: this rank's view)
+        verdict = f"{t.call}: {what} failed on rank {rank()} ({type(failed).__name__})"
+    return CheckpointCollectiveError(
+        f"{verdict}; the manager's process group is made again at its next save() or load()"
+    )
+
+
+def _verdict(t: _Track, what: str, e: BaseException) -> str:
+    """The message every rank raises for the failed collective at ``t``'s point: set once in
+    the store by the first rank that saw ranks behind it (that did not arrive); a rank that
+    arrived last waits a little for it."""
+    store, n = _store(), world_size()
+    at = [int(v) for v in store.multi_get([f"{t.tag}/at/{r}" for r in range(n)])]
+    behind = [r for r in range(n) if at[r] < t.points]
+    key = f"{t.tag}/verdict/{t.points}"
+    if behind:
+        mine = (
+            f"{t.call}: rank(s) {behind} of {n} did not reach {what} within "
+            f"collective_timeout ({t.timeout:g} s)"
+        )
+    else:
+        deadline = time.monotonic() + min(t.timeout, _VERDICT_WAIT)
+        while not store.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        mine = (
+            f"{t.call}: {what} failed on rank {rank()}: a rank stopped answering or left "
+            f"(collective_timeout {t.timeout:g} s): {type(e).__name__}: {first}"
+        )
+    return store.compare_set(key, "", mine).decode()
+
+
+@contextlib.contextmanager
+def communicating(what: str, group: Any = None) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:  # torch's communication errors (DistError derives from it)
-        raise comm_failure(e, what) from e
+        raise comm_failure(e, what, group) from e
 
 
 class Calls:
     """The save/load calls of one manager: each begins with a ``handshake`` (every rank is in
     the same call, or every rank that is raises), and the first makes the manager's gloo
-    group (``group``) and counts the hosts the ranks run on (``hosts``). Tags are per url and
-    per manager of that url in this process: the same on every rank when every rank makes the
-    same managers, whatever else a rank makes."""
+    group (``group``) and counts the hosts the ranks run on (``hosts``); a call after a
+    collective failed on any rank makes the groups again. Tags are per url and per manager of
+    that url in this process: the same on every rank when every rank makes the same managers,
+    whatever else a rank makes."""
 
     _made: dict[str, int] = {}  # managers of each url made in this process
 
@@ -188,6 +299,7 @@ class Calls:
         self._tag = f"muon_ckpt/{url_id}/{n}"
         self._timeout = timeout
         self._count = 0  # calls so far: the handshake's sequence number
+        self._made_groups = 0  # times the groups were made (the same on every rank)
         self.group: Any = None  # gloo group of every save/load collective
         # With a memory tier, a save's write and a memory save's job run in the background
         # at the same time as the calls: each on a gloo group of its own.
@@ -196,28 +308,45 @@ class Calls:
         self.memory_group: Any = None  # a memory save's replication and agreement
         self.hosts = 1
 
+    def _groups(self) -> list[Any]:
+        return [g for g in (self.group, self.write_group, self.memory_group) if g is not None]
+
     def join(self, call: str) -> None:
         """Every rank is in the same ``call`` (bounded by the timeout)."""
         if not is_dist():
             return
         self._count += 1
         if self._count > 2:
-            forget(f"{self._tag}/{self._count - 2}")  # every rank is past that one
-        handshake(f"{self._tag}/{self._count}", call, self._timeout)
+            forget(f"{self._tag}/{self._count - 2}", call)  # every rank is past that one
+        broken = any(t.broken for g in self._groups() if (t := _tracks.get(g)) is not None)
+        if handshake(f"{self._tag}/{self._count}", call, self._timeout, broken):
+            # A group whose collective failed is closed; one still used by a background job
+            # that failed with it is left to that job.
+            self.group = self.write_group = self.memory_group = None
         self.ensure_group()
+        for g in self._groups():
+            _tracks[g].call = call
 
     def ensure_group(self) -> None:
-        """Make the gloo group (a collective: every rank reaches it in the same call)."""
+        """Make the gloo groups (a collective: every rank reaches it in the same call)."""
         if is_dist() and self.group is None:
-            self.group = new_group(self._timeout)
-            self.hosts = len(set(all_gather(socket.gethostname(), self.group)))
-            self.write_group = self.group
+            self._made_groups += 1
+            self.group = self.write_group = self._new("group")
             if self._background_groups:
-                self.write_group = new_group(self._timeout)
-                self.memory_group = new_group(self._timeout)
+                self.write_group = self._new("write")
+                self.memory_group = self._new("memory")
+            self.hosts = len(set(all_gather(socket.gethostname(), self.group)))
+
+    def _new(self, name: str) -> Any:
+        """A group of every rank, tracked: its agreement points counted in the store."""
+        group = new_group(self._timeout)
+        tag = f"{self._tag}/{self._made_groups}/{name}"
+        _tracks[group] = _Track(tag, self._timeout)
+        _store().set(f"{tag}/at/{rank()}", "0")  # (every rank's is there once all_gather ran)
+        return group
 
     def close(self) -> None:
         """Remove the last handshake's keys (housekeeping: the store's host may be gone)."""
         if self._count > 1:  # every rank is past that one (not surely past the last)
-            with contextlib.suppress(RuntimeError):
-                forget(f"{self._tag}/{self._count - 1}")
+            with contextlib.suppress(CheckpointCollectiveError):
+                forget(f"{self._tag}/{self._count - 1}", "close()")

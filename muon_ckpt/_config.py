@@ -15,8 +15,16 @@ __all__ = ["ManagerConfig", "MemoryOptions", "read_threads"]
 # "checksum": sizes and the manifest's checksums (CRC32C, or zlib crc32 in older manifests) of
 # every file read; "crc32" is its name before CRC32C, still accepted; "size": sizes only.
 VERIFY_MODES = ("checksum", "crc32", "size")
-CONFIRM_MODES = ("checksum", "crc32", "size", "off")  # as muon_ckpt.store.CONFIRM_MODES
+# How a save confirms that the storage holds what it wrote (``store.confirm_files``): its
+# checksums read back ("crc32": the name of "checksum" before CRC32C), sizes only, or nothing.
+CONFIRM_MODES = ("checksum", "crc32", "size", "off")
 COMPRESSIONS = (None, "zstd")
+
+
+def reads_back(confirm: str) -> bool:
+    """Whether ``confirm`` (one of CONFIRM_MODES) reads every byte written back: a step so
+    committed is known to verify, its references included."""
+    return confirm in ("checksum", "crc32")
 
 
 def checks_content(verify: str) -> bool:
@@ -57,7 +65,7 @@ def read_threads(io_threads: int | None, local: bool = True) -> int:
 
 
 # Every argument of CheckpointManager and what it means: the one place these words are
-# written. docs/reference.md's options table is these rows (tests/test_readme.py checks it,
+# written. docs/reference.md's options table is these rows (tests/manager/test_readme.py checks it,
 # and the defaults against CheckpointManager's signature); CheckpointManager's docstring is
 # built from them. MEMORY_OPTIONS is the same for MemoryOptions and the reference's table.
 OPTIONS: dict[str, str] = {
@@ -89,7 +97,10 @@ OPTIONS: dict[str, str] = {
     "needs more runs synchronously",
     "collective_timeout": "seconds a rank waits for the others in `save()`/`load()` before it "
     "raises, naming the ranks that did not join",
-    "storage_timeout": "seconds one storage request may take (None: the client's own)",
+    "storage_timeout": (
+        "seconds one storage request may take, its retries included (None: the client's own "
+        "timeout per attempt)"
+    ),
     "lease_seconds": "the run's write lease expires this long after this job's last save",
     "confirm": "before a commit, each rank reads its files back and checks their CRC32C; "
     '`"size"`: sizes only; `"off"`',
@@ -98,7 +109,8 @@ OPTIONS: dict[str, str] = {
     "by the steps (False: every step writes all of its state into its own directory)",
     "dedup_max_age": "a save refers only to data written by one of its last N saves; an "
     "unchanged tensor stored longer ago is written again (about 1/N of the unchanged state per "
-    "save), so a damaged file reaches at most N steps; 1: every save writes every tensor",
+    "save), so a damaged file reaches at most N steps; at most `keep_last - 1` saves where "
+    "`keep_last` >= 2, so no data file is in every kept step; 1: every save writes every tensor",
     "compression": '`"zstd"`: tensors of 64 KiB and more are stored losslessly compressed '
     "(about 1.2x fp32, 1.45x bf16), by the writer threads; needs `muon-ckpt[zstd]`. Off by "
     "default: plain DCP readers (`dcp_to_torch_save`) cannot open a compressed step, and on a "
@@ -107,6 +119,9 @@ OPTIONS: dict[str, str] = {
     "(None: when storage is remote or ranks span hosts)",
     "new_run": "a first `save()` without `load()` may start a new run where another run's "
     "steps are: they are deleted once its first step is committed",
+    "certify_replicas": "before a commit, the ranks holding a replicated shard (a DTensor's "
+    "`Replicate()` placement: HSDP, tensor parallelism) compare its CRC32C; a mismatch fails "
+    "the save on every rank, nothing committed (one more pass over the replicated bytes)",
     "memory": "`MemoryOptions(interval=K, ...)`: also keep every K-th step in host memory that "
     "outlives the process, restored first by `load()` (see the memory tier, below); None: off",
 }
@@ -262,6 +277,7 @@ _RULES = (
         "read_once", _flag(none=True), "None, True or False", "None: chosen per storage and hosts"
     ),
     Rule("new_run", _flag(), "True or False"),
+    Rule("certify_replicas", _flag(), "True or False"),
     Rule("dedup", _flag(), "True or False", "False: every save writes every tensor"),
     Rule(
         "dedup_max_age",
@@ -343,6 +359,7 @@ class ManagerConfig:
     resume_storage_options: dict[str, Any] | None = None
     read_once: bool | None = None
     new_run: bool = False
+    certify_replicas: bool = False
     memory: MemoryOptions | None = None
 
     @property
@@ -358,6 +375,15 @@ class ManagerConfig:
     def read_threads(self, local: bool) -> int:
         """Threads a load from local (or remote) storage reads with (``read_threads``)."""
         return read_threads(self.io_threads, local)
+
+    @property
+    def dedup_bound(self) -> int:
+        """How many consecutive saves hold a data file at most (the one that wrote it, then
+        those that refer to it): ``dedup_max_age``, and at most ``keep_last - 1`` where
+        ``keep_last`` >= 2, so that every data file is missing from a step retention keeps
+        (one damaged file never leaves no step to load)."""
+        n = self.keep_last
+        return self.dedup_max_age if n is None or n < 2 else min(self.dedup_max_age, n - 1)
 
     def __post_init__(self) -> None:
         _fspath(self, "url")

@@ -12,6 +12,12 @@ The exit code cannot be changed from there without skipping the other exit handl
 has a save pending (not yet waited for), it is also held strongly: a script whose last
 reference to it is gone (its ``main()`` returned) still has that save committed, or its
 failure logged; a manager dropped with nothing pending can be freed.
+
+Ctrl-C while the hook waits (again and again, as an impatient user does) stops every
+manager's saves (``_stop_saves``: no new file starts, the pending step is not committed unless
+it already was) and is raised, and logged, once they have all ended: the hook never returns
+with a save's thread running. Python would join that thread next, and a Ctrl-C there would
+leave it inside torch when the interpreter finishes, which aborts the process.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import threading
 import weakref
 from typing import Any, Protocol
 
+from muon_ckpt._interrupts import interrupts_deferred
+
 __all__ = ["finish_at_exit", "let_go"]
 
 _log = logging.getLogger("muon_ckpt")
@@ -29,6 +37,8 @@ _log = logging.getLogger("muon_ckpt")
 
 class _Closing(Protocol):
     def _close_at_exit(self) -> None: ...
+
+    def _stop_saves(self) -> None: ...
 
 
 _managers: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -64,8 +74,18 @@ def let_go(manager: Any) -> None:
 
 
 def _close_all() -> None:
-    for manager in list(_managers):
-        try:
-            manager._close_at_exit()
-        except BaseException as e:  # one manager's failure must not keep the others open
-            _log.error("closing %r at exit failed: %s: %s", manager, type(e).__name__, e)
+    managers = list(_managers)  # (before the deferral: its Ctrl-C stops every one of them)
+
+    def stop() -> None:  # (in the signal handler)
+        for manager in managers:
+            manager._stop_saves()
+
+    try:
+        with interrupts_deferred(stop):
+            for manager in managers:
+                try:
+                    manager._close_at_exit()
+                except BaseException as e:  # one manager's failure must not keep the others open
+                    _log.error("closing %r at exit failed: %s: %s", manager, type(e).__name__, e)
+    except KeyboardInterrupt:  # (raised once every save has ended)
+        _log.error("interrupted at exit (Ctrl-C): the pending saves were stopped")

@@ -28,9 +28,23 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["interrupts_deferred", "interrupts_kept"]
+__all__ = ["Stop", "interrupts_deferred", "interrupts_kept"]
 
 _Handler = Callable[[int, Any], Any]
+
+
+class Stop:
+    """A flag that Ctrl-C sets, from inside the signal handler (an ``on_interrupt`` of
+    ``interrupts_deferred``), and the threads it stops read: no new file, task or part
+    starts. A plain attribute: a lock taken in a handler deadlocks the code it interrupted
+    when that held it."""
+
+    def __init__(self) -> None:
+        self.is_set = False
+
+    def set(self) -> None:
+        self.is_set = True
+
 
 # The stop callbacks of the deferral in force (main thread only; None: none is).
 _stops: list[Callable[[], None]] | None = None

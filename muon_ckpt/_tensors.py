@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import ctypes
 from typing import Any
@@ -63,8 +64,9 @@ def host_copy(v: Any) -> Any:
     now, unaffected by later changes to the live objects."""
     if isinstance(v, Tensor):
         return v.detach().to("cpu", copy=True)
-    if isinstance(v, dict):
-        return {k: host_copy(x) for k, x in v.items()}
+    if isinstance(v, dict):  # (an OrderedDict stays one: a load hands back what was saved)
+        cls = collections.OrderedDict if isinstance(v, collections.OrderedDict) else dict
+        return cls((k, host_copy(x)) for k, x in v.items())
     if isinstance(v, (list, tuple)) and type(v) in (list, tuple):
         return type(v)(host_copy(x) for x in v)
     return copy.deepcopy(v)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from muon_ckpt._interrupts import interrupts_deferred
+from muon_ckpt._interrupts import Stop, interrupts_deferred
 
 __all__ = ["beside", "join", "pool", "run_all", "start", "submit_all"]
 
@@ -85,13 +85,13 @@ def run_all(threads: int, fn: Callable[[T], None], tasks: Iterable[T], *, name: 
     lock = threading.Lock()
     taken = 0
     errors: list[BaseException] = []
-    stopped = [False]  # set by Ctrl-C, in the main thread between two bytecodes: no lock
+    stopped = Stop()  # set by Ctrl-C
 
     def worker() -> None:
         nonlocal taken
         while True:
             with lock:
-                if errors or stopped[0] or taken == len(todo):
+                if errors or stopped.is_set or taken == len(todo):
                     return
                 task, taken = todo[taken], taken + 1
             try:
@@ -106,14 +106,14 @@ def run_all(threads: int, fn: Callable[[T], None], tasks: Iterable[T], *, name: 
         for i in range(min(threads, len(todo)))
     ]
     started = []
-    with interrupts_deferred(lambda: stopped.__setitem__(0, True)):
+    with interrupts_deferred(stopped.set):
         try:
             for w in workers:
                 w.start()
                 started.append(w)
         finally:
             if len(started) < len(workers):  # (no thread to start): the started ones stop
-                stopped[0] = True
+                stopped.set()
             for w in started:
                 w.join()
     if errors:

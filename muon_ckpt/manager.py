@@ -1,12 +1,12 @@
 """CheckpointManager: save and resume model, optimizer and extra state on any number of ranks.
 
-A save is ``begin -> snapshot -> write -> commit -> tidy``: rank 0 readies the step and decides
-what it retires (``save.RunLine``, ``store.Catalog.begin``); every rank takes the snapshot
-(``save.take``, the only part an asynchronous save blocks for); the job writes, confirms and
-commits (``save.SaveJob``, here or in a background thread; ``save.UrlSaves`` keeps the pending
-one). A step due for the memory tier shares the snapshot (``memory.MemorySaves``). A load is ``decide -> attempt ->
-apply``, all or nothing, falling back past damaged steps (``load.resume``). The options are
-described once, in ``_config.OPTIONS``.
+A save is ``due -> admit -> snapshot -> write -> commit -> tidy``, to the url, the memory tier
+or both: ``_saves.Saves`` decides, admits once (``save.RunLine``), takes one snapshot
+(``save.take``, the only part an asynchronous save blocks for) and hands it to the url's
+writer (``save.UrlWriter``: write, confirm, commit, here or in a background thread) and the
+memory tier's (``memory.MemoryWriter``). A load is ``decide -> attempt -> apply``, all or
+nothing, falling back past damaged steps, from the memory tier first (``memory.load_tiers``,
+``load.resume``). The options are described once, in ``_config.OPTIONS``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ import muon_ckpt._collective as coll
 from muon_ckpt._config import OPTIONS, ManagerConfig, MemoryOptions, checks_content
 from muon_ckpt._deprecated import DeprecatedOptions, Unpack, upgrade
 from muon_ckpt._errors import CheckpointError, passes_interrupts
-from muon_ckpt._exit import finish_at_exit, let_go
+from muon_ckpt._interrupts import interrupts_deferred
 from muon_ckpt._preempt import PreemptionWatch
-from muon_ckpt.load import LoadTargets, resume
-from muon_ckpt.memory import MemorySaves, restore_from_memory
-from muon_ckpt.save import RunLine, SaveSources, UrlSaves, hook_step
-from muon_ckpt.state import HostStaging, LoadReport, check_objects, check_parts, optimizer_name
+from muon_ckpt._saves import Saves
+from muon_ckpt.load import LoadTargets
+from muon_ckpt.memory import load_tiers
+from muon_ckpt.save import RunLine, SaveSources, hook_step
+from muon_ckpt.state import HostStaging, LoadReport, check_objects, check_parts
 from muon_ckpt.store import StepInfo, check_step, open_run
 
 __all__ = ["CheckpointManager"]
@@ -66,13 +67,13 @@ class CheckpointManager:
         compression: str | None = None,
         read_once: bool | None = None,
         new_run: bool = False,
+        certify_replicas: bool = False,
         memory: MemoryOptions | None = None,
         **deprecated: Unpack[DeprecatedOptions],
     ) -> None:
         # ``deprecated``: the keywords of before 0.3, moved to their new spelling with a
         # DeprecationWarning; any other keyword is a TypeError, as without ``**``.
-        given = locals()
-        given = {k: v for k, v in given.items() if k in ManagerConfig.__dataclass_fields__}
+        given = {k: v for k, v in locals().items() if k in ManagerConfig.__dataclass_fields__}
         self.config = ManagerConfig(**upgrade(given, dict(deprecated)))
         self._extra, self._rank_extra = check_objects(model, optimizer, extra, rank_extra)
         self._model, self._optimizer = model, optimizer
@@ -88,7 +89,7 @@ class CheckpointManager:
         self._calls = coll.Calls(
             c.url, c.collective_timeout, background_groups=c.memory is not None
         )
-        self._line = RunLine(c.new_run, loads_check=checks_content(c.verify))
+        line = RunLine(c.new_run, loads_check=checks_content(c.verify))
         self._preempt: PreemptionWatch | None = None
         self._staging = HostStaging()  # host buffers allocated by the first save, then reused
         warned: set[str] = set()  # warnings given once per manager
@@ -96,9 +97,9 @@ class CheckpointManager:
         state = (model, optimizer, self._extra, self._rank_extra, self._staging)
         deferred = c.deferred
         self._sources = SaveSources(*state, None, limit, warned, deferred)
-        self._saves = UrlSaves(self._catalog, c, self._line, self._sources, self._calls)
+        self._saves = Saves(self._catalog, c, line, self._sources, self._calls, self)
+        self._stop_saves = self._saves.stop  # (Ctrl-C at exit, from the signal handler: _exit)
         self._hook = hook_step(optimizer, lambda: self._saves.deferred) if deferred else None
-        self._memory = MemorySaves.of(c, self._catalog.storage.url_of(), self._sources)
         self._targets = LoadTargets(*state, config=c, group=None, hosts=1, warned=warned)
         self._closed = False
         # This rank's seconds per phase of the last load (docs/internals.md), what it left
@@ -153,34 +154,11 @@ class CheckpointManager:
         step = check_step(step)
         if self._preempt is not None and self._preempt.agreed(self.config.collective_timeout, step):
             self._save_and_exit(step)
-        interval = self.config.interval
-        persist = force or interval is None or step % interval == 0
-        memory = self._memory is not None and self._memory.tier.due(step)
-        if not persist and not memory:
+        url, memory = self._saves.due(step, force)
+        if not url and not memory:
             return False
         self._calls.join(f"save(step={step})")
-        if not persist and self._memory is not None:  # never waits for the url's write
-            finish_at_exit(self, pending=True)  # the interpreter's exit waits for it (_exit)
-            name = optimizer_name(self._optimizer)
-            return self._memory.save_only(step, self._saves, self._catalog, name)[0]
-        if memory and self._memory is not None:
-            self._memory.supersede(step)  # (a queued memory step is older than this one)
-        self.wait()
-        return self._save(step, overwrite, bool(self.config.async_save), memory=memory)
-
-    def _save(self, step: int, overwrite: bool, background: bool, memory: bool = False) -> bool:
-        mem, name = self._memory, optimizer_name(self._optimizer)
-        also = None
-        if memory and mem is not None:
-
-            def also(step: int, snap: Any, plan: Any, line: str | None, save_id: str) -> None:
-                snap.add_reader()  # released once the url's job and the memory job are done
-                mem.start(step, snap, plan, line, save_id, self._calls, name, owns=False)
-
-        if background or memory:
-            finish_at_exit(self, pending=True)  # the interpreter's exit waits for it (_exit)
-        self._saves.save(step, overwrite, background, also)
-        return True
+        return self._saves.save(step, url=url, memory=memory, overwrite=overwrite)
 
     @property
     def last_save_timings(self) -> dict[str, float]:
@@ -194,13 +172,7 @@ class CheckpointManager:
         and return its step (None when nothing was pending); a failure to commit is raised
         here (CheckpointError naming the step); the memory tier's are WARNINGs."""
         self._check_open()
-        try:
-            kept = self._memory.wait() if self._memory is not None else None
-            step = self._saves.wait()
-        finally:
-            if self._saves.pending is None:
-                let_go(self)  # nothing pending: the exit closes it only if it is still alive
-        return kept if step is None else step if kept is None else max(step, kept)
+        return self._saves.wait()
 
     # ------------------------------------------------------------------ preemption
     def watch_preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> None:
@@ -222,7 +194,7 @@ class CheckpointManager:
             _log.error("preempted: %s", e)
         group = self._calls.group
         if not coll.on_rank0(lambda: step in self._catalog.committed_steps(), group):
-            self._save(step, overwrite=False, background=False)
+            self._saves.save(step, url=True, memory=False, background=False)
         if self._preempt is not None:
             self._preempt.exit(step)
 
@@ -253,72 +225,50 @@ class CheckpointManager:
         self.wait()
         t = self._targets
         t.group, t.hosts = self._calls.group, self._calls.hosts
-        got = None
-        tier = None
-        if self._memory is not None:
-            view = restore_from_memory(
-                t, self._catalog, self._memory.tier, step, strict=strict, parts=chosen
-            )
-            got, tier = view.loaded, view.commits
-        if got is None:
-            got = resume(
-                t,
-                self._catalog,
-                self._resume,
-                step,
-                strict=strict,
-                parts=chosen,
-                elastic=elastic,
-                tier=tier,
-            )
-        if got is None:
-            self._line.fresh()
-            if coll.rank() == 0:
-                tried = "" if self._resume is None else " nor in resume_from"
-                _log.info("no committed step in %s%s: starting fresh", self.url, tried)
-            return None
-        self._line.loaded(self.url, got.decision)
-        if self._memory is not None:  # the state is the loaded step's: no memory step to flush
-            self._memory.loaded()
-        self.last_load_report, self.last_load_timings = got.report, got.timings
-        self.last_load_bytes_read = got.bytes_read if got.tier == "storage" else 0
-        self.last_load_tier = got.tier
+        where = (t, self._catalog, self._resume, self._saves.tier, step)
+        with t.tail():  # (Ctrl-C once the ranks agreed to keep it: raised after the records)
+            got = load_tiers(*where, strict=strict, parts=chosen, elastic=elastic)
+            self._saves.loaded(self.url, None if got is None else got.decision)
+            if got is None:
+                if coll.rank() == 0:
+                    tried = "" if self._resume is None else " nor in resume_from"
+                    _log.info("no committed step in %s%s: starting fresh", self.url, tried)
+                return None
+            self.last_load_report, self.last_load_timings = got.report, got.timings
+            self.last_load_bytes_read = got.bytes_read if got.tier == "storage" else 0
+            self.last_load_tier = got.tier
         return got.decision.step
 
     # ------------------------------------------------------------------ lifecycle
     @passes_interrupts
     def close(self) -> None:
-        """Finish a pending save (its failure is raised here), give the write lease back and
-        restore the signal handlers; ``steps()`` still works after. Idempotent. Call it before
-        ``torch.distributed.destroy_process_group()``: a pending save needs the group."""
+        """Finish a pending save (its failure is raised here; Ctrl-C stops it, raised once it
+        ended), give the write lease back, restore the signal handlers; ``steps()`` works after.
+        Idempotent. Call it before ``destroy_process_group()``: a pending save needs the group."""
         if self._closed:
             return
-        try:
-            self.wait()
-            if self._memory is not None:
-                self._memory.flush(self._saves, self.url)
-        finally:
-            if self._memory is not None:
-                self._memory.close()
-            self._staging.release()
-            self._closed = True
-            let_go(self)
-            if self._preempt is not None:
-                self._preempt.restore()
-            if self._hook is not None:
-                self._hook.remove()
-            self._calls.close()
-            if coll.rank() == 0:  # the next job may write at once
-                with contextlib.suppress(CheckpointError):
-                    self._catalog.lease.release()
+        with interrupts_deferred(self._saves.stop):
+            try:
+                self._saves.close()  # (waits, flushes the memory tier's newest step)
+            finally:
+                self._staging.release()
+                self._closed = True
+                if self._preempt is not None:
+                    self._preempt.restore()
+                if self._hook is not None:
+                    self._hook.remove()
+                self._calls.close()
+                if coll.rank() == 0:  # the next job may write at once
+                    with contextlib.suppress(CheckpointError):
+                        self._catalog.lease.release()
 
     def _close_at_exit(self) -> None:
         """The interpreter is exiting (``_exit``): commit the pending save, or say why not."""
         if self._closed:
             return
-        job = self._saves.pending
-        if job is not None and not job.done():
-            _log.info("waiting for the asynchronous save of step %d before exiting", job.step)
+        step = self._saves.writing()
+        if step is not None:
+            _log.info("waiting for the asynchronous save of step %d before exiting", step)
         try:
             self.close()
         except Exception as e:  # the errors of a save name the step

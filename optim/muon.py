@@ -24,7 +24,7 @@ from optim._muon_step import muon_step
 from optim._ns_dtype import resolve_ns_dtype, resolve_ns_method
 from optim._offloading import CPUOffloadMixin
 from optim._plan import Item, Plan, build_plan
-from optim._report import NSWork, UpdateRule, ns_work, update_rule
+from optim._report import RULE_KEYS, NSWork, UpdateRule, ns_work, update_rule
 
 __all__ = ["Muon"]
 
@@ -59,6 +59,9 @@ class Muon(CPUOffloadMixin, torch.optim.Optimizer):
             on CUDA and in fp32, else ``"standard"``, recorded as ``ns_dtype`` is.
     """
 
+    # The group keys of a param's update rule (``update_rule``; a checkpoint records it)
+    update_rule_keys = RULE_KEYS
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -84,6 +87,8 @@ class Muon(CPUOffloadMixin, torch.optim.Optimizer):
         self._cpu_offload_pool = CPUOffloadPool()
         self._pool_key: tuple | None = None
         self._ns_done: list[Item] = []  # what this rank orthogonalised in the last step
+        # id(group) -> (group, the keys of the NS rule it left to "auto", resolved since)
+        self._auto: dict[int, tuple[dict[str, Any], frozenset[str]]] = {}
         super().__init__(params, {**_config.GROUP_DEFAULTS, **defaults})
         _config.check_meshes(self.param_groups)
 
@@ -102,16 +107,26 @@ class Muon(CPUOffloadMixin, torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        self._resolve(group)
+        self._plan = None
+
+    def _resolve(self, group: dict[str, Any]) -> None:
+        """Resolve the group's ``"auto"`` keys, remembering which they were."""
+        asked = frozenset(k for k in ("ns_dtype", "ns_method") if group.get(k) == "auto")
+        if asked:
+            self._auto[id(group)] = (group, self._auto_of(group) | asked)
         resolve_ns_dtype(group)
         resolve_ns_method(group)
-        self._plan = None
+
+    def _auto_of(self, group: dict[str, Any]) -> frozenset[str]:
+        held = self._auto.get(id(group))
+        return held[1] if held is not None and held[0] is group else frozenset()
 
     def _get_plan(self) -> Plan:
         for gi, g in enumerate(self.param_groups):  # (set since: a scheduler, a load)
             _config.check_ns_dtype(g["ns_dtype"], gi)
             _config.check_ns_method(g["ns_method"], gi)
-            resolve_ns_dtype(g)
-            resolve_ns_method(g)
+            self._resolve(g)
         # Items hold their group dict: a new dict (load_state_dict replaces them all) or a new
         # ns_steps, ns_dtype or ns_method (they shape the batches) means a new plan.
         hp = ("use_muon", "ns_steps", "ns_dtype", "ns_method")
@@ -202,16 +217,22 @@ class Muon(CPUOffloadMixin, torch.optim.Optimizer):
         state_dict = self._copy_into_existing_state(state_dict)
         before = {id(t) for st in self.state.values() for t in st.values()}
         super().load_state_dict(state_dict)
-        for g in self.param_groups:
-            # A state dict from before ns_dtype existed: Newton-Schulz ran in bf16 then; from
-            # before ns_method: the Gram iteration ran in fp32 (on wide matrices), never in bf16.
-            g.setdefault("ns_dtype", "bf16")
-            g.setdefault("ns_method", "gram" if g["ns_dtype"] == "fp32" else "standard")
+        self._auto.clear()  # (new groups, whose values a state dict set)
         after = {id(t) for st in self.state.values() for t in st.values()}
         if after != before:
             # New state tensors replaced tracked ones: the pool re-learns them at turn-on.
             self._cpu_offload_pool.clear()
             self._pool_key = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's hook for state dicts of older versions (load_state_dict calls it): keys
+        # added since get what those versions ran.
+        super().__setstate__(state)
+        for g in self.param_groups:
+            # From before ns_dtype existed: Newton-Schulz ran in bf16 then; from before
+            # ns_method: the Gram iteration ran in fp32 (on wide matrices), never in bf16.
+            g.setdefault("ns_dtype", "bf16")
+            g.setdefault("ns_method", "gram" if g["ns_dtype"] == "fp32" else "standard")
 
     @torch.no_grad()
     def _copy_into_existing_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -248,8 +269,12 @@ class Muon(CPUOffloadMixin, torch.optim.Optimizer):
     # ------------------------------------------------------------------ reports
     def update_rule(self, param: Tensor) -> UpdateRule:
         """How ``param`` is updated: Muon with its Newton-Schulz iteration and dtype, or
-        AdamW (``UpdateRule``); a checkpoint can record it and compare it on load."""
-        return update_rule(self.param_groups, param)
+        AdamW (``UpdateRule``; ``auto`` names what its group left to ``"auto"``); a
+        checkpoint records it and compares it on load."""
+        for g in self.param_groups:
+            if g.get("use_muon") and "auto" in (g.get("ns_dtype"), g.get("ns_method")):
+                self._resolve(g)
+        return update_rule(self.param_groups, param, self._auto_of)
 
     def ns_work(self) -> NSWork:
         """The Newton-Schulz work this rank did in the last ``step()``: the matrices it

@@ -1,4 +1,4 @@
-"""Crafted checkpoints for the trust tests (issue 31): items written by hand (zips with deflated
+"""Crafted checkpoints for the trust tests: items written by hand (zips with deflated
 or overlapping records), DCP metadata whose chunks are edited, and the peak memory a command
 takes. A crafted step is consistent: its manifest lists every file it changed with the size
 and checksum of the new bytes, so only what the reader makes of the bytes can catch it.

@@ -79,7 +79,7 @@ def _saved(tmp_path, steps, **kw):
     for s in steps:
         mgr.save(s)
         mgr.wait()
-    mgr._memory.mark = None
+    mgr._saves.memory.mark = None
     mgr.close()
 
 
@@ -91,7 +91,7 @@ def _load_fresh(tmp_path, seed=1, offload=False, **kw):
     mgr = _mgr(tmp_path, model, opt, **kw)
     step = mgr.load()
     tier = mgr.last_load_tier
-    mgr._memory.mark = None  # (nothing to flush: this manager saved nothing)
+    mgr._saves.memory.mark = None  # (nothing to flush: this manager saved nothing)
     mgr.close()
     return step, tier, _state(model, opt)
 

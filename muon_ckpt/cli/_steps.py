@@ -87,10 +87,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import fnmatch
 
-    from muon_ckpt.cli._values import read_values, value_text
+    from muon_ckpt.cli._values import layout_lines, read_values, value_text
     from muon_ckpt.interop import section_of
     from muon_ckpt.load import CheckpointReader
-    from muon_ckpt.store import resolve
+    from muon_ckpt.store import layout_of, resolve
 
     r = resolve(open_url(args), args.step)
     # Sizes and the metadata's checksum are checked; values are read through the verifying
@@ -122,11 +122,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         x.update(values.get(x["key"], {}))
     total = sum(r_["bytes"] or 0 for r_ in rows)
     head = {"url": r.url, "kind": r.kind, "step": r.step}
+    layout = None
     if r.manifest is not None:
+        layout = layout_of(r.manifest)
         head.update(
             world_size=r.manifest.world_size,
             time=r.manifest.time,
             files_bytes=r.manifest.total_bytes,
+            layout=layout,
         )
     if args.json:
         print(json_doc({**head, "tensor_bytes": total, "keys": rows}))
@@ -136,6 +139,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if r.manifest is not None:
         extra = f", saved {r.manifest.time} by {r.manifest.world_size} rank(s)"
     print(printable(f"{desc} ({r.kind}{extra})"))
+    for line in layout_lines(layout):
+        print(printable(line))
     keys = [printable(x["key"]) for x in rows]
     width = max([len(k) for k in keys] + [3])
     print(f"{'KEY':<{width}}  {'SHAPE':<16}  {'DTYPE':<10}  {'BYTES':>10}  VALUE")

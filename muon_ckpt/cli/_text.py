@@ -75,7 +75,7 @@ def _include(m: re.Match[str]) -> str:
 
 # The library's messages advise in its Python API; on the command line the same advice is a
 # flag. Each row rewrites one spelling of that API, never a whole message, so the library's
-# wording stays its own (tests/test_cli_messages.py meets each row through a real error).
+# wording stays its own (tests/cli/test_cli_messages.py meets each row through a real error).
 _AS_FLAGS: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], ...] = (
     (re.compile(r"\bCall load\(\) for"), "Leave --step out for"),
     (re.compile(r"\bload\(step=\.\.\.\)"), "give --step"),

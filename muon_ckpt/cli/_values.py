@@ -11,7 +11,7 @@ import torch
 from muon_ckpt.load import CheckpointReader
 from muon_ckpt.store.dcp import tensor_entries
 
-__all__ = ["read_values", "value_text"]
+__all__ = ["layout_lines", "read_values", "value_text"]
 
 SMALL_TENSOR = 16  # elements shown in full
 SMALL_JSON = 1024  # characters of an object shown in full in --json output
@@ -62,3 +62,25 @@ def value_text(d: dict[str, Any]) -> str:
         return f"min {s['min']:.6g}, max {s['max']:.6g}, mean {s['mean']:.6g}"
     text = json.dumps(d["value"])
     return text if len(text) <= TEXT_WIDTH else text[: TEXT_WIDTH - 3] + "..."
+
+
+def layout_lines(layout: dict[str, Any] | None) -> list[str]:
+    """inspect's lines for a manifest's layout (``store.layout_of``): one per mesh and
+    placements, naming the params laid out so."""
+    if layout is None:
+        return []
+    meshes = layout["meshes"]
+    groups: dict[tuple[Any, tuple[str, ...]], list[str]] = {}
+    for fqn, e in layout["params"].items():
+        pls = e.get("placements")
+        key = (e.get("mesh"), tuple(map(str, pls)) if isinstance(pls, list) else ())
+        groups.setdefault(key, []).append(str(fqn))
+    out = []
+    for (mi, pls), fqns in groups.items():
+        m = meshes[mi] if isinstance(mi, int) and 0 <= mi < len(meshes) else None
+        m = m if isinstance(m, dict) else {}
+        shape = "x".join(map(str, m.get("shape") or [])) or "?"
+        dims = ", ".join(map(str, m.get("dims") or []))
+        shown = ", ".join(fqns[:3]) + (f", ... ({len(fqns)} in all)" if len(fqns) > 3 else "")
+        out.append(f"layout: mesh {shape} ({dims}), placements ({', '.join(pls)}): {shown}")
+    return out

@@ -143,7 +143,7 @@ def main(cfg_path: str) -> None:
             event(kind="save", step=step, s=time.perf_counter() - t0)
         if step == cfg.get("kill_at") and rank == 0:
             # The last save is committed first, so the step the run resumes from is known (a
-            # kill during a background write is tests/test_manager_kill.py's subject).
+            # kill during a background write is tests/manager/test_manager_kill.py's subject).
             mgr.wait()
             print(f"    step {step:4d}: SIGKILL to every worker", flush=True)
             _kill_everyone(cfg["pid_file"])

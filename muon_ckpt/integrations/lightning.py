@@ -215,20 +215,31 @@ class MuonCheckpoint(_pl.callbacks.Checkpoint):
                     self.resumed_step,
                     f" and {sorted(self._rank_extra)}" if self._rank_extra else "",
                 )
-            self._rng = _rng_states()  # (set by rank_extra: see on_train_batch_start)
+            self._rng = _rng_states()  # (set by rank_extra: see on_train_start)
         self._last_step = trainer.global_step
         if _nothing_to_train(trainer):  # the fit loop returns at once: no on_train_end
             self._finish(trainer)
 
-    def on_train_batch_start(
-        self, trainer: _pl.Trainer, pl_module: _pl.LightningModule, _batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_start(self, trainer: _pl.Trainer, pl_module: _pl.LightningModule) -> None:
         # A fit resumed mid-epoch made the dataloader's iterator after the load, which drew
         # from the global RNG where the interrupted fit did not: the states the load set
-        # (rank_extra) are set again before the first batch. (Resumed at an epoch's end,
-        # both fits draw the next epoch's iterator from them.)
+        # (rank_extra) are set again here, before the first batch is fetched, so that the
+        # dataset's own draws (a random augmentation) are the interrupted fit's too. An
+        # iterator that draws only at its first batch (a generator ``__iter__``) has not
+        # drawn yet: they are set again after that batch instead (on_train_batch_start).
+        # (Resumed at an epoch's end, both fits draw the next epoch's iterator from them.)
+        batches = trainer.fit_loop.epoch_loop.batch_progress
+        if batches.current.ready == 0 or batches.is_last_batch:
+            self._rng = None
+        elif self._rng is not None and not _same_rng(self._rng, _rng_states()):
+            _set_rng_states(self._rng)
+            self._rng = None
+
+    def on_train_batch_start(
+        self, trainer: _pl.Trainer, pl_module: _pl.LightningModule, _batch: Any, _idx: int
+    ) -> None:
         rng, self._rng = self._rng, None
-        if rng is not None and batch_idx > 0:
+        if rng is not None:
             _set_rng_states(rng)
 
     def on_train_batch_end(
@@ -302,6 +313,22 @@ def _rng_states() -> dict[str, Any]:
         "cpu": torch.random.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
     }
+
+
+def _same_rng(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two ``_rng_states()`` are the same states (nothing drew between them)."""
+    same_np = all(
+        np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+        for x, y in zip(a["numpy"], b["numpy"], strict=True)
+    )
+    cuda_a, cuda_b = a["cuda"] or [], b["cuda"] or []
+    return (
+        a["python"] == b["python"]
+        and same_np
+        and torch.equal(a["cpu"], b["cpu"])
+        and len(cuda_a) == len(cuda_b)
+        and all(torch.equal(x, y) for x, y in zip(cuda_a, cuda_b, strict=True))
+    )
 
 
 def _set_rng_states(states: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ from muon_ckpt._errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
 )
+from muon_ckpt._shards import shard_box
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.interop._hflayout import MODEL_STEM, make_renamer, read_set
 from muon_ckpt.interop._safetensors import SafetensorsFile, TensorInfo
@@ -79,11 +80,7 @@ def _read_local(
     """The part of file tensor ``name`` that ``target`` (plain or DTensor) holds locally."""
     if not isinstance(target, DTensor):
         return f.read(name)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(
-        target.shape, target.device_mesh, target.placements
-    )
+    offset, shape = shard_box(target)
     if len(shape) >= 1 and all(o == 0 for o in offset[1:]) and tuple(shape[1:]) == info.shape[1:]:
         return f.read(name, rows=(offset[0], offset[0] + shape[0]))  # a row block: its bytes only
     full = f.read(name)

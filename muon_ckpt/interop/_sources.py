@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from muon_ckpt._shards import shard_box
 from muon_ckpt.interop._hflayout import OPTIMIZER_STEM, index_name, read_set, single_name
 from muon_ckpt.interop._safetensors import SafetensorsFile
 from muon_ckpt.load import CheckpointReader, unbounded_records
@@ -55,11 +56,7 @@ def split_state_key(key: str) -> tuple[str, str] | None:
 def fill_from_full(buf: torch.Tensor, full: torch.Tensor) -> None:
     """Copy into ``buf`` (plain or DTensor) its part of the full source tensor."""
     if isinstance(buf, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(
-            buf.shape, buf.device_mesh, buf.placements
-        )
+        offset, shape = shard_box(buf)
         idx = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
         buf.to_local().copy_(full[idx])
     else:

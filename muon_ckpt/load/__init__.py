@@ -5,7 +5,7 @@ find it, without loading it (``muon-ckpt verify``)."""
 
 from muon_ckpt.load._attempt import LoadOutcome, LoadTargets, attempt, undo
 from muon_ckpt.load._checkpoint import CheckpointReader
-from muon_ckpt.load._decide import Decision
+from muon_ckpt.load._decide import Decision, History, refuse_newer
 from muon_ckpt.load._item_zip import unbounded_records
 from muon_ckpt.load._planner import SafeLoadPlanner
 from muon_ckpt.load._reader import VerifyingReader
@@ -15,6 +15,7 @@ from muon_ckpt.load._verify import verify_step
 __all__ = [
     "CheckpointReader",
     "Decision",
+    "History",
     "LoadOutcome",
     "LoadTargets",
     "Loaded",
@@ -22,6 +23,7 @@ __all__ = [
     "VerifyingReader",
     "attempt",
     "loaded",
+    "refuse_newer",
     "resume",
     "unbounded_records",
     "undo",

@@ -7,13 +7,18 @@ every rank is ready before any starts DCP's collectives. read: the verifying rea
 place is applied. agree: every rank has read and applied before any keeps what it read. A
 failure anywhere, on any rank, is a ``LoadOutcome`` with failures, which the caller undoes
 (``undo``); an interrupt or a failed agreement undoes this rank's part before it propagates.
+Once the ranks agreed to keep it, the load is kept: undoing it on one rank would leave the
+ranks apart. Ctrl-C from just before that agreement on is deferred to the end of the load's
+tail (``LoadTargets.tail``: the caller's records of it), where it is raised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +33,7 @@ from muon_ckpt._errors import (
     interrupt_in,
     raise_interrupt,
 )
+from muon_ckpt._interrupts import interrupts_deferred
 from muon_ckpt.load._decide import Decision
 from muon_ckpt.load._planner import SafeLoadPlanner
 from muon_ckpt.load._reader import VerifyingReader
@@ -36,6 +42,7 @@ from muon_ckpt.state import (
     HostStaging,
     LoadReport,
     Rollback,
+    RuleCheck,
     apply_loaded,
     fit,
     module_extra_states,
@@ -64,6 +71,18 @@ class LoadTargets:
     group: Any
     hosts: int  # hosts the ranks run on (read_once's default)
     warned: set[str]  # warnings given once per manager
+    # Inside ``tail()``: where a deferral begun at the last agreement ends
+    _tail: contextlib.ExitStack | None = dataclasses.field(default=None, init=False, repr=False)
+
+    @contextlib.contextmanager
+    def tail(self) -> Iterator[None]:
+        """A load and the caller's records of it: Ctrl-C after the ranks agreed to keep the
+        load is raised when this block ends, not inside it."""
+        with contextlib.ExitStack() as self._tail:
+            try:
+                yield
+            finally:
+                self._tail = None
 
     def reads_once(self, storage: Storage) -> bool:
         """Whether a load from ``storage`` reads shared items once (``read_once``)."""
@@ -101,6 +120,7 @@ class LoadOutcome:
     rollback: Rollback | None = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     bytes_read: int = 0
+    rules: RuleCheck | None = None  # the update rules compared (an optimizer that reports them)
 
     @property
     def corrupt(self) -> bool:
@@ -131,7 +151,8 @@ def attempt(
             kept |= t.extra if "extra" in parts else {}
             kept |= t.rank_extra if "rank_extra" in parts else {}
             out.rollback = Rollback(t.optimizer, kept, t.staging)
-            flat, out.report, out.timings = _prepare(t, d, where, strict, parts, out.rollback)
+            prepared = _prepare(t, d, where, strict, parts, out.rollback)
+            flat, out.report, out.timings, out.rules = prepared
         except Exception as e:
             out.error = e
         out.failures = _agree(RankFailure.of(out.error, since), t.group)
@@ -143,7 +164,7 @@ def attempt(
                 _read(t, storage, d, where, flat, out, strict, parts, out.rollback, alone)
             except Exception as e:
                 out.error = e
-            out.failures = _agree(RankFailure.of(out.error, since), t.group)
+            out.failures = _keep_agreed(t, RankFailure.of(out.error, since))
             raise_interrupt(out.error, since)  # (never a step to fall back past)
     except BaseException:
         undo(t, out.rollback)
@@ -180,6 +201,19 @@ def _agree(failure: RankFailure | None, group: Any) -> dict[int, RankFailure]:
     return {r: o for r, o in enumerate(outcome) if o is not None}
 
 
+def _keep_agreed(t: LoadTargets, failure: RankFailure | None) -> dict[int, RankFailure]:
+    """The last agreement: kept by every rank (no failures), Ctrl-C from just before it is
+    deferred to the end of ``t.tail()``; else raised at once (every rank undoes)."""
+    if t._tail is None:
+        return _agree(failure, t.group)
+    with contextlib.ExitStack() as deferred:
+        deferred.enter_context(interrupts_deferred())
+        failures = _agree(failure, t.group)
+        if not failures:
+            t._tail.enter_context(deferred.pop_all())
+    return failures
+
+
 def _prepare(
     t: LoadTargets,
     d: Decision,
@@ -187,9 +221,10 @@ def _prepare(
     strict: bool,
     parts: tuple[str, ...],
     rollback: Rollback,
-) -> tuple[FlatState, LoadReport, dict[str, float]]:
+) -> tuple[FlatState, LoadReport, dict[str, float], RuleCheck | None]:
     """The flat state to read ``d.step`` into, fitted to its metadata, its backup taken
-    (``rollback``), and the seconds that took."""
+    (``rollback``), the seconds that took, and the comparison of update rules (a strict
+    load that would change one raises here)."""
     t0 = time.perf_counter()
     if "rank_extra" in parts and t.rank_extra and d.world_size != coll.world_size():
         raise CheckpointMismatchError(
@@ -198,6 +233,7 @@ def _prepare(
             "size; load(elastic=True) loads the rest and leaves rank_extra as it is"
         )
     opt = t.optimizer if "optim" in parts else None
+    rules = RuleCheck.before(t.model, opt, d.update_rules, where, strict)
     fresh = prepare_optimizer_state(opt) if opt is not None else set()
     flat = FlatState.build(
         t.model, opt, t.extra, rank_extra=t.rank_extra, rank=coll.rank(), parts=parts
@@ -207,6 +243,7 @@ def _prepare(
     report.step = d.step
     t1 = time.perf_counter()
     created = {k for k, (p, _) in flat.state_slots.items() if id(p) in fresh}
+    created |= set(flat.leaf_of)  # (statefuls are undone through load_state_dict: Rollback)
     limit = t.config.max_staging_bytes
     kept = rollback.keep_values(flat.sd, skip=created, limit=limit, pooled=pooled)
     if not kept and "load backup" not in t.warned:
@@ -217,7 +254,7 @@ def _prepare(
             limit,
         )
         t.warned.add("load backup")
-    return flat, report, {"prepare": t1 - t0, "backup": time.perf_counter() - t1}
+    return flat, report, {"prepare": t1 - t0, "backup": time.perf_counter() - t1}, rules
 
 
 def _read(
@@ -253,3 +290,6 @@ def _read(
     out.bytes_read = reader.bytes_read
     report = out.report if out.report is not None else LoadReport()
     apply_loaded(flat, t.optimizer if "optim" in parts else None, where, report, strict=strict)
+    if out.rules is not None:  # (after the hyperparameters: a rule they change is checked)
+        out.rules.after(flat)
+        report.rules = out.rules.changed

@@ -15,14 +15,15 @@ import dataclasses
 import logging
 from typing import Any
 
+import muon_ckpt._collective as coll
 from muon_ckpt._errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointVersionError,
 )
-from muon_ckpt.store import Catalog, FileEntry, Status, StepInfo, mark_tier
+from muon_ckpt.store import Catalog, FileEntry, Manifest, Status, StepInfo, mark_tier
 
-__all__ = ["Decision", "Skip", "decide"]
+__all__ = ["Decision", "History", "Skip", "decide", "refuse_newer"]
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -54,6 +55,97 @@ class Decision:
     optimizer: str | None = None  # the type of the optimizer that saved it (its manifest's)
     gen: int | None = None  # its commit's generation, for a step of url (None: another source)
     data_gens: dict[str, int] = dataclasses.field(default_factory=dict)  # its manifest's
+    update_rules: Any = None  # each param's update rule when saved (its manifest's; unchecked)
+
+
+@dataclasses.dataclass
+class History:
+    """The run's history for one load: the url's steps (one scan) and the memory tier's
+    complete steps as commits beside them, marked once (``store.mark_tier``); ``retired``:
+    the url's commits only the tier retires."""
+
+    scan: list[StepInfo]
+    tier: list[StepInfo]
+    retired: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, scan: list[StepInfo], tier: list[StepInfo] | None = None) -> History:
+        tier = list(tier or ())
+        return cls(scan, tier, mark_tier(scan, tier))
+
+    def refuse_newer(self, url: str, step: int | None) -> None:
+        """The url's steps of a newer format (``refuse_newer``)."""
+        newer = [s for s in self.scan if s.status == Status.NEWER]
+        if newer:
+            fix = f"Upgrade muon-ckpt. ({newer[-1].problem})"
+            refuse_newer(url, "step(s)", [s.step for s in newer], step, fix)
+
+    def decision(
+        self,
+        s: int,
+        m: Manifest,
+        md: Any,
+        dirname: str,
+        *,
+        source: str,
+        skipped: list[Skip],
+        asked: bool,
+    ) -> Decision:
+        """The load of step ``s`` (manifest ``m``, metadata ``md``, in ``dirname``) from
+        ``source``: "url", "resume_from" or "memory" (a part of the memory tier). It carries
+        what a save after it retires: the url's newer steps (committed, with their commit's
+        gen, or CORRUPT; every one of them after a load from ``resume_from``; superseded ones
+        are retired already, newer-format ones never are), the tier's newer commits, and the
+        url's commits only the tier retires."""
+        from_resume = source == "resume_from"
+        present = [
+            (i.step, (i.gen or 0) if i.committed else None)
+            for i in self.scan
+            if i.status in (Status.COMMITTED, Status.CORRUPT)
+        ]
+        newer = present if from_resume else [(n, g) for n, g in present if n > s]
+        newer += [(t.step, t.gen or 0) for t in self.tier if t.committed and t.step > s]
+        newer += [r for r in self.retired if r not in newer]
+        if not asked:  # (passed over: its manifest read as damaged twice; kept, store._lines)
+            skipped = [*skipped, *self._unread(newer, skipped)]
+        url = source == "url"
+        return Decision(
+            from_resume,
+            s,
+            m.world_size,
+            m.files,
+            md,
+            newer,
+            skipped,
+            dirname,
+            line=None if from_resume else m.line,
+            optimizer=m.extra.get("optimizer"),
+            gen=m.gen if url else None,
+            data_gens=m.data_gens if url else {},
+            update_rules=m.extra.get("update_rules"),
+        )
+
+    def _unread(self, newer: list[tuple[int, int | None]], skipped: list[Skip]) -> list[Skip]:
+        """The url's newer steps whose manifest could not be read (CORRUPT, gen unknown) not
+        yet in ``skipped``, said once (rank 0: every rank decides a load from memory)."""
+        out = []
+        for info in self.scan:
+            if info.status == Status.CORRUPT and (info.step, None) in newer:
+                if coll.rank() == 0:
+                    _log.warning("skipping step %d: %s", info.step, info.problem)
+                if not any(k.unread and k.step == info.step for k in skipped):
+                    out.append(Skip(False, info.step, str(info.problem), unread=True))
+        return out
+
+
+def refuse_newer(where: str, what: str, newer: list[int], step: int | None, fix: str) -> None:
+    """A step of a newer format (the url's, or the memory tier's) is never read, nor loaded
+    past: CheckpointVersionError, unless another ``step`` was asked for."""
+    if newer and (step is None or step in newer):
+        raise CheckpointVersionError(
+            f"{where}: {what} {newer} were written by a newer muon-ckpt; this version neither "
+            f"reads them nor resumes an older step past them. {fix}"
+        )
 
 
 def decide(
@@ -61,15 +153,13 @@ def decide(
     resume: tuple[Catalog, int | None] | None,
     step: int | None,
     skipped: list[Skip],
-    tier: list[StepInfo] | None = None,
+    history: History,
 ) -> Decision | None:
     """Rank 0: what to load from ``catalog`` (else ``resume``), or None on a fresh run;
-    ``skipped``: the steps that failed so far (not tried again); ``tier``: the memory
-    tier's commits (``store.mark_tier``), which retire url steps and count as newer."""
-    scan = catalog.scan()
-    tier = list(tier or ())
-    retired = mark_tier(scan, tier)
-    _refuse_newer_format(catalog, scan, step)
+    ``skipped``: the steps that failed so far (not tried again); ``history``: the url's
+    steps and the memory tier's commits, which retire url steps and count as newer."""
+    scan = history.scan
+    history.refuse_newer(catalog.storage.url, step)
     committed = [s.step for s in scan if s.committed]
     if step is not None:
         candidates = [(catalog, _asked_for(catalog, scan, step, committed), False)]
@@ -79,20 +169,7 @@ def decide(
         if more is None:
             return None
         candidates += more
-    d = _first_that_checks_out(catalog, scan, tier, candidates, step, list(skipped))
-    more = [r for r in retired if r not in d.newer]
-    return dataclasses.replace(d, newer=[*d.newer, *more]) if more else d
-
-
-def _refuse_newer_format(catalog: Catalog, scan: list[StepInfo], step: int | None) -> None:
-    """A step of a newer format is never read, nor loaded past."""
-    newer = [s for s in scan if s.status == Status.NEWER]
-    if newer and (step is None or step in [s.step for s in newer]):
-        raise CheckpointVersionError(
-            f"{catalog.storage.url}: step(s) {[s.step for s in newer]} were written by a newer "
-            "muon-ckpt; this version neither reads them nor resumes an older step past them. "
-            f"Upgrade muon-ckpt. ({newer[-1].problem})"
-        )
+    return _first_that_checks_out(catalog, history, candidates, step, list(skipped))
 
 
 def _asked_for(catalog: Catalog, scan: list[StepInfo], step: int, committed: list[int]) -> int:
@@ -130,19 +207,11 @@ def _resume_candidates(
 
 def _first_that_checks_out(
     catalog: Catalog,
-    scan: list[StepInfo],
-    tier: list[StepInfo],
+    history: History,
     candidates: list[tuple[Catalog, int, bool]],
     step: int | None,
     skipped: list[Skip],
 ) -> Decision:
-    # What a save after this load retires: newer committed steps (with their commit's gen) or
-    # CORRUPT ones; superseded ones are retired already, newer-format ones never are.
-    present = [
-        (s.step, (s.gen or 0) if s.committed else None)
-        for s in scan
-        if s.status in (Status.COMMITTED, Status.CORRUPT)
-    ]
     tried = {(s.from_resume, s.step) for s in skipped if not s.unread}
     for cat, s, from_resume in candidates:
         if (from_resume, s) in tried:
@@ -156,30 +225,12 @@ def _first_that_checks_out(
             if step is not None:
                 raise
             _log.warning("skipping step %d of %s: %s", s, cat.storage.url, e)
-            gen = None if from_resume else next((i.gen for i in scan if i.step == s), None)
+            gen = None if from_resume else next((i.gen for i in history.scan if i.step == s), None)
             skipped.append(Skip(from_resume, s, str(e), gen))
             continue
-        newer = present if from_resume else [(n, g) for n, g in present if n > s]
-        newer += [(t.step, t.gen or 0) for t in tier if t.committed and t.step > s]
-        if step is None:  # (passed over: its manifest read as damaged twice; kept, _lines)
-            for info in scan:
-                if info.status == Status.CORRUPT and (info.step, None) in newer:
-                    _log.warning("skipping step %d: %s", info.step, info.problem)
-                    if not any(k.unread and k.step == info.step for k in skipped):
-                        skipped.append(Skip(False, info.step, str(info.problem), unread=True))
-        return Decision(
-            from_resume,
-            s,
-            m.world_size,
-            m.files,
-            md,
-            newer,
-            skipped,
-            where,
-            line=None if from_resume else m.line,
-            optimizer=m.extra.get("optimizer"),
-            gen=None if from_resume else m.gen,
-            data_gens={} if from_resume else m.data_gens,
+        source = "resume_from" if from_resume else "url"
+        return history.decision(
+            s, m, md, where, source=source, skipped=skipped, asked=step is not None
         )
     raise CheckpointCorruptError(
         f"{catalog.storage.url}: no committed step loads cleanly; "

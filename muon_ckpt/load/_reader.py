@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._tensors import local_tensor, overlapping
 from muon_ckpt._threads import run_all
@@ -233,6 +234,7 @@ class VerifyingReader(FileSystemReader):
             error = e
         finally:
             self.captures = {}
+            coll.arrive("DCP's gather of the reads")  # (names a rank that never gets there)
         t1 = time.perf_counter()
         if share is not None:
             agree(error, self._rank, self._group)

@@ -11,16 +11,16 @@ it was.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 
 import muon_ckpt._collective as coll
 from muon_ckpt._errors import CheckpointError, CheckpointMismatchError
+from muon_ckpt._gcpause import paused_gc
 from muon_ckpt.load._attempt import LoadOutcome, LoadTargets, attempt, release_backup, undo
-from muon_ckpt.load._decide import Decision, Skip, decide
+from muon_ckpt.load._decide import Decision, History, Skip, decide
 from muon_ckpt.state import LoadReport, optimizer_name
-from muon_ckpt.store import Catalog, StepInfo, Storage, check_stored
+from muon_ckpt.store import Catalog, Storage, check_stored
 
 __all__ = ["Loaded", "loaded", "resume"]
 
@@ -49,17 +49,25 @@ def resume(
     strict: bool,
     parts: tuple[str, ...],
     elastic: bool,
-    tier: list[StepInfo] | None = None,
+    history: History | None = None,
 ) -> Loaded | None:
     """Load ``step`` (None: the newest that loads cleanly) into ``t``; None on a fresh run.
-    ``tier``: the memory tier's commits, which retire steps of the url as its own do."""
+    ``history``: the url's steps and the memory tier's commits, which retire steps of the
+    url as its own do (None: rank 0 scans the url, once for the whole load)."""
     skipped: list[Skip] = []
     retried: set[tuple[bool, int]] = set()  # the steps read once more after a damaged read
+    scanned = [] if history is None else [history]
+
+    def how() -> Decision | None:  # (rank 0)
+        if not scanned:
+            scanned.append(History.of(catalog.scan()))
+        return decide(catalog, resume_from, step, skipped, scanned[0])
+
     while True:
         t0 = time.perf_counter()
-        how = functools.partial(decide, catalog, resume_from, step, skipped, tier)
         try:
-            d = coll.on_rank0(how, t.group)
+            with paused_gc():  # (the decision's metadata: see store.parse_metadata)
+                d = coll.on_rank0(how, t.group)
         except BaseException:
             release_backup(t)  # (the buffers an attempt before this one kept for the next)
             raise

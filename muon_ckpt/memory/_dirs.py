@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from muon_ckpt._errors import CheckpointError, CheckpointVersionError
+from muon_ckpt._shards import chunk_of
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.store import MANIFEST, Manifest, parse_step_dirname, step_dirname
 
@@ -121,7 +122,8 @@ def layout_digest(sd: dict[str, Any]) -> str:
         if not isinstance(v, torch.Tensor) or not key.startswith("model."):
             continue
         if isinstance(v, DTensor):
-            chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in v.__create_chunk_list__()]
+            c = chunk_of(v)
+            chunks = [(tuple(c.offsets), tuple(c.sizes))]
         else:
             chunks = [((0,) * v.dim(), tuple(v.shape))]
         t = local_tensor(v)

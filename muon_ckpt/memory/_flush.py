@@ -1,18 +1,18 @@
 """``close()``'s flush (``MemoryOptions.flush``): the newest memory step committed to the url
-with the bytes the tier holds of it, or nothing -- never the live state, which may have
-moved on (a data position or RNG advanced by gradient accumulation, EMA weights swapped in).
+with the bytes the tier holds of it, or nothing -- never the live state, which may have moved
+on (a data position or RNG advanced by gradient accumulation, EMA weights swapped in).
 
-Every rank checks its own part of that save: its manifest names the step, the save, the
-rank and the world size, and every file is read and compared with the manifest's CRC32C.
-One all-gather: when any rank's part is missing or damaged, nothing is written (a WARNING
-names the ranks). Otherwise the url's save copies the parts (``UrlSaves.copy_in``: the same
-begin, lease, line, commit and retention as the save of a snapshot): each rank copies its
-part's data files, checked again on the way and named as DCP names a rank's files; rank 0
+Every rank checks its own part of that save: its manifest names the step, the save, the rank
+and the world size, and every file is read and compared with the manifest's CRC32C. One
+all-gather: when any rank's part is missing or damaged, nothing is written (a WARNING names
+the ranks). Otherwise the url's save copies the parts (``copy_in``: the same begin, lease,
+line, commit and retention as the save of a snapshot): each rank copies its part's data files
+item by item (checked again on the way, named as DCP names a rank's files), referring to a
+tensor the url holds unchanged instead of copying it, by the digest the part records
+(``save.StepWriter.copy_file``, the same choice and checks as a snapshot's save); rank 0
 writes the step's ``.metadata`` from every part's (each tensor's chunks from the ranks that
-hold them; an item several ranks hold, from the lowest of them), checked as every load
-checks it before the commit. A part is stored uncompressed and without the digests that
-dedup refers by: the flushed step is written whole, and a save after it refers to nothing
-in it.
+hold them; an item several ranks hold, from the lowest of them), checked as every load checks
+it before the commit. A part is stored uncompressed: so is what the flush writes.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
@@ -32,7 +33,8 @@ from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, handled, 
 from muon_ckpt.memory._dirs import own_dirname
 from muon_ckpt.memory._restore import check_part
 from muon_ckpt.memory._tier import MemoryTier
-from muon_ckpt.save import ChecksumWriter, UrlSaves
+from muon_ckpt.save import StepWriter
+from muon_ckpt.state import ABOUT
 from muon_ckpt.store import METADATA, FileEntry, Manifest, Storage, open_regular
 from muon_ckpt.store.checksums import file_checksum
 from muon_ckpt.store.dcp import parse_metadata
@@ -42,18 +44,27 @@ __all__ = ["PartCopy", "flush"]
 _log = logging.getLogger("muon_ckpt")
 
 
-def flush(tier: MemoryTier, step: int, save_id: str, saves: UrlSaves, url: str) -> None:
+def flush(
+    tier: MemoryTier,
+    step: int,
+    save_id: str,
+    calls: coll.Calls,
+    url_steps: Callable[[], list[int]],
+    copy_in: Callable[[int, PartCopy], None],
+    url: str,
+) -> None:
     """Commit memory step ``step`` (the parts of save ``save_id``) to ``url`` when the url's
-    newest step is older, with every rank's part as the tier holds it; else nothing."""
-    saves.calls.join(f"close(flush step={step})")
-    group = saves.calls.group
-    steps = coll.on_rank0(saves.catalog.committed_steps, group)
+    newest step (``url_steps``, rank 0) is older, with every rank's part as the tier holds it
+    (``copy_in``); else nothing."""
+    calls.join(f"close(flush step={step})")
+    group = calls.group
+    steps = coll.on_rank0(url_steps, group)
     if steps and steps[-1] >= step:
         return
     part = PartCopy.checked(tier, step, save_id)
     problems = coll.all_gather(part if isinstance(part, str) else None, group)
     bad = {r: why for r, why in enumerate(problems) if why is not None}
-    if bad:
+    if bad or isinstance(part, str):
         if coll.rank() == 0:
             _log.warning(
                 "close(): memory-tier step %d is not saved to %s (nothing was written): %s",
@@ -62,8 +73,7 @@ def flush(tier: MemoryTier, step: int, save_id: str, saves: UrlSaves, url: str) 
                 "; ".join(f"rank {r}'s part: {why}" for r, why in bad.items()),
             )
         return
-    assert isinstance(part, PartCopy)
-    saves.copy_in(step, part)
+    copy_in(step, part)
     if coll.rank() == 0:
         _log.info("close(): saved memory-tier step %d to %s (MemoryOptions.flush)", step, url)
 
@@ -83,6 +93,7 @@ class PartCopy:
     def __init__(self, run_dir: str, rel: str, m: Manifest, md: Metadata) -> None:
         self.run_dir, self.rel, self.m, self.md = run_dir, rel, m, md
         self.keys = len(md.state_dict_metadata)
+        self.about = {k: m.extra[k] for k in ABOUT if k in m.extra}  # (rank 0's commits)
 
     @classmethod
     def checked(cls, tier: MemoryTier, step: int, save_id: str) -> PartCopy | str:
@@ -128,23 +139,27 @@ class PartCopy:
                 f"{got.hexdigest()}, its manifest says {entry.size} bytes with {entry.digest}"
             )
 
-    def copy(self, writer: ChecksumWriter) -> _Share:
+    def copy(self, writer: StepWriter) -> _Share:
         """Every data file of the part copied through ``writer`` as this rank's
-        ``__<rank>_<i>.distcp``; the part's metadata with the items renamed so."""
-        rank = coll.rank()
-        names = {}
-        for i, (name, entry) in enumerate(self.data_files()):
-            with self._open(name) as f:
-                new = f"__{rank}_{i}{DEFAULT_SUFFIX}"
-                names[name] = writer.copy_file(new, f, entry, self._where(name))
-        items = {}
+        ``__<rank>_<i>.distcp``, each item written or referred to; the part's metadata with
+        the items where they now are."""
+        files = dict(self.data_files())
+        by_file: dict[str, dict[Any, Any]] = {}
         for index, info in (self.md.storage_data or {}).items():
-            if info.relative_path not in names:
+            if info.relative_path not in files:
                 raise CheckpointCorruptError(
                     f"{self._where(METADATA)}: an item is in {info.relative_path!r}, which the "
                     "part's manifest does not list"
                 )
-            items[index] = dataclasses.replace(info, relative_path=names[info.relative_path])
+            by_file.setdefault(info.relative_path, {})[index] = info
+        writer.prepare(self.md.storage_data or {})
+        rank = coll.rank()
+        items: dict[Any, Any] = {}
+        for i, (name, entry) in enumerate(sorted(files.items())):
+            with self._open(name) as f:
+                new = f"__{rank}_{i}{DEFAULT_SUFFIX}"
+                where = self._where(name)
+                items.update(writer.copy_file(new, f, entry, where, by_file.get(name, {})))
         return _Share(dict(self.md.state_dict_metadata), self.md.planner_data, items)
 
     def metadata(self, shares: list[_Share]) -> tuple[Metadata, list[list[WriteResult]]]:

@@ -26,9 +26,10 @@ import torch.distributed as dist
 import muon_ckpt._collective as coll
 import muon_ckpt._dcp as _dcp
 from muon_ckpt._errors import CheckpointError
+from muon_ckpt._interrupts import Stop
 from muon_ckpt._version import __version__
 from muon_ckpt.memory._dirs import MAX_PART_MANIFEST, part_manifest
-from muon_ckpt.save import ChecksumWriter, FileRecords
+from muon_ckpt.save import FileRecords, StepWriter, WritePolicy
 from muon_ckpt.state import HostStaging
 from muon_ckpt.store import MANIFEST, FileEntry, Manifest, Storage, open_regular
 from muon_ckpt.store.checksums import Checksum
@@ -91,16 +92,21 @@ def write_own_part(
     memory: dict[str, Any],
     extra: dict[str, Any],
     io_threads: int,
+    digests: bool = False,
     before_commit: Callable[[], None] | None = None,
+    stop: Stop | None = None,
 ) -> Manifest:
     """Write this rank's flat state dict ``sd`` (a snapshot's host copies) as the part ``rel``
-    of ``run_dir`` (a leftover there is replaced) and commit it; ``before_commit`` may still
-    refuse it (a deferred snapshot whose source changed)."""
+    of ``run_dir`` (a leftover there is replaced) and commit it, uncompressed (``digests``:
+    each tensor's SHA-256 recorded, as the url's saves do); ``before_commit`` may still
+    refuse it (a deferred snapshot whose source changed); once ``stop`` is set, no file
+    starts."""
     path = os.path.join(run_dir, rel)
     drop_part(path)
     _private_dir(path)
     records = FileRecords()
-    writer = ChecksumWriter(Storage(run_dir), rel, records, io_threads)
+    policy = WritePolicy(digests=digests)
+    writer = StepWriter(Storage(run_dir), rel, records, io_threads, policy=policy, stop=stop)
     what = f"keeping step {step} in host memory ({path})"
     _dcp.save(sd, writer, _StagedPlanner.make(staging), None, what, alone=True)
     if before_commit is not None:

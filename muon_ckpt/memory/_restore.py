@@ -1,19 +1,20 @@
 """A load from the memory tier: the newest step of the run across tiers, each rank's part
 from its own memory, else from a replica on another rank, else the whole load from storage.
 
-1. rank 0 scans the url (every step, of any format); every rank lists its tier (nothing
-   where the tier is not this user's own); one all-gather;
-2. every rank computes the same history (``store.mark_tier``): the tier's complete steps --
-   every rank's part somewhere, of one save, at this world size, ``node_size`` and layout --
-   are commits of the run beside the url's, retiring and retired as they are. A newer format
-   anywhere (the url, or a part) is refused as a load from the url refuses it. The newest
-   live step is loaded from memory when the tier has it;
+1. rank 0 scans the url (every step, of any format: the load's one scan); every rank lists
+   its tier (nothing where the tier is not this user's own); one all-gather;
+2. every rank computes the same history (``load.History``: ``store.mark_tier`` once): the
+   tier's complete steps -- every rank's part somewhere, of one save, at this world size,
+   ``node_size`` and layout -- are commits of the run beside the url's, retiring and retired
+   as they are. A newer format anywhere (the url, or a part) is refused by the one rule
+   (``load.refuse_newer``). The newest live step is loaded from memory when the tier has it,
+   its decision built as the url's are (``History.decision``);
 3. parts to fetch move from their holders (``memory._parts``, checked as they arrive), and
    every rank loads its part alone, all or nothing as a load from storage (``attempt``);
 4. a rank whose part fails (damaged, missing) takes its next source, with a WARNING naming
    the tier, the step and the rank; when a rank has none left, or anything else failed, the
-   load goes to storage (the caller's path, which sees the tier's commits too), the state
-   as it was.
+   load goes to storage (``load.resume``, with the same history: the url is not scanned
+   again), the state as it was.
 """
 
 from __future__ import annotations
@@ -25,30 +26,27 @@ import time
 from typing import Any
 
 import muon_ckpt._collective as coll
-from muon_ckpt._errors import (
-    CheckpointError,
-    CheckpointVersionError,
-    handled,
-    raise_interrupt,
+from muon_ckpt._errors import CheckpointError, handled, raise_interrupt
+from muon_ckpt.load import (
+    History,
+    Loaded,
+    LoadTargets,
+    attempt,
+    loaded,
+    refuse_newer,
+    resume,
+    undo,
 )
-from muon_ckpt.load import Decision, Loaded, LoadTargets, attempt, loaded, undo
 from muon_ckpt.memory._dirs import PartInfo, copy_dirname, layout_digest, own_dirname, part_manifest
 from muon_ckpt.memory._parts import drop_part, receive_part, send_part
 from muon_ckpt.memory._tier import MemoryTier
 from muon_ckpt.state import FlatState
-from muon_ckpt.store import (
-    MANIFEST,
-    Catalog,
-    Manifest,
-    Status,
-    StepInfo,
-    Storage,
-    live_newer,
-    mark_tier,
-)
+from muon_ckpt.store import MANIFEST, Catalog, Manifest, Status, StepInfo, Storage
 from muon_ckpt.store.dcp import check_files
 
-__all__ = ["TierView", "check_part", "restore_from_memory"]
+__all__ = ["check_part", "load_tiers", "restore_from_memory"]
+
+_UPGRADE = "Upgrade muon-ckpt, or remove the tier (muon-ckpt prune --memory) to resume from the url"
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -71,14 +69,35 @@ class _Held:
     base: Any
 
 
-@dataclasses.dataclass
-class TierView:
-    """What the memory tier holds of the run: its complete steps as commits (statuses marked
-    against the url's, ``store.mark_tier``), which a load from the url sees too, and the
-    load from memory, when it loaded (None: the url's turn)."""
-
-    commits: list[StepInfo]
-    loaded: Loaded | None = None
+def load_tiers(
+    t: LoadTargets,
+    catalog: Catalog,
+    resume_from: tuple[Catalog, int | None] | None,
+    tier: MemoryTier | None,
+    step: int | None,
+    *,
+    strict: bool,
+    parts: tuple[str, ...],
+    elastic: bool,
+) -> Loaded | None:
+    """A load of the run: the memory tier's step when it holds the newest (or ``step``),
+    else the url's (``load.resume``, which sees the tier's commits), from one scan of the
+    url; None on a fresh run."""
+    history = None
+    if tier is not None:
+        history, got = restore_from_memory(t, catalog, tier, step, strict=strict, parts=parts)
+        if got is not None:
+            return got
+    return resume(
+        t,
+        catalog,
+        resume_from,
+        step,
+        strict=strict,
+        parts=parts,
+        elastic=elastic,
+        history=history,
+    )
 
 
 def restore_from_memory(
@@ -89,8 +108,10 @@ def restore_from_memory(
     *,
     strict: bool,
     parts: tuple[str, ...],
-) -> TierView:
-    """Load the newest step of the run from memory when the tier has it."""
+) -> tuple[History, Loaded | None]:
+    """Load the newest step of the run from memory when the tier has it. Returns the run's
+    history across both tiers (the url's load sees the tier's commits in it), and what was
+    loaded (None: the url's turn)."""
     t0 = time.perf_counter()
     since = handled()  # (an interrupt is never a reason to take the next source)
     group, rank, world = t.group, coll.rank(), coll.world_size()
@@ -122,16 +143,15 @@ def restore_from_memory(
         for r, (_, _, why, _) in enumerate(gathered):
             if why is not None:
                 _log.warning("the memory tier of rank %d is not read: %s", r, why)
-    _refuse_newer(tier, sorted({s for g in gathered for s in g[3]}), step)
+    newer = sorted({s for g in gathered for s in g[3]})
+    refuse_newer(tier.run_dir, "memory-tier step(s)", newer, step, _UPGRADE)
     by_save = _complete(gathered, world, tier.node_size(world), tier.url)
     commits = {key: _commit(key, gathered) for key in by_save}
-    retired = mark_tier(scan, list(commits.values()))
-    url_newer = [i.step for i in scan if i.status == Status.NEWER]
-    # A newer format in the url: its load refuses it (``load.decide``), the same words.
-    choice = None if url_newer and step in (None, *url_newer) else _choose(scan, commits, step)
-    view = TierView(list(commits.values()))
+    history = History.of(scan, list(commits.values()))
+    history.refuse_newer(catalog.storage.url, step)
+    choice = _choose(scan, commits, step)
     if choice is None:
-        return view
+        return history, None
     chosen, save = choice
     sources = by_save[chosen, save]
     for slot in sources:  # its own part first, then copies by holder
@@ -148,21 +168,11 @@ def restore_from_memory(
         if _advance(problems, sources, cur, chosen, "memory tier"):
             continue
         if any(c >= len(s) for c, s in zip(cur, sources, strict=True)):
-            return _to_storage(view, chosen, "no rank has a whole copy of some rank's part")
+            return _to_storage(history, chosen, "no rank has a whole copy of some rank's part")
         assert not isinstance(checked, str)
         m, md = checked
-        d = Decision(
-            from_resume=False,
-            step=chosen,
-            world_size=m.world_size,
-            files=m.files,
-            metadata=md,
-            newer=[*live_newer(scan, view.commits, chosen), *retired],
-            skipped=[],
-            dirname=rel,
-            line=m.line,
-            optimizer=m.extra.get("optimizer"),
-        )
+        asked = step is not None
+        d = history.decision(chosen, m, md, rel, source="memory", skipped=[], asked=asked)
         out = attempt(t, storage, d, where, strict, parts, alone=True)
         if not out.failures:
             break
@@ -170,25 +180,14 @@ def restore_from_memory(
         failed = {r: f.message for r, f in out.failures.items()}
         if not out.corrupt:
             why = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-            return _to_storage(view, chosen, why)
+            return _to_storage(history, chosen, why)
         _advance([failed.get(r) for r in range(world)], sources, cur, chosen, "memory tier")
         if any(c >= len(s) for c, s in zip(cur, sources, strict=True)):
-            return _to_storage(view, chosen, "no rank has a whole copy of some rank's part")
+            return _to_storage(history, chosen, "no rank has a whole copy of some rank's part")
     holder, _ = sources[rank][cur[rank]]
     where_from = "memory" if holder == rank else "peer"
     tier.complete_steps.add(chosen)  # kept by retention as a step complete on every rank
-    view.loaded = loaded(t, out, d, where, where_from, t0, decided)
-    return view
-
-
-def _refuse_newer(tier: MemoryTier, newer: list[int], step: int | None) -> None:
-    """Parts of a newer format are never read, nor loaded past (as a url's steps)."""
-    if newer and (step is None or step in newer):
-        raise CheckpointVersionError(
-            f"{tier.run_dir}: memory-tier step(s) {newer} were written by a newer muon-ckpt; "
-            "this version neither reads them nor resumes an older step past them. Upgrade "
-            "muon-ckpt, or remove the tier (muon-ckpt prune --memory) to resume from the url"
-        )
+    return history, loaded(t, out, d, where, where_from, t0, decided)
 
 
 def _held(p: PartInfo) -> _Held:
@@ -388,11 +387,11 @@ def _advance(
     return moved
 
 
-def _to_storage(view: TierView, step: int, why: str) -> TierView:
+def _to_storage(history: History, step: int, why: str) -> tuple[History, Loaded | None]:
     if coll.rank() == 0:
         _log.warning(
             "memory tier: step %d cannot be loaded from host memory (%s); loading from storage",
             step,
             why,
         )
-    return view
+    return history, None

@@ -32,6 +32,8 @@ import torch
 
 import muon_ckpt._collective as coll
 from muon_ckpt._config import MemoryOptions
+from muon_ckpt._interrupts import Stop, interrupts_deferred
+from muon_ckpt._threads import join, start
 from muon_ckpt.memory._dirs import (
     PartInfo,
     copy_dirname,
@@ -192,6 +194,8 @@ class MemoryTier:
         self.complete_steps.add(step)
         if replicated:
             self.replicated = step
+        # By line, not by the parts' ``retires`` as the url's retention goes: a step of another
+        # line here is one a later line retired, or another run's, which no ``retires`` names.
         lines: dict[int, set[str | None]] = {}
         for p in self.parts():
             if p.manifest is not None:
@@ -251,6 +255,7 @@ class MemoryWrite:
     extra: dict[str, Any]  # the manifest's extra (the optimizer's type)
     io_threads: int
     group: Any
+    digests: bool = False  # each tensor's SHA-256 recorded (the flush refers by them)
     before_commit: Callable[[], None] | None = None
     owns_staging: bool = True  # the snapshot is this save's alone: its copies end here
     gate: threading.Event | None = None  # tests: the job starts once this is set
@@ -259,7 +264,8 @@ class MemoryWrite:
 
 class MemoryJob:
     """One memory save's write, replication and agreement, in a background thread;
-    ``finish`` (the snapshot's release) runs in the caller's thread, at ``wait()``."""
+    ``finish`` (the snapshot's release) runs in the caller's thread, at ``wait()``. Ctrl-C
+    (``stop``) starts no new file of this rank's part; the replication runs to its end."""
 
     def __init__(self, tier: MemoryTier, w: MemoryWrite, finish: Callable[[], None]) -> None:
         self.tier, self.w = tier, w
@@ -268,26 +274,34 @@ class MemoryJob:
         self._ended = threading.Event()
         self._written = threading.Event()  # the snapshot is no longer read
         self.complete = False  # every rank's own part was written (this job's agreement)
+        self.stopped = Stop()
         self._thread = threading.Thread(
             target=self._run, name=f"muon_ckpt-memory-{w.step}", daemon=False
         )
 
     def start(self) -> None:
-        self._thread.start()
+        start(self._thread)
+
+    def stop(self) -> None:
+        self.stopped.set()
 
     def done(self) -> bool:
         return self._ended.is_set()
 
     def wait_written(self) -> None:
-        """Until this rank's part is written (or given up): the snapshot is free again."""
-        self._written.wait()
+        """Until this rank's part is written (or given up): the snapshot is free again. Ctrl-C
+        meanwhile stops the part (``stop``) and is raised once it no longer reads."""
+        with interrupts_deferred(self.stop):
+            self._written.wait()
 
     def wait(self) -> int:
+        """Until the job has ended (Ctrl-C: still held), then its release (Ctrl-C deferred)."""
         self._ended.wait()
-        self._thread.join()
-        finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
+        with interrupts_deferred():
+            join(self._thread)
+            finish, self._finish = self._finish, None
+            if finish is not None:
+                finish()
         return self.step
 
     def _run(self) -> None:
@@ -376,7 +390,9 @@ class MemoryJob:
                 },
                 extra=w.extra,
                 io_threads=w.io_threads,
+                digests=w.digests,
                 before_commit=w.before_commit,
+                stop=self.stopped,
             )
         except Exception as e:
             tier.failed += 1

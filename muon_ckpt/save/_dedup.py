@@ -7,7 +7,9 @@ let a changed tensor pass as unchanged. A stored tensor item is identified by it
 recorded in the manifest entry of the file that stores it (``FileEntry.sha256``, by offset).
 A save refers to a stored item only when the item of the same index in its base (the step
 the run continues from: the last one this manager committed, or the one it loaded) has the
-same digest; otherwise it writes the tensor. SHA-256 (``hashlib``, which releases the GIL)
+same digest; otherwise it writes the tensor (``Dedup.refer``: the one choice, for a tensor
+a writer thread writes and for an item the flush at ``close()`` copies from a memory-tier
+part, whose manifest records the digests too). SHA-256 (``hashlib``, which releases the GIL)
 runs in the writer threads, on the snapshot's host copies, at about 1.8 GiB/s per thread
 with SHA extensions (docs/benchmarks.md): a save that finds nothing unchanged pays that
 next to its write; one that finds a tensor unchanged skips its write, its CRC and its
@@ -20,9 +22,10 @@ What it refers to must still be there as it was written: before a save writes, t
 it would refer to are checked (``store.check_stored``: sizes, and with ``confirm="checksum"``
 their checksums, each file read back once per process while the storage reports no change
 to it), and the tensors of a file that is missing or damaged are written again, from the
-saved state, with a WARNING. Nor does a save refer to data written ``dedup_max_age`` or more
-saves before it (by the generations of the commits, ``DedupBase.gens``): such a tensor is
-written again, so the damage of one file reaches at most that many steps.
+saved state, with a WARNING. Nor does a save refer to data written ``dedup_bound`` or more
+saves before it (``dedup_max_age``, at most ``keep_last - 1``; by the generations of the
+commits, ``DedupBase.gens``): such a tensor is written again, so the damage of one file
+reaches at most that many steps, never every step retention keeps.
 
 Order: a tensor the base holds is hashed before it is written, unless it changed at the save
 that recorded it (then it most likely changed again); that one, and a tensor the base does
@@ -46,7 +49,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from muon_ckpt.store import FileEntry, data_ref
 
-__all__ = ["MIN_REF_BYTES", "DedupBase", "DedupRecords", "Stored", "tensor_digest"]
+__all__ = ["MIN_REF_BYTES", "Dedup", "DedupBase", "Stored", "tensor_digest"]
 
 MIN_REF_BYTES = 16 << 10
 
@@ -123,22 +126,43 @@ class DedupBase:
         used = {s.name for s in items.values()}
         return cls((step, gen), items, {n: files[n] for n in used}, dict(gens or {}))
 
-    def referable(
+
+class Dedup:
+    """One rank's refer-or-write choice in one save (thread-safe), for the tensors its writer
+    threads write and for the items a save copies from files written elsewhere (the memory
+    tier's parts): a tensor whose item of the same DCP index in ``base`` is in a file the save
+    may refer to (``referable``) and has the same digest is referred to; every other is
+    written. What was chosen is recorded for the next save's base."""
+
+    def __init__(self, base: DedupBase | None, *, hashes: bool) -> None:
+        self._base = base
+        self._hashes = hashes  # whether tensors' digests are taken (dedup, or recorded only)
+        self.referable: set[str] = set()  # the base's files this save may refer to
+        self._lock = threading.Lock()
+        self.items: dict[MetadataIndex, Stored] = {}
+        self.refs: dict[str, FileEntry] = {}  # files of earlier saves this step refers to
+        self.referred_bytes = 0  # bytes of items not written because they were unchanged
+
+    def prepare(
         self,
         wanted: Iterable[MetadataIndex],
         gen: int,
         max_age: int,
         check: Callable[[dict[str, FileEntry]], dict[str, str]],
         where: str,
-    ) -> set[str]:
-        """The files a save into ``where`` (generation ``gen``) may refer to for the items
-        ``wanted`` (its own, where unchanged): written fewer than ``max_age`` saves before it,
-        and found as recorded by ``check`` (name -> what the storage holds instead); the
-        tensors of any other file are written again (a WARNING names a damaged file)."""
-        young = {d for d, g in self.gens.items() if 0 <= gen - g < max_age}
-        held = [s for i in wanted if (s := self.items.get(i)) is not None and s.changed is not True]
+    ) -> None:
+        """Before anything is written, the base's files a save into ``where`` (generation
+        ``gen``) may refer to for the items ``wanted`` (its own, where unchanged): written
+        fewer than ``max_age`` saves before it, and found as recorded by ``check`` (name ->
+        what the storage holds instead); the tensors of any other file are written again (a
+        WARNING names a damaged file)."""
+        base = self._base
+        if base is None:
+            return
+        young = {d for d, g in base.gens.items() if 0 <= gen - g < max_age}
+        held = [s for i in wanted if (s := base.items.get(i)) is not None and s.changed is not True]
         names = {s.name for s in held if (ref := data_ref(s.name)) and ref[0] in young}
-        bad = check({n: self.files[n] for n in sorted(names)})
+        bad = check({n: base.files[n] for n in sorted(names)})
         for name, what in sorted(bad.items()):
             _log.warning(
                 "%s: unchanged tensors would refer to %s of an earlier save, where the "
@@ -147,31 +171,47 @@ class DedupBase:
                 name,
                 what,
             )
-        return names - set(bad)
+        self.referable = names - set(bad)
 
+    def hashes(self, nbytes: int) -> bool:
+        """Whether a tensor of ``nbytes`` has its digest taken (smaller ones are always
+        written: a reference would save less than the manifest's record of it)."""
+        return self._hashes and nbytes >= MIN_REF_BYTES
 
-class DedupRecords:
-    """What one rank's writer threads record for the next save's base (thread-safe): every
-    tensor item with a digest, written or referred to, and the entries of the files referred
-    to."""
+    def _held(self, index: MetadataIndex) -> Stored | None:
+        return None if self._base is None else self._base.items.get(index)
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.items: dict[MetadataIndex, Stored] = {}
-        self.refs: dict[str, FileEntry] = {}  # files of earlier saves this step refers to
-        self.referred_bytes = 0  # bytes of items not written because they were unchanged
+    def hash_first(self, index: MetadataIndex) -> bool:
+        """Whether the tensor's digest decides before it is written: the base holds its index
+        in a file the save may refer to."""
+        held = self._held(index)
+        return held is not None and held.name in self.referable
 
-    def stored(self, index: MetadataIndex, s: Stored) -> None:
+    def refer(self, index: MetadataIndex, digest: str | None) -> Stored | None:
+        """Where the run holds the tensor of ``index`` and ``digest`` unchanged (recorded as
+        referred to), or None: write it."""
+        base = self._base
+        held = None if base is None else base.items.get(index)
+        if base is None or held is None or held.name not in self.referable:
+            return None
+        if digest is None or digest != held.sha256:
+            return None
+        held = dataclasses.replace(held, changed=False)
         with self._lock:
-            self.items[index] = s
+            self.items[index] = held
+            self.refs[held.name] = base.files[held.name]
+            self.referred_bytes += held.length
+        return held
 
-    def referred(self, index: MetadataIndex, s: Stored, entry: FileEntry) -> None:
+    def wrote(self, index: MetadataIndex, s: Stored) -> None:
+        """The tensor of ``index`` was written as ``s`` (with its digest): recorded, with
+        whether it changed since the base."""
+        held = self._held(index)
+        changed = None if held is None else s.sha256 != held.sha256
         with self._lock:
-            self.items[index] = s
-            self.refs[s.name] = entry
-            self.referred_bytes += s.length
+            self.items[index] = dataclasses.replace(s, changed=changed)
 
-    def base(
+    def next_base(
         self, key: tuple[int, int], own: dict[str, FileEntry], gens: dict[str, int]
     ) -> DedupBase:
         """The base for the next save, once this one committed as ``key``; ``own``: the
@@ -180,9 +220,10 @@ class DedupRecords:
         files = {**self.refs, **{n: e for n, e in own.items() if data_ref(n) is not None}}
         return DedupBase(key, dict(self.items), files, dict(gens))
 
-    def gens(self, base: DedupBase | None, own: str | None, gen: int) -> dict[str, int]:
+    def gens(self, own: str | None, gen: int) -> dict[str, int]:
         """The generation of each data directory this rank's step lists: ``own`` (written
-        now, at ``gen``) and those of the files it refers to (from ``base``)."""
+        now, at ``gen``) and those of the files it refers to (from the base)."""
         dirs = {ref[0] for n in self.refs if (ref := data_ref(n)) is not None}
+        base = self._base
         out = {d: base.gens[d] for d in dirs if base is not None and d in base.gens}
         return out | ({own: gen} if own is not None else {})

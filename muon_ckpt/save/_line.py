@@ -8,6 +8,7 @@ and checked by a load or a commit's read-back), which retention keeps."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from collections.abc import Callable
@@ -18,9 +19,29 @@ import muon_ckpt._collective as coll
 from muon_ckpt.save._dedup import DedupBase
 from muon_ckpt.store import Catalog, SavePlan
 
-__all__ = ["RunLine"]
+__all__ = ["Admission", "RunLine", "new_id"]
 
 _log = logging.getLogger("muon_ckpt")
+
+
+def new_id() -> str:
+    """A new line's id, or a save's (rank 0 draws it: the memory tier's parts record it, so
+    that parts of one step written by different saves, a step saved again, never mix)."""
+    return uuid.uuid4().hex[:16]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A save as rank 0 admitted it, the same on every rank: what it retires and its
+    generation (``plan``), the line its commit carries, its id, and what this rank's save may
+    refer to instead of writing (``base``). ``recheck``: admitted from the steps the catalog
+    knows, the ``Catalog.begin`` rank 0 runs in the save's job before it writes."""
+
+    plan: SavePlan
+    line: str
+    save_id: str
+    base: DedupBase | None = None
+    recheck: Callable[[], SavePlan] | None = None
 
 
 @dataclass
@@ -34,13 +55,45 @@ class RunLine:
     base: DedupBase | None = None
     verified: tuple[int, int] | None = None  # (step, gen)
 
-    def begin(
-        self, catalog: Catalog, step: int, overwrite: bool, *, cached: bool = False
+    def admit(
+        self,
+        catalog: Catalog,
+        step: int,
+        group: Any,
+        *,
+        url: bool,
+        overwrite: bool = False,
+        cached: bool = False,
+    ) -> Admission:
+        """Every rank, before a save of ``step`` (``url``: to the url; else to the memory tier
+        only): rank 0 readies it (``_ready``) and draws its id; every rank learns them and
+        what the save may refer to (``saving``). ``cached`` (a save to the url): decided from
+        the steps the catalog knows where it knows them (``Catalog.plan_cached``: no storage
+        request), its ``begin`` left to the save's job (``Admission.recheck``)."""
+        later: list[Any] = [None]  # (rank 0's ``begin``: a closure is not broadcast)
+
+        def ready() -> tuple[SavePlan, str, str, bool]:
+            plan, line, later[0] = self._ready(catalog, step, url, overwrite, cached)
+            return plan, line, new_id(), later[0] is not None
+
+        plan, line, save_id, deferred = coll.on_rank0(ready, group)
+        recheck = (lambda: later[0]()) if deferred else None  # (called on rank 0 only)
+        return Admission(plan, line, save_id, self.saving(plan, line, url=url), recheck)
+
+    def _ready(
+        self, catalog: Catalog, step: int, url: bool, overwrite: bool, cached: bool
     ) -> tuple[SavePlan, str, Callable[[], SavePlan] | None]:
-        """Rank 0, before a save: ready ``step`` and decide what it retires (``Catalog.begin``);
-        the line id its commit carries (this run's, or a new one). ``cached``: decide from the
-        steps the catalog knows (``Catalog.plan_cached``) where it knows them, and return the
-        ``begin`` the save's job runs before it writes (None: ``begin`` ran here)."""
+        """Rank 0: the url's rules for a save of ``step`` and what it retires: to the url,
+        ``Catalog.begin`` readies the step directory (``cached``: ``Catalog.plan_cached``
+        decides, and ``begin`` is returned for the save's job; else None); to the memory tier
+        only, ``Catalog.admit`` (the lease, another run's steps, a newer format; nothing
+        written there). Returns the plan, the line id its commit carries (this run's, or
+        new) and the ``begin`` left to the job."""
+        if not url:
+            plan = catalog.admit(
+                step, resumed=self.resumed, new_run=self.new_run, abandon=self.abandoned
+            )
+            return plan, self.line or new_id(), None
         kw: dict[str, Any] = dict(
             overwrite=overwrite,
             resumed=self.resumed,
@@ -49,17 +102,17 @@ class RunLine:
             refer_to=None if self.base is None else self.base.key,
             pass_over=list(self.passed),
         )
-        plan = catalog.plan_cached(step, **kw) if cached else None
-        later = None if plan is None else (lambda: catalog.begin(step, **kw))
-        plan = plan or catalog.begin(step, **kw)
-        url = catalog.storage.url
+        got = catalog.plan_cached(step, **kw) if cached else None
+        later = None if got is None else functools.partial(catalog.begin, step, **kw)
+        plan = got or catalog.begin(step, **kw)
+        url_name = catalog.storage.url
         newly = {s for s, _, _ in self.passed}  # (gen None: its manifest was unreadable)
         for s, _, why in plan.passed:
             if s in newly:
                 _log.warning(
                     "%s: step %d, which the load passed over (%s), is retired from this run's "
                     "line by step %d%s",
-                    url,
+                    url_name,
                     s,
                     why,
                     step,
@@ -72,7 +125,7 @@ class RunLine:
             _log.warning(
                 "%s: new_run=True: starting a new run here; the steps of the previous one %s "
                 "are deleted once step %d is committed",
-                url,
+                url_name,
                 plan.replacing,
                 step,
             )
@@ -80,29 +133,23 @@ class RunLine:
             _log.warning(
                 "%s: this run was rewound to an earlier step; step %d retires the steps of the "
                 "abandoned line %s, which are deleted once it is committed",
-                url,
+                url_name,
                 step,
                 plan.replacing,
             )
-        return plan, self.line or uuid.uuid4().hex[:16], later
+        return plan, self.line or new_id(), later
 
-    def admit(self, catalog: Catalog, step: int) -> tuple[SavePlan, str]:
-        """Rank 0, before a save of ``step`` to the memory tier only: the url's rules
-        (``Catalog.admit``: the lease, another run's steps, a newer format, what it retires)
-        and the line id it carries, kept for the saves after it. ``base`` is left as it is:
-        the memory step's bytes are not in the url, so the next url save refers only to the
-        url's last commit."""
-        plan = catalog.admit(
-            step, resumed=self.resumed, new_run=self.new_run, abandon=self.abandoned
-        )
-        self.line = self.line or uuid.uuid4().hex[:16]
-        return plan, self.line
-
-    def saving(self, plan: SavePlan, line: str) -> DedupBase | None:
-        """Every rank, once the save began: until it commits, the next save retires them.
-        Returns what the save may refer to: the base, while rank 0 found its step committed
-        (else it is forgotten: a step deleted meanwhile, by a prune or by hand)."""
-        self.resumed, self.line = True, line
+    def saving(self, plan: SavePlan, line: str, *, url: bool = True) -> DedupBase | None:
+        """Every rank, once a save began: its line id is the run's from now on. A save to the
+        url retires what its plan retires until it commits (the next save retires them too),
+        and may refer to the base while rank 0 found its step committed (else it is
+        forgotten: a step deleted meanwhile, by a prune or by hand). A memory step leaves
+        both to the next save to the url, which the memory step is not in. Returns what the
+        save may refer to."""
+        self.line = line
+        if not url:
+            return self.base
+        self.resumed = True
         self.abandoned = [*((s, g) for s, g in plan.retires), *((s, None) for s in plan.drop)]
         if self.base is not None and plan.refer_to != self.base.key:
             self.base = None

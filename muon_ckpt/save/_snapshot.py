@@ -20,14 +20,25 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 import muon_ckpt._collective as coll
+import muon_ckpt._dcp as _dcp
 from muon_ckpt._errors import CheckpointError
+from muon_ckpt._shards import chunk_of, has_strided
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.save._deferred import DeferredCopies
-from muon_ckpt.state import FlatState, HostStaging, extra_digests, freeze_offloaded, offloaded_views
+from muon_ckpt.state import (
+    FlatState,
+    HostStaging,
+    extra_digests,
+    freeze_offloaded,
+    offloaded_views,
+    structure_records,
+)
 
-__all__ = ["SaveSources", "Snapshot", "take"]
+__all__ = ["SaveSources", "Snapshot", "StagedSavePlanner", "take"]
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -63,10 +74,6 @@ class Snapshot:
     deferred: DeferredCopies | None = None  # copies that finish after save() returns
     readers: int = 1  # the jobs that write it (two for a step due for both tiers)
 
-    def add_reader(self) -> None:
-        """Another job writes this snapshot: it is released once both are done."""
-        self.readers += 1
-
     def reader_done(self) -> None:
         """A job that wrote it has ended (in the caller's thread); the last one releases it."""
         self.readers -= 1
@@ -74,8 +81,9 @@ class Snapshot:
             self.release()
 
 
-def take(src: SaveSources, step: int, background: bool) -> Snapshot:
-    """The snapshot of this moment on every rank, or the same error on every rank."""
+def take(src: SaveSources, step: int, background: bool, readers: int = 1) -> Snapshot:
+    """The snapshot of this moment on every rank, or the same error on every rank;
+    ``readers``: the jobs that write it (each calls ``reader_done`` once it has ended)."""
     error: Exception | None = None
     digests: dict[str, str] = {}
     need = 0
@@ -101,7 +109,7 @@ def take(src: SaveSources, step: int, background: bool) -> Snapshot:
     snap = None
     if error is None:
         try:
-            snap = _copy(src, step, flat, views, keep, background)
+            snap = _copy(src, step, flat, views, keep, background, readers)
         except Exception as e:  # every rank must learn of it before any starts to write
             error = e
     outcome = coll.all_gather((error is None, digests), src.group)
@@ -126,6 +134,7 @@ def _copy(
     views: dict[int, torch.Tensor],
     keep: set[str],
     background: bool,
+    readers: int,
 ) -> Snapshot:
     """The copies of this moment: offloaded states frozen (asynchronous) or viewed in place,
     every other tensor into the host buffers (all of them for an asynchronous save, device
@@ -156,7 +165,7 @@ def _copy(
             if release is not None:
                 release()
         raise
-    return Snapshot(staged, src.staging, background, release, deferred)
+    return Snapshot(staged, src.staging, background, release, deferred, readers)
 
 
 def _fits(staging: HostStaging, sd: dict[str, Any], keep: set[str], limit: int) -> bool:
@@ -220,3 +229,43 @@ def _differing_extra(step: int, digests: list[dict[str, str]]) -> CheckpointErro
                 "state (a data position per rank, RNG state) in rank_extra. Nothing was written."
             )
     return None
+
+
+class StagedSavePlanner(_dcp.SavePlanner):
+    """The save planner (``_dcp.SavePlanner``: DCP's, its global plan linear in ranks); a
+    writer thread resolving an item first waits for its copy. A DTensor's chunk is where its shard lies (``shard_box``: torch misreads uneven strided
+    shards, which then overlap and fail the plan)."""
+
+    def __init__(self, staging: HostStaging) -> None:
+        super().__init__()
+        self._staging = staging
+
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        # Beside DCP's map of each key's path, what that map loses: the original dict keys
+        # and containers of nested values, so a load hands back what was saved.
+        self.mappings.update(structure_records(state_dict, self.mappings))
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        if any(has_strided(v) for v in self.state_dict.values()):
+            items = [_boxed(it, self.state_dict[it.index.fqn]) for it in plan.items]
+            plan = self.plan = dataclasses.replace(plan, items=items)
+        return plan
+
+    def resolve_data(self, write_item: Any) -> Any:
+        self._staging.wait(write_item.index.fqn)
+        return super().resolve_data(write_item)
+
+
+def _boxed(item: WriteItem, value: Any) -> WriteItem:
+    """``item`` of a DTensor with a strided shard, its chunk where the shard lies."""
+    if not has_strided(value) or item.tensor_data is None:
+        return item
+    chunk = chunk_of(value)
+    data = dataclasses.replace(item.tensor_data, chunk=chunk)
+    return dataclasses.replace(
+        item, index=MetadataIndex(item.index.fqn, chunk.offsets), tensor_data=data
+    )

@@ -14,7 +14,7 @@ from muon_ckpt.state._fit import LoadReport
 from muon_ckpt.state._flat import GROUP_SKIP, GROUPS, FlatState
 from muon_ckpt.state._names import strip_wrappers
 
-__all__ = ["apply_loaded"]
+__all__ = ["apply_loaded", "saved_hparams"]
 
 
 def apply_loaded(
@@ -33,16 +33,16 @@ def apply_loaded(
             v = flat.sd[key]
             if not isinstance(v, Tensor):
                 optimizer.state[p][sk] = v
-        saved = _saved_hparams(flat)
+        saved = saved_hparams(flat)
         for gi, fqns in enumerate(flat.group_fqns):
             _apply_group(
                 flat, optimizer, gi, [f for f in fqns if f in saved], saved, url, report, strict
             )
     for key, obj in flat.stateful.items():
-        obj.load_state_dict(flat.sd[key])
+        obj.load_state_dict(flat.loaded_value(key))
 
 
-def _saved_hparams(flat: FlatState) -> dict[str, dict[str, Any]]:
+def saved_hparams(flat: FlatState) -> dict[str, dict[str, Any]]:
     """Param FQN -> the hyperparameters of its group when saved, from the group entries
     read (``<lead>.params`` lists), or from per-param entries (muon-ckpt <= 0.2)."""
     groups: dict[str, dict[str, Any]] = {}

@@ -3,8 +3,8 @@
 1. hyperparameters: every saved group entry is read (small Python values), to be mapped to
    this optimizer's groups after the read (``_apply``), whatever the grouping;
 2. legacy names: keys saved before canonical FQNs (wrapper prefixes) are read under those;
-3. statefuls (``extra``, ``rank_extra``, a module's extra state): all their keys, or a
-   mismatch;
+3. statefuls (``extra``, ``rank_extra``, a module's extra state): read as the step stores
+   them (``_structure``), every key of the object's own in the step, or a mismatch;
 4. tensors and optimizer state: each key present with its shape and dtype; optimizer state
    created for this load for a param that had none when saved is dropped again;
 5. unexpected keys: a model or optimizer key of the checkpoint that nothing here takes.
@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from muon_ckpt._errors import CheckpointMismatchError
 from muon_ckpt.state._flat import GROUPS, FlatState
 from muon_ckpt.state._names import legacy_aliases
+from muon_ckpt.state._structure import first_device, layout
 from muon_ckpt.state._values import display_key
 
 __all__ = ["LoadReport", "fit"]
@@ -39,7 +40,9 @@ class LoadReport:
     optimizer state created for the load starts fresh: zeros, step 0); ``unexpected``: keys of
     the checkpoint that nothing here takes; ``mismatched``: ``(key, why)`` for keys whose
     shape, dtype or kind differ (left as they were); ``kept_hparams``: ``(group, hparam, why)``
-    for hyperparameters left as they are because the group's params disagreed when saved.
+    for hyperparameters left as they are because the group's params disagreed when saved;
+    ``rules``: ``(param, saved rule, rule here)`` for params this optimizer updates by another
+    rule than the checkpoint's did (it goes on with its own: ``state._rules``).
     """
 
     step: int | None = None
@@ -47,9 +50,12 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, str]] = field(default_factory=list)
     kept_hparams: list[tuple[int, str, str]] = field(default_factory=list)
+    rules: list[tuple[str, str, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.missing or self.unexpected or self.mismatched or self.kept_hparams)
+        return bool(
+            self.missing or self.unexpected or self.mismatched or self.kept_hparams or self.rules
+        )
 
     def summary(self) -> str:
         parts = []
@@ -58,6 +64,7 @@ class LoadReport:
             ("not taken from the checkpoint", self.unexpected),
             ("different shape/dtype/kind", [k for k, _ in self.mismatched]),
             ("hyperparameters kept", [f"group {g} {h}" for g, h, _ in self.kept_hparams]),
+            ("update rule changed", [f"{p} ({s} -> {h})" for p, s, h in self.rules]),
         ):
             if items:
                 shown = ", ".join(items[:6]) + (
@@ -76,9 +83,9 @@ def fit(
     have = metadata.state_dict_metadata
     _read_all_hyperparameters(flat, have)
     _follow_legacy_names(flat, have)
-    _fit_statefuls(flat, have, url, strict, report)
+    _fit_statefuls(flat, metadata, url, strict, report)
     _fit_tensors(flat, have, fresh, url, strict, report)
-    report.unexpected = _unexpected(flat, have, url, strict, report)
+    report.unexpected += _unexpected(flat, have, url, strict, report)
     return report
 
 
@@ -104,37 +111,95 @@ def _follow_legacy_names(flat: FlatState, have: dict[str, Any]) -> None:
                 flat.rename(key, aliases[under][: len(aliases[under]) - len(under) + len(key)])
 
 
-def _fit_statefuls(
-    flat: FlatState, have: dict[str, Any], url: str, strict: bool, report: LoadReport
-) -> None:
+def _fit_statefuls(flat: FlatState, md: Any, url: str, strict: bool, report: LoadReport) -> None:
+    """Each stateful's value is read as the step stores it (``_structure``): the leaves it has
+    into the object's own tensors where they fit, the rest into new ones; a leaf the object
+    has that the step lacks, or holds with another shape, dtype or kind, is a mismatch."""
+    have = md.state_dict_metadata
+    stored = _stored_keys(flat, have, md.planner_data)
     for key in list(flat.stateful):
-        nested, _ = flatten_state_dict({key: flat.sd[key]})
-        missing = sorted(k for k in nested if k not in have)
-        if not missing:
+        template = flat.sd[key]
+        try:
+            ours, _ = flatten_state_dict({key: template})
+        except ValueError as e:  # ("duplicated flatten key ...")
+            ours, why = {}, f"its state_dict() has two entries under one key ({e})"
+        else:
             why = next(
                 (
-                    f"{k!r} {w}"
-                    for k, v in nested.items()
-                    if (w := _mismatch(v, have[k])) is not None
+                    f"key {k!r} {w}"
+                    for k in ours
+                    if k in have and (w := _mismatch(ours[k], have[k]))
                 ),
                 None,
             )
-            if why is None:
-                continue
+        missing = sorted(k for k in ours if k not in stored[key])
+        lay = layout(key, template, stored[key], md.planner_data, url) if why is None else None
+        if lay is not None and lay.unknown:
             if strict:
-                raise CheckpointMismatchError(f"{url}: {display_key(key)}: key {why}")
-            report.mismatched.append((key, why))
-        elif strict:
+                raise CheckpointMismatchError(
+                    f"{url}: {display_key(key)}: the checkpoint has key(s) {lay.unknown[:8]} "
+                    "that its state_dict() does not; the step was saved by a muon-ckpt that did "
+                    "not record the types of dict keys (0.2 and earlier), so they load only into "
+                    "an object whose state_dict() has them (an optimizer after one step); "
+                    "load(strict=False) loads the rest and reports them"
+                )
+            report.unexpected.extend(lay.unknown)
+        if lay is not None and not missing and why is None:
+            flat.sd.pop(key)
+            device = first_device(template) or torch.device("cpu")
+            for k in lay.leaves:
+                flat.sd[k] = _target(ours.get(k), have[k], device)
+                flat.leaf_of[k] = key
+            flat.skeletons[key] = lay.skeleton
+            continue
+        if strict and why is not None:
+            raise CheckpointMismatchError(f"{url}: {display_key(key)}: {why}")
+        if strict:
             raise CheckpointMismatchError(
                 f"{url}: {display_key(key)} has key(s) {missing[:8]} that the checkpoint does not: "
                 "its state_dict() differs from the one saved; the checkpoint has "
-                f"{sorted(k for k in have if k.startswith(f'{key}.'))[:8]}; load(strict=False) "
-                "leaves it as it is"
+                f"{sorted(stored[key])[:8]}; load(strict=False) leaves it as it is"
             )
+        if why is not None:
+            report.mismatched.append((key, why))
         else:
             report.missing.append(key)
         flat.drop(key)
         del flat.stateful[key]
+
+
+def _stored_keys(flat: FlatState, have: dict[str, Any], planner_data: Any) -> dict[str, set[str]]:
+    """Each stateful's flat keys in the step: those whose DCP path starts at it (by prefix
+    where the step has no such map)."""
+    out: dict[str, set[str]] = {key: set() for key in flat.stateful}
+    paths = planner_data if isinstance(planner_data, dict) else {}
+    for k in have:
+        path = paths.get(k)
+        if isinstance(path, tuple) and path and path[0] in out:
+            out[path[0]].add(k)
+        elif not isinstance(path, tuple):
+            for key in out:
+                if k == key or k.startswith(f"{key}."):
+                    out[key].add(k)
+    return out
+
+
+def _target(ours: Any, md: Any, device: torch.device) -> Any:
+    """What the load reads a stateful's leaf into: the object's own tensor where it has one
+    the load can write (a DTensor reshards), else a new tensor of the stored shape and dtype
+    (an expanded tensor's elements share memory: a load cannot write it); None for a Python
+    value (the planner sets it)."""
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    if isinstance(ours, Tensor) and not _self_overlapping(ours):
+        return ours
+    return torch.empty(md.size, dtype=md.properties.dtype, device=device)
+
+
+def _self_overlapping(t: Tensor) -> bool:
+    local = getattr(t, "_local_tensor", t)
+    # (torch answers 0: no overlap, 1: overlap, 2: too hard to tell, so maybe)
+    return local.layout == torch.strided and torch._debug_has_internal_overlap(local) != 0
 
 
 def _fit_tensors(
@@ -147,7 +212,7 @@ def _fit_tensors(
 ) -> None:
     saved_state_fqns = {k.rsplit(".", 1)[0] for k in have if k.startswith("optim.state.")}
     for key in list(flat.sd):
-        if key in flat.stateful or key.startswith(GROUPS):
+        if key in flat.stateful or key in flat.leaf_of or key.startswith(GROUPS):
             continue
         if key in flat.state_slots and key not in have:
             p, _ = flat.state_slots[key]

@@ -24,6 +24,7 @@ from torch import Tensor
 from muon_ckpt._tensors import host_copy
 from muon_ckpt.state._extra import _ExtraState, extra_state_owner
 from muon_ckpt.state._names import canonical_names, param_fqns
+from muon_ckpt.state._structure import check_keys, rebuild
 from muon_ckpt.state._values import check_loadable, loadable
 from muon_ckpt.store.keys import (
     extra_key,
@@ -83,6 +84,10 @@ class FlatState:
     unsure_groups: set[int] = field(default_factory=set)  # relaxed: groups with a changed param
     stateless: list[Tensor] = field(default_factory=list)  # params without state when saved
     param_keys: set[str] = field(default_factory=set)  # model.<fqn> keys of parameters
+    # load: a stateful's value is read leaf by leaf (flat key -> the stateful's key) and
+    # rebuilt on the skeleton the step stores (stateful key -> skeleton, ``_structure``)
+    leaf_of: dict[str, str] = field(default_factory=dict)
+    skeletons: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -136,9 +141,17 @@ class FlatState:
         return fs
 
     def check_loadable(self, step: int) -> None:
-        """A save's check that a load can read back every Python value (a CheckpointError
-        naming the first that it could not)."""
+        """A save's check that a load can read back every Python value, and every stateful's
+        value as it was (a CheckpointError naming the first that it could not)."""
         check_loadable({k: v for k, v in self.sd.items() if not isinstance(v, Tensor)}, step)
+        for key in self.stateful:
+            check_keys(key, self.sd[key], step)
+
+    def loaded_value(self, key: str) -> Any:
+        """After a load: stateful ``key``'s value as the step stores it."""
+        if key not in self.skeletons:
+            return self.sd[key]
+        return rebuild(self.skeletons[key], self.sd, (key,))
 
     def deferrable_keys(self) -> set[str]:
         """The keys that only an optimizer step changes: parameters and optimizer states (not

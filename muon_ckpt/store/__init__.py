@@ -26,11 +26,11 @@ from muon_ckpt.store._layout import (
     step_dirname,
 )
 from muon_ckpt.store._lease import LEASE
-from muon_ckpt.store._lines import SavePlan, live_newer, mark_tier
+from muon_ckpt.store._lines import SavePlan, mark_tier
 from muon_ckpt.store._local import open_regular
 from muon_ckpt.store._probe import check_run_root, open_run, open_storage
 from muon_ckpt.store._resolve import Resolved, VerifyResult, prune, resolve, verify
-from muon_ckpt.store._steps import Status, StepInfo
+from muon_ckpt.store._steps import Status, StepInfo, layout_of
 from muon_ckpt.store._storage import Storage, is_storage_failure
 
 __all__ = [
@@ -57,7 +57,7 @@ __all__ = [
     "data_ref_name",
     "is_file_name",
     "is_storage_failure",
-    "live_newer",
+    "layout_of",
     "mark_tier",
     "open_regular",
     "open_run",

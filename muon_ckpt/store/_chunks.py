@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt._shards import chunk_of
 from muon_ckpt.store._codec import DESCRIPTOR, MAX_RATIO
 
 __all__ = ["check_held_chunks", "check_tensors", "tiling_problem"]
@@ -53,6 +55,27 @@ def _dims(v: Any) -> tuple[int, ...] | None:
     return out
 
 
+def _all_dims(chunks: list[Any], ndim: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """Every chunk's (offsets, sizes) as ``_dims`` would give them, each of ``ndim`` values,
+    checked for all chunks at once (a tensor of a 2,048-rank save has 2,048 of them); None
+    when one is not, which the caller finds one by one."""
+    if not all(map(isinstance, chunks, itertools.repeat(ChunkStorageMetadata))):
+        return None
+    offsets = [getattr(c, "offsets", None) for c in chunks]
+    sizes = [getattr(c, "sizes", None) for c in chunks]
+    dims = offsets + sizes
+    if not dims:
+        return []
+    if not all(issubclass(t, (tuple, list)) for t in set(map(type, dims))):
+        return None
+    if set(map(len, dims)) != {ndim}:
+        return None
+    flat = list(itertools.chain.from_iterable(dims))
+    if flat and (set(map(type, flat)) != {int} or min(flat) < 0 or max(flat) >= 1 << 63):
+        return None
+    return list(zip(map(tuple, offsets), map(tuple, sizes)))
+
+
 def tiling_problem(
     size: Sequence[int],
     chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
@@ -61,6 +84,8 @@ def tiling_problem(
     """None when ``chunks`` ((offsets, sizes) each, of ``len(size)`` plain non-negative ints)
     tile a tensor of ``size`` exactly, else what is wrong, for an error message. Without
     ``whole`` they may leave gaps (a memory-tier part holds one rank's shards)."""
+    if _slabs_tile(size, chunks, whole):
+        return None
     for offsets, sizes in chunks:
         if any(o + n > s for o, n, s in zip(offsets, sizes, size)):
             return f"has a chunk at {list(offsets)} of {list(sizes)}, outside its size {list(size)}"
@@ -99,6 +124,43 @@ def tiling_problem(
     return None
 
 
+def _slabs_tile(
+    size: Sequence[int], chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], whole: bool
+) -> bool:
+    """True when every chunk spans the tensor but along one dimension, the same for all (the
+    shards of a ``Shard(d)`` save: FSDP's rows), and in order along it each begins where the
+    one before ends (``whole``: from 0 to the end; else it may also begin later). One sort
+    and a few passes in C (maps, sets), where the general check's grid costs a step in Python
+    per chunk; False also for anything wrong, which the general check then names."""
+    size = tuple(size)
+    if not size or not chunks or not all(size):
+        return False
+    d = next((i for i, (k, n) in enumerate(zip(chunks[0][1], size)) if k != n), 0)
+    offsets = list(map(_FIRST, chunks))
+    sizes = list(map(_SECOND, chunks))
+    shapes = set(sizes)  # (a few: the shards' own, the last's, the empty one)
+    for j in range(len(size)):  # every other dimension: all of it
+        at = operator.itemgetter(j)
+        if j != d and (set(map(at, offsets)) != {0} or set(map(at, shapes)) != {size[j]}):
+            return False
+    along = operator.itemgetter(d)
+    starts, lengths = list(map(along, offsets)), list(map(along, sizes))
+    if max(starts) > size[d]:  # (an empty chunk stores nothing: inside is all it must be)
+        return False
+    spans = sorted(zip(itertools.compress(starts, lengths), itertools.compress(lengths, lengths)))
+    if not spans:
+        return not whole
+    starts = list(map(_FIRST, spans))
+    ends = list(itertools.starmap(operator.add, spans))
+    if whole:
+        return starts[0] == 0 and starts[1:] == ends[:-1] and ends[-1] == size[d]
+    return all(map(operator.le, ends[:-1], starts[1:])) and ends[-1] <= size[d]
+
+
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_INDEX_KEY = operator.attrgetter("fqn", "offset")
+
+
 def _corrupt(where: str, key: str, problem: str) -> CheckpointCorruptError:
     return CheckpointCorruptError(
         f"{where}: tensor {key[:200]!r} {problem}; the step cannot be trusted and is not read. "
@@ -118,7 +180,12 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
         raise CheckpointCorruptError(f"{where}: DCP metadata without a storage index")
     if not all(isinstance(i, MetadataIndex) for i in items):
         raise CheckpointCorruptError(f"{where}: DCP metadata with a storage index of other keys")
-    stored = {(i.fqn, None if i.offset is None else tuple(i.offset)): v for i, v in items.items()}
+    try:  # (MetadataIndex's hash and equality: its name and offset, a torch.Size or None)
+        stored = dict(zip(map(_INDEX_KEY, items), items.values()))
+    except TypeError:  # (an offset a crafted file made unhashable)
+        stored = {
+            (i.fqn, None if i.offset is None else tuple(i.offset)): v for i, v in items.items()
+        }
     for key, meta in md.state_dict_metadata.items():
         if isinstance(meta, BytesStorageMetadata):
             if (key, None) not in stored:
@@ -156,20 +223,25 @@ def _check_tensor(
         raise _corrupt(where, key, f"has the size {str(meta.size)[:200]}")
     if not isinstance(meta.chunks, list):
         raise _corrupt(where, key, "has no list of chunks")
-    chunks = []
-    for c in meta.chunks:
-        offsets = (
-            _dims(getattr(c, "offsets", None)) if isinstance(c, ChunkStorageMetadata) else None
-        )
-        sizes = _dims(getattr(c, "sizes", None)) if offsets is not None else None
-        if sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
-            raise _corrupt(where, key, f"of {len(size)} dimensions has the chunk {str(c)[:200]}")
-        chunks.append((offsets, sizes))
+    chunks = _all_dims(meta.chunks, len(size))
+    if chunks is None:  # (one by one, to name the first bad chunk)
+        for c in meta.chunks:
+            offsets = (
+                _dims(getattr(c, "offsets", None)) if isinstance(c, ChunkStorageMetadata) else None
+            )
+            sizes = _dims(getattr(c, "sizes", None)) if offsets is not None else None
+            if sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
+                raise _corrupt(
+                    where, key, f"of {len(size)} dimensions has the chunk {str(c)[:200]}"
+                )
+        raise AssertionError("unreachable: every chunk checked out one by one")
     problem = tiling_problem(size, chunks, whole=tiles)
     if problem is not None:
         raise _corrupt(where, key, problem)
     itemsize = props.dtype.itemsize
-    for offsets, sizes in chunks:
+    if _items_hold(key, chunks, stored, itemsize):
+        return
+    for offsets, sizes in chunks:  # (one by one, to name the first that is not)
         if not all(sizes):
             continue
         info = stored.get((key, offsets))
@@ -190,6 +262,29 @@ def _check_tensor(
             )
 
 
+def _items_hold(
+    key: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], stored: dict, itemsize: int
+) -> bool:
+    """Whether every non-empty chunk has a stored item of at least its bytes (``MAX_RATIO``
+    times, compressed), for all chunks at once, in C (maps); False for any doubt."""
+    full = list(itertools.compress(chunks, map(all, map(_SECOND, chunks))))
+    infos = list(map(stored.get, zip(itertools.repeat(key), map(_FIRST, full))))
+    if not all(infos):
+        return False
+    lengths = list(map(_LENGTH, infos))
+    if set(map(type, lengths)) - {int}:
+        return False
+    packed = map(bool, map(getattr, infos, itertools.repeat("transform_descriptors"), _NONES))
+    most = map(operator.mul, lengths, map(_RATIO.__getitem__, packed))
+    need = map(operator.mul, map(math.prod, map(_SECOND, full)), itertools.repeat(itemsize))
+    return all(map(operator.ge, most, need))
+
+
+_LENGTH = operator.attrgetter("length")
+_NONES = itertools.repeat(None)
+_RATIO = {False: 1, True: MAX_RATIO}
+
+
 def check_held_chunks(sd: dict[str, Any], md: Metadata, where: str) -> None:
     """A checkpoint of one rank's own state (a memory-tier part, whose chunks need not tile
     the tensors): each tensor of ``sd`` it stores is stored as exactly the chunks this rank
@@ -202,7 +297,8 @@ def check_held_chunks(sd: dict[str, Any], md: Metadata, where: str) -> None:
         if not isinstance(v, torch.Tensor) or not isinstance(meta, TensorStorageMetadata):
             continue
         if isinstance(v, DTensor):
-            want = sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.__create_chunk_list__())
+            c = chunk_of(v)
+            want = [(tuple(c.offsets), tuple(c.sizes))]
         else:
             want = [((0,) * v.dim(), tuple(v.shape))]
         got = sorted((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks)

@@ -43,6 +43,8 @@ import threading
 import time
 from typing import Any
 
+from muon_ckpt._collective import is_dist, rank
+from muon_ckpt._config import reads_back
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
 from muon_ckpt._threads import run_all
 from muon_ckpt.store._checksum import file_checksum
@@ -50,9 +52,8 @@ from muon_ckpt.store._data import listing
 from muon_ckpt.store._layout import DATA, FileEntry, data_ref
 from muon_ckpt.store._storage import Storage, is_storage_failure
 
-__all__ = ["CONFIRM_MODES", "check_stored", "confirm_files"]
+__all__ = ["check_stored", "confirm_files"]
 
-CONFIRM_MODES = ("checksum", "crc32", "size", "off")
 SETTLED_SECONDS = 2.0  # a file changed this recently may change again unseen by its times
 _MAX_CHECKED = 1 << 16
 _checked: dict[str, tuple[Any, ...]] = {}  # a data file's url -> its state when it checked out
@@ -60,8 +61,9 @@ _lock = threading.Lock()
 
 
 def _mismatch(where: str, what: str) -> CheckpointCorruptError:
+    by = f" (written by rank {rank()})" if is_dist() else ""  # (every rank raises it)
     return CheckpointCorruptError(
-        f"{where}: after the upload the storage holds {what} (the upload was damaged or "
+        f"{where}{by}: after the upload the storage holds {what} (the upload was damaged or "
         "overwritten); the step is NOT committed and every committed step is kept. Check the "
         "storage and retry the save"
     )
@@ -83,7 +85,7 @@ def confirm_files(
                 storage.url_of(dirname, name),
                 f"{listed.get(name)} bytes, not the {entry.size} written",
             )
-    if mode not in ("checksum", "crc32"):
+    if not reads_back(mode):
         return
 
     def one(name: str) -> None:
@@ -121,7 +123,7 @@ def check_stored(
         if got != want.size:
             bad[name] = "nothing" if got is None else f"{got} bytes, not {want.size}"
             return
-        if mode not in ("checksum", "crc32"):
+        if not reads_back(mode):
             return
         state = _stamp(storage, parts, info, now)
         with _lock:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch.distributed.checkpoint.metadata import Metadata
 
 from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt._gcpause import paused_gc
 from muon_ckpt.store._checksum import Checksum
 from muon_ckpt.store._data import listing
 from muon_ckpt.store._layout import MANIFEST, METADATA, Manifest
@@ -54,7 +55,8 @@ def check_files(
             f"{where}: {md_entry.algorithm} {got.hexdigest()} ({len(data)} bytes), the "
             f"manifest says {md_entry.digest} ({md_entry.size} bytes); load another step"
         )
-    md = parse_metadata(data, where, tiles)
-    check_paths(md, set(m.files), where)
-    check_ranges(md, {n: e.size for n, e in m.files.items()}, where)
+    with paused_gc():  # (the metadata's millions of objects: see parse_metadata)
+        md = parse_metadata(data, where, tiles)
+        check_paths(md, set(m.files), where)
+        check_ranges(md, {n: e.size for n, e in m.files.items()}, where)
     return md

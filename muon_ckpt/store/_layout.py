@@ -28,11 +28,12 @@ from __future__ import annotations
 import json
 import operator
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from muon_ckpt._errors import CheckpointCorruptError, CheckpointVersionError
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointVersionError
 from muon_ckpt._version import __version__
+from muon_ckpt.store._entry import FileEntry, _bounded
 
 STEP_PREFIX = "step-"
 MANIFEST = "manifest.json"
@@ -63,8 +64,9 @@ def check_step(step: Any) -> int:
     return value
 
 
-MAX_MANIFEST_BYTES = 64 << 20  # a manifest is read up to this size, no further
-MAX_INT = (1 << 63) - 1  # every integer of a manifest is below 2**63 (a file size, a count)
+# A manifest is read up to this size, no further. It grows with ranks x tensors, about 90
+# bytes a tensor shard (its SHA-256 above all): an 8B model on 2,048 ranks writes ~100 MiB
+MAX_MANIFEST_BYTES = 1 << 30
 
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 # A file of a step: one plain name inside the step directory (DCP writes no subdirectories).
@@ -73,7 +75,6 @@ _HEX_RE = re.compile(r"(?:[0-9a-f]{8})+")
 _DATA_DIR_RE = re.compile(r"^(\d{8})-[0-9a-f]{16}$")
 # How a step's manifest and .metadata name a file of the run's data: from the step directory.
 _DATA_REF_RE = re.compile(r"^\.\./data/(\d{8}-[0-9a-f]{16})/([^/]{1,255})$")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def step_dirname(step: int) -> str:
@@ -148,97 +149,7 @@ def rank_extra_key(rank: int, name: str) -> str:
     return f"rank_extra.{rank}.{name}"
 
 
-@dataclass
-class FileEntry:
-    """A stored file's size and checksums: 8 hex digits per chunk of ``chunk_bytes`` bytes
-    (None: one checksum of the whole file, format 1), in ``crc32c`` (CRC32C, the default)
-    or ``crc32`` (zlib's; format 1, or saves without a CRC32C package). One of them is set."""
-
-    size: int
-    crc32: str | None = None
-    crc32c: str | None = None
-    chunk_bytes: int | None = None
-    cuts: list[int] | None = None  # offsets where a chunk ends early; the grid restarts there
-    # offset of a stored tensor -> SHA-256 of its dtype, shape and bytes (``save._dedup``):
-    # how a later save knows that a tensor is unchanged and refers to it instead of writing it
-    sha256: dict[int, str] | None = None
-
-    def chunk_starts(self) -> list[int]:
-        """Where each checksummed chunk begins (``[0]`` without chunks). Computed once per
-        entry (entries are not changed after they are made; the cache is no field)."""
-        cached = self.__dict__.get("_starts")
-        if cached is None:
-            cached = self.__dict__["_starts"] = self._chunk_starts()
-        return cached
-
-    def _chunk_starts(self) -> list[int]:
-        c, size = self.chunk_bytes, self.size
-        if c is None:
-            return [0]
-        cuts = sorted(self.cuts or [])
-        starts, at, ci = [0], 0, 0
-        while True:
-            end = at + c
-            while ci < len(cuts) and cuts[ci] <= at:
-                ci += 1
-            if ci < len(cuts) and cuts[ci] < end:
-                end = cuts[ci]
-            if end >= size:
-                return starts
-            starts.append(end)
-            at = end
-
-    @property
-    def algorithm(self) -> str:
-        return "crc32c" if self.crc32c is not None else "crc32"
-
-    @property
-    def digest(self) -> str:
-        return self.crc32c if self.crc32c is not None else (self.crc32 or "")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if v is not None}
-        if self.sha256 is not None:  # JSON keys are strings, in order
-            d["sha256"] = {str(k): v for k, v in sorted(self.sha256.items())}
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> FileEntry:
-        size = _bounded("size", d["size"])
-        chunk = None if d.get("chunk_bytes") is None else _bounded("chunk_bytes", d["chunk_bytes"])
-        sums = [k for k in ("crc32c", "crc32") if d.get(k) is not None]
-        if len(sums) != 1:
-            raise ValueError(f"a file entry needs one of crc32c or crc32, found {sorted(d)}")
-        digest = str(d[sums[0]])
-        cuts = None if d.get("cuts") is None else [_bounded("cuts", c) for c in d["cuts"]]
-        if size < 0 or (chunk is not None and chunk < 1):
-            raise ValueError(f"size {size} and chunk_bytes {chunk} must be >= 0 and >= 1")
-        if cuts is not None and (chunk is None or any(not 0 < c < size for c in cuts)):
-            raise ValueError(f"cuts must lie inside the file's {size} bytes, found {cuts[:5]}")
-        sha = None if d.get("sha256") is None else _digests(d["sha256"], size)
-        e = cls(size, chunk_bytes=chunk, cuts=cuts, sha256=sha, **{sums[0]: digest})
-        count = len(e.chunk_starts())
-        if len(digest) != 8 * count:
-            raise ValueError(
-                f"a file of {size} bytes in chunks of {chunk} needs {count} checksum(s) of 8 "
-                f"hex digits, found {len(digest)} digits"
-            )
-        int(digest or "0", 16)  # hex only
-        return e
-
-
-def _digests(v: Any, size: int) -> dict[int, str]:
-    """A file entry's ``sha256``: {offset inside the file: 64 hex digits}."""
-    if not isinstance(v, dict):
-        raise ValueError(f"sha256 must be a JSON object, found a {type(v).__name__}")
-    out = {}
-    for k, h in v.items():
-        if not (isinstance(k, str) and k.isdigit() and len(k) <= 19 and int(k) < size):
-            raise ValueError(f"sha256: {str(k)[:40]!r} is not an offset inside the file")
-        if not (isinstance(h, str) and _SHA256_RE.match(h)):
-            raise ValueError(f"sha256 at {k}: {str(h)[:80]!r} is not 64 hex digits")
-        out[int(k)] = h
-    return out
+_COMPACT: dict[str, Any] = {"sort_keys": True, "separators": (",", ":")}
 
 
 @dataclass
@@ -272,13 +183,37 @@ class Manifest:
     # them when it fell back to an older step): retired, but kept until retention or prune
     passed_over: list[tuple[int, int, str]] = field(default_factory=list)
 
-    def to_json(self) -> bytes:
-        d = asdict(self)
-        d["files"] = {k: v.to_dict() for k, v in self.files.items()}
+    def to_json(self, limit: int = MAX_MANIFEST_BYTES) -> bytes:
+        """Indented JSON, one file to a line: a file's entry as compact JSON (json's C
+        encoder; its indenting encoder, pure Python, took seconds for the thousands of
+        files and million digests of a 2,048-rank step). A CheckpointError when it is
+        longer than ``limit``, which every reader refuses (``MAX_MANIFEST_BYTES``): a save
+        must not commit a step no load can read."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "files"}
         for k in ("data", "data_gens", "passed_over"):  # (absent where not used)
             if not d[k]:
                 del d[k]
-        return json.dumps(d, indent=1, sort_keys=True).encode()
+        d["files"] = None  # (placed in sorted order below)
+        out = []
+        for k, v in sorted(d.items()):
+            if k == "files":
+                entries = [
+                    f"{json.dumps(n)}: {json.dumps(e.to_dict(), **_COMPACT)}"
+                    for n, e in sorted(self.files.items())
+                ]
+                text = "{\n  " + ",\n  ".join(entries) + "\n }" if entries else "{}"
+            else:  # (a JSON string holds no newline: indenting after each one is safe)
+                text = json.dumps(v, indent=1, sort_keys=True).replace("\n", "\n ")
+            out.append(f" {json.dumps(k)}: {text}")
+        data = ("{\n" + ",\n".join(out) + "\n}").encode()
+        if len(data) > limit:
+            raise CheckpointError(
+                f"step {self.step}: its manifest would have {len(data)} bytes, more than the "
+                f"{limit} a reader accepts ({len(self.files)} files; each tensor a rank writes "
+                "adds about 90 bytes); it is not committed. Save fewer, larger tensors, or "
+                "with dedup=False (no SHA-256 per tensor)"
+            )
+        return data
 
     @property
     def total_bytes(self) -> int:
@@ -365,15 +300,6 @@ def _unreadable(where: str, e: BaseException) -> CheckpointCorruptError:
         f"{where}: manifest is unreadable ({str(e)[:300]}); the step cannot be trusted. "
         "Load another step (muon-ckpt ls lists them) or delete this one"
     )
-
-
-def _bounded(name: str, v: Any, *, low: int = 0) -> int:
-    """``v`` if it is a JSON integer in ``[low, 2**63)``: anything else in a manifest is
-    corrupt (a 4,300-digit size must not reach arithmetic or formatting)."""
-    if type(v) is not int or not low <= v <= MAX_INT:
-        shown = repr(v) if type(v) is not int else f"an integer of {v.bit_length()} bits"
-        raise ValueError(f"{name} must be an integer in [{low}, 2**63), found {shown[:40]}")
-    return v
 
 
 def _mapping(name: str, v: Any) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from muon_ckpt._errors import CheckpointExistsError, CheckpointVersionError
 from muon_ckpt.store._steps import COMMITTED, CORRUPT, NEWER, SUPERSEDED, UNCOMMITTED, StepInfo
 
-__all__ = ["SavePlan", "aged_out", "live_newer", "mark_superseded", "mark_tier", "plan_save"]
+__all__ = ["SavePlan", "aged_out", "mark_superseded", "mark_tier", "plan_save"]
 
 
 @dataclass(frozen=True)
@@ -255,9 +255,3 @@ def mark_tier(infos: list[StepInfo], tier: list[StepInfo]) -> list[tuple[int, in
             t.status = SUPERSEDED
             t.problem = f"abandoned by the line of step {later[-1]} of the url"
     return sorted(was - {(i.step, i.gen or 0) for i in infos if i.status == COMMITTED})
-
-
-def live_newer(infos: list[StepInfo], tier: list[StepInfo], step: int) -> list[tuple[int, int]]:
-    """The live commits of either tier newer than ``step`` (``(step, gen)``): what the first
-    save after a load of ``step`` retires (a rewind's abandoned steps)."""
-    return sorted({(i.step, i.gen or 0) for i in (*infos, *tier) if i.committed and i.step > step})

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import io
 import itertools
+import operator
 import pathlib
 import pickle
 from typing import Any
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from muon_ckpt._errors import CheckpointCorruptError
+from muon_ckpt._gcpause import paused_gc
 from muon_ckpt.store._chunks import check_tensors
 from muon_ckpt.store._layout import MANIFEST, METADATA, data_ref, is_file_name
 
@@ -64,17 +66,20 @@ class _MetadataUnpickler(pickle.Unpickler):
 def parse_metadata(data: bytes, where: str, tiles: bool = True) -> Metadata:
     """DCP metadata from its bytes, its tensors checked (``check_tensors``: chunks that tile
     each tensor, items that store what the chunks declare): every reader gets it from here."""
-    try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as e:
-        raise CheckpointCorruptError(
-            f"{where}: DCP metadata is unreadable ({type(e).__name__}: {e})"
-        ) from e
-    if not isinstance(md, Metadata):
-        raise CheckpointCorruptError(f"{where}: not DCP metadata (found {type(md).__name__})")
-    if not isinstance(md.state_dict_metadata, dict):
-        raise CheckpointCorruptError(f"{where}: DCP metadata without a state dict index")
-    check_tensors(md, where, tiles)
+    # Millions of objects at thousands of ranks, none of them garbage: each collection of
+    # the collector would walk them all, while they are built and while they are checked
+    with paused_gc():
+        try:
+            md = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as e:
+            raise CheckpointCorruptError(
+                f"{where}: DCP metadata is unreadable ({type(e).__name__}: {e})"
+            ) from e
+        if not isinstance(md, Metadata):
+            raise CheckpointCorruptError(f"{where}: not DCP metadata (found {type(md).__name__})")
+        if not isinstance(md.state_dict_metadata, dict):
+            raise CheckpointCorruptError(f"{where}: DCP metadata without a state dict index")
+        check_tensors(md, where, tiles)
     return md
 
 
@@ -84,8 +89,13 @@ def check_paths(md: Metadata, allowed: set[str] | None, where: str) -> None:
     and, with a manifest, one it lists (``allowed``): a crafted ``.metadata`` must not send a
     load, export or import to ``../x``, ``/other/bucket/x`` or an unlisted, unchecksummed
     file."""
+    seen: set[str] = set()
     for info in (md.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
+        if type(name) is str:  # each file once: a file holds many items
+            if name in seen:
+                continue
+            seen.add(name)
         plain = is_file_name(name) and name not in (MANIFEST, METADATA)
         ok = plain or (allowed is not None and data_ref(name) is not None)
         if ok and allowed is not None and name not in allowed:
@@ -106,7 +116,9 @@ def check_ranges(md: Metadata, sizes: dict[str, int], where: str) -> None:
     manifest's), and no two items share a byte: a crafted ``.metadata`` must not make a reader
     allocate or seek past a file (a length of a terabyte is a MemoryError, not a corrupt step,
     otherwise), nor read (and expand) the same bytes as many items."""
-    by_file: dict[str, list[tuple[int, int]]] = {}
+    if _ranges_fine(list((md.storage_data or {}).values()), sizes):
+        return
+    by_file: dict[str, list[tuple[int, int]]] = {}  # (one by one, to name the first bad one)
     for info in (md.storage_data or {}).values():
         name, off, n = info.relative_path, info.offset, info.length
         size = sizes.get(name, 0)
@@ -125,6 +137,32 @@ def check_ranges(md: Metadata, sizes: dict[str, int], where: str) -> None:
                     "save stores each item once); it cannot be trusted and is not read. Load "
                     "another step"
                 )
+
+
+def _ranges_fine(infos: list[Any], sizes: dict[str, int]) -> bool:
+    """``check_ranges`` for all items at once, in C (maps and one sort): the million items
+    of a 2,048-rank step. False for anything wrong or odd, which the loop then names."""
+    try:
+        names = list(map(_PATH, infos))
+        offsets, lengths = list(map(_OFFSET, infos)), list(map(_LENGTH, infos))
+        if not infos:
+            return True
+        if set(map(type, offsets)) | set(map(type, lengths)) != {int}:
+            return False
+        if min(offsets) < 0 or min(lengths) < 0:
+            return False
+        ends = list(map(operator.add, offsets, lengths))
+        if not all(map(operator.le, ends, map(sizes.get, names, itertools.repeat(0)))):
+            return False
+        spans = sorted(zip(names, offsets, ends))
+        names, offsets, ends = (list(map(operator.itemgetter(k), spans)) for k in range(3))
+        same = map(operator.eq, names, names[1:])
+        return not any(map(operator.and_, same, map(operator.lt, offsets[1:], ends)))
+    except (TypeError, AttributeError):
+        return False
+
+
+_PATH, _OFFSET, _LENGTH = (operator.attrgetter(a) for a in ("relative_path", "offset", "length"))
 
 
 def tensor_entries(md: Metadata) -> dict[str, TensorStorageMetadata]:

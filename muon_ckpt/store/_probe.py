@@ -5,7 +5,9 @@ scheme, an object key with an empty, ``.`` or ``..`` component: ``Storage``) or 
 options the filesystem does not accept are a ``ValueError``; missing
 credentials, an unreachable endpoint, a missing bucket or a refused access are a
 ``CheckpointStorageError`` naming what to fix. The probe is one cheap request (S3: HEAD of the
-bucket), sent once, with a short timeout and no retries. A missing bucket is never created.
+bucket) with a retry budget of its own (``_retry``: at most ``_PROBE_TIMEOUT`` seconds, less
+when ``storage_timeout`` is; an endpoint that refuses connections is not tried again), so a
+transient error does not end a job at its start. A missing bucket is never created.
 A run's url that is a step's directory (``check_run_root``) is a ``ValueError`` too: a run
 written inside another run's step is deleted with it.
 """
@@ -19,12 +21,13 @@ from typing import Any
 from muon_ckpt._errors import CheckpointError, CheckpointStorageError
 from muon_ckpt.store._catalog import Catalog
 from muon_ckpt.store._layout import MANIFEST, METADATA, parse_step_dirname
+from muon_ckpt.store._retry import Budget, own_retries
 from muon_ckpt.store._storage import DEFAULT_TIMEOUT, Storage, is_storage_failure
 from muon_ckpt.store._url import bad_options, check_url
 
 __all__ = ["check_run_root", "open_run", "open_storage"]
 
-_PROBE_TIMEOUT = 5.0  # seconds: the probe's connect and read timeout
+_PROBE_TIMEOUT = 5.0  # seconds: the probe's budget, its retries included
 # Options a local path takes (fsspec's own, and the local filesystem's): anything else in
 # storage_options was meant for a remote filesystem, whose URL this is not.
 _LOCAL_OPTIONS = frozenset(
@@ -53,15 +56,6 @@ def _check_options(field: str, url: str, storage: Storage, options: dict[str, An
         )
 
 
-def _probe_options(options: dict[str, Any], timeout: float | None) -> dict[str, Any]:
-    cfg = dict(options.get("config_kwargs") or {})
-    bound = min(_PROBE_TIMEOUT, timeout or _PROBE_TIMEOUT)
-    cfg["connect_timeout"] = min(float(cfg.get("connect_timeout", bound)), bound)
-    cfg["read_timeout"] = min(float(cfg.get("read_timeout", bound)), bound)
-    cfg["retries"] = {"total_max_attempts": 1}  # one attempt, no retry
-    return {**options, "config_kwargs": cfg, "skip_instance_cache": True}
-
-
 def _endpoint(tester: Storage | None, options: dict[str, Any]) -> str:
     """The endpoint the probe's request went to, for its error: the S3 client's own (from
     storage_options, AWS_ENDPOINT_URL or the AWS config), else the one the options name."""
@@ -76,21 +70,22 @@ def _endpoint(tester: Storage | None, options: dict[str, Any]) -> str:
 def _explain(
     e: BaseException, url: str, bucket: str, options: dict[str, Any], endpoint: str
 ) -> Exception:
-    name = type(e).__name__
+    last = getattr(e, "last", e)  # (a request that ran out of its budget: its last failure)
+    name = type(last).__name__
     if isinstance(e, TypeError):
         return bad_options(url, options, e)
-    if name == "NoCredentialsError" or "credentials" in str(e).lower():
+    if name == "NoCredentialsError" or "credentials" in str(last).lower():
         return CheckpointStorageError(
             f"{url!r}: no credentials for the storage ({name}: {e}); pass them in "
             "storage_options (key=, secret=), the environment (AWS_ACCESS_KEY_ID, "
             "AWS_SECRET_ACCESS_KEY) or a profile"
         )
-    if isinstance(e, FileNotFoundError):
+    if isinstance(last, FileNotFoundError):
         return CheckpointStorageError(
             f"{url!r}: the bucket {bucket!r} does not exist at {endpoint}; create it first "
             "(muon-ckpt never creates buckets) or fix the URL"
         )
-    if isinstance(e, PermissionError):
+    if isinstance(last, PermissionError):
         return CheckpointStorageError(
             f"{url!r}: access to the bucket {bucket!r} is denied ({e}); check the credentials "
             "and the bucket's policy"
@@ -128,8 +123,9 @@ def open_storage(
         bucket = storage.root.strip("/").split("/", 1)[0]
         tester = None
         try:
-            tester = Storage(url, _probe_options(options, timeout), timeout=None)
-            tester.fs.retries = 1  # s3fs: no retries of its own for the probe
+            bound = min(_PROBE_TIMEOUT, timeout or _PROBE_TIMEOUT)
+            tester = Storage(url, options, timeout=bound)  # (a filesystem of its own)
+            own_retries(tester.fs, Budget(bound, reconnect=False))
             if hasattr(tester.fs, "call_s3"):
                 tester.fs.call_s3("head_bucket", Bucket=bucket)
             else:

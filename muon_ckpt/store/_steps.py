@@ -50,6 +50,7 @@ __all__ = [
     "UNCOMMITTED",
     "Status",
     "StepInfo",
+    "layout_of",
     "pick",
     "read_manifest",
     "read_step",
@@ -99,6 +100,10 @@ class StepInfo:
     passed_over: str | None = None
     # A memory-tier step's: the url's newest commit when it was saved, (step, gen, line)
     base: tuple[int, int, str | None] | None = field(default=None, repr=False)
+    # The model's parallel layout, from the manifest: {"meshes": [{"shape", "dims"}],
+    # "params": {fqn: {"mesh", "placements"}}} (docs/format.md); None: plain tensors, or an
+    # older manifest
+    layout: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def committed(self) -> bool:
@@ -106,7 +111,7 @@ class StepInfo:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["retires"], d["base"], d["passes"]
+        del d["retires"], d["base"], d["passes"], d["layout"]
         return {**d, "committed": self.committed}
 
 
@@ -123,6 +128,19 @@ def read_manifest(storage: Storage, dirname: str, step: int | None) -> Manifest:
             f"{step}; the step cannot be trusted. Load another step or delete this one"
         )
     return m
+
+
+def layout_of(m: Manifest) -> dict[str, Any] | None:
+    """The manifest's record of the model's layout, or None (none, or not of its shape: the
+    record only informs, nothing is loaded by it)."""
+    got = m.extra.get("layout")
+    ok = (
+        isinstance(got, dict)
+        and isinstance(got.get("meshes"), list)
+        and isinstance(got.get("params"), dict)
+        and all(isinstance(v, dict) for v in got["params"].values())
+    )
+    return got if ok else None
 
 
 def read_step(
@@ -151,6 +169,7 @@ def read_step(
         info.time, info.world_size = m.time, m.world_size
         info.gen, info.line, info.retires = m.gen, m.line, list(m.retires)
         info.passes = list(m.passed_over)
+        info.layout = layout_of(m)
     if detail and not info.committed:
         found = storage.walk_info(name)
         info.size = sum(int(i.get("size") or 0) for i in found.values())

@@ -10,7 +10,8 @@ run's data is read only when no directory on its way below the root is a symlink
 (``check_unlinked``). Deleting never follows a symlink: the link goes, its target stays;
 nothing is created or deleted through one. Every other failure of the storage is raised as a
 ``CheckpointStorageError`` naming the URL and the cause (a missing file stays a
-``FileNotFoundError``).
+``FileNotFoundError``). Every request to S3 runs within one retry budget (``_retry``:
+``storage_timeout`` bounds it, its retries included).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Any
 
+from muon_ckpt._collective import is_dist, rank
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointStorageError
 from muon_ckpt.store._local import link_new, open_regular, rmtree
 from muon_ckpt.store._readahead import ReadAhead
 from muon_ckpt.store._rename import exchange
+from muon_ckpt.store._retry import Budget, RequestFailed, client_options, own_retries
 from muon_ckpt.store._url import OBJECT_STORES, open_fs
 
 __all__ = [
@@ -37,7 +40,8 @@ __all__ = [
     "storage_error",
 ]
 
-DEFAULT_TIMEOUT = 60.0  # seconds: connect and read timeout of one storage request
+DEFAULT_TIMEOUT = 60.0  # seconds: one storage request, its retries included (_retry)
+_S3 = ("s3", "s3a")
 _STORAGE_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "fsspec")
 
 
@@ -49,9 +53,11 @@ def is_storage_failure(e: BaseException) -> bool:
 
 
 def storage_error(e: BaseException, what: str) -> CheckpointStorageError:
-    """The CheckpointStorageError for ``e``, raised while doing ``what`` (names the URL)."""
+    """The CheckpointStorageError for ``e``, raised while doing ``what`` (names the URL, and
+    the rank in a process group)."""
+    where = f" on rank {rank()}" if is_dist() and not isinstance(e, RequestFailed) else ""
     return CheckpointStorageError(
-        f"{what} failed: {type(e).__name__}: {e}. Check the URL and storage_options "
+        f"{what} failed{where}: {type(e).__name__}: {e}. Check the URL and storage_options "
         "(endpoint_url, credentials) and that the storage is reachable; then retry"
     )
 
@@ -81,7 +87,11 @@ class Storage:
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError(f"url must be a non-empty string, got {url!r}")
-        fs, root, protocol = open_fs(url, dict(storage_options or {}), timeout)
+        options = dict(storage_options or {})
+        if url.split("://", 1)[0] in _S3:  # (our own client: its retries are the budget's)
+            options = client_options(options, timeout)
+        fs, root, protocol = open_fs(url, options, timeout)
+        own_retries(fs, Budget(timeout))
         self.url = url
         self.storage_options = dict(storage_options or {})
         self.fs = fs
@@ -275,15 +285,14 @@ class Storage:
             if _climbs(parts):  # a step's reference to the run's data
                 self.check_unlinked(*parts)
             with os.fdopen(open_regular(p, where, follow=not parts), "rb") as f:
+                if limit is not None and os.fstat(f.fileno()).st_size > limit:
+                    raise _larger(where, limit)  # (unread: a limit of 1 GiB is no read of it)
                 data = f.read() if limit is None else f.read(limit + 1)
         else:
             with self._calling("reading", *parts):
                 data = self._cat(p, limit)
         if limit is not None and len(data) > limit:
-            raise CheckpointCorruptError(
-                f"{where}: larger than the {limit} bytes it may have; the step cannot be "
-                "trusted. Load another step (muon-ckpt ls lists them) or delete it"
-            )
+            raise _larger(where, limit)
         return data
 
     def _cat(self, p: str, limit: int | None) -> bytes:
@@ -424,3 +433,10 @@ class Storage:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(p, recursive=True)
             self.fs.invalidate_cache(p)
+
+
+def _larger(where: str, limit: int) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{where}: larger than the {limit} bytes it may have; the step cannot be "
+        "trusted. Load another step (muon-ckpt ls lists them) or delete it"
+    )

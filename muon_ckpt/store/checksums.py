@@ -10,6 +10,7 @@ from muon_ckpt.store._checksum import (
     file_checksum,
     mismatched_chunks,
 )
+from muon_ckpt.store._crc import crc_function, write_algorithm
 from muon_ckpt.store._crc import implementation as crc32c_implementation
 
 __all__ = [
@@ -18,7 +19,9 @@ __all__ = [
     "check_chunks",
     "chunk_span",
     "crc32c_implementation",
+    "crc_function",
     "crc_hex",
     "file_checksum",
     "mismatched_chunks",
+    "write_algorithm",
 ]

@@ -2,7 +2,7 @@
 (and checked: paths, byte ranges, chunks that tile each tensor), and the filesystem its
 readers and writers go through (a Storage's)."""
 
-from muon_ckpt.store._chunks import check_held_chunks
+from muon_ckpt.store._chunks import check_held_chunks, tiling_problem
 from muon_ckpt.store._dcpfs import DelegatingFileSystem, dcp_filesystem
 from muon_ckpt.store._files import check_files
 from muon_ckpt.store._metadata import bytes_keys, parse_metadata, tensor_entries
@@ -15,4 +15,5 @@ __all__ = [
     "dcp_filesystem",
     "parse_metadata",
     "tensor_entries",
+    "tiling_problem",
 ]

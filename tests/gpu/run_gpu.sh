@@ -30,10 +30,10 @@ step() {
 }
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step torchrun --nproc-per-node="$ngpu" tests/gpu/test_cpu_offload.py
-  suite="tests/gpu/test_optim_gpu.py tests/gpu/test_offload_gpu.py tests/gpu/test_checkpoint_gpu.py tests/gpu/test_itemread_gpu.py tests/gpu/test_async_gpu.py tests/gpu/test_deferred_gpu.py tests/gpu/test_resume_gpu.py tests/gpu/test_memory_tier_gpu.py tests/test_optim_dist.py tests/test_optim_reference.py tests/test_optim_config.py tests/test_optim_gram.py tests/test_offload_dist.py tests/test_offload_pipeline.py"
+  suite="tests/gpu/test_optim_gpu.py tests/gpu/test_offload_gpu.py tests/gpu/test_checkpoint_gpu.py tests/gpu/test_itemread_gpu.py tests/gpu/test_async_gpu.py tests/gpu/test_deferred_gpu.py tests/gpu/test_resume_gpu.py tests/gpu/test_memory_tier_gpu.py tests/optim/test_optim_dist.py tests/optim/test_optim_reference.py tests/optim/test_optim_config.py tests/optim/test_optim_gram.py tests/offload/test_offload_dist.py tests/offload/test_offload_pipeline.py"
   # With several GPUs the checkpoint resume/reshard suites run on NCCL too (on one GPU their
   # multi-rank cases would be gloo on the CPU again, as in CI).
-  [ "$ngpu" -gt 1 ] && suite="$suite tests/test_manager_resume.py tests/test_manager_fsdp.py tests/test_import_dist.py tests/test_async_save.py"
+  [ "$ngpu" -gt 1 ] && suite="$suite tests/manager/test_manager_resume.py tests/manager/test_manager_fsdp.py tests/interop/test_import_dist.py tests/save/test_async_save.py"
   # PYTEST_ARGS may name tests/gpu whole: the seed test is torchrun's (its functions take
   # rank and world_size), never pytest's.
   step python3 -m pytest -q -p no:cacheprovider --ignore=tests/gpu/test_cpu_offload.py ${PYTEST_ARGS:-$suite}

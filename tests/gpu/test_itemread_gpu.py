@@ -2,7 +2,7 @@
 
     python3 -m pytest tests/gpu/test_itemread_gpu.py     (needs a CUDA device)
 
-Same state and checks as tests/test_itemread.py, with the targets on the GPU: contiguous
+Same state and checks as tests/load/test_itemread.py, with the targets on the GPU: contiguous
 targets of the stored dtype are copied through the two page-locked chunk buffers (the 3-chunk
 tensor reuses both), the others through the whole-record host buffer and ``copy_``.
 """
@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from muon_ckpt import CheckpointCorruptError
 from tests._ckpt import flip_byte
-from tests.test_itemread import (
+from tests.load.test_itemread import (
     _manifest,
     _ours,
     _save,
@@ -56,10 +56,10 @@ def test_cuda_targets_go_through_the_page_locked_buffers(tmp_path, monkeypatch):
 
 
 def test_cuda_targets_loaded_in_parts(tmp_path, monkeypatch):
-    """A file split into many parts (tests/test_read_parts.py) into CUDA targets: the same
+    """A file split into many parts (tests/load/test_read_parts.py) into CUDA targets: the same
     bits, and one pair of page-locked buffers per reading thread for all its parts."""
     import muon_ckpt.load._reader as reader_mod
-    from tests.test_read_parts import check_parts_share_their_threads_buffers
+    from tests.load.test_read_parts import check_parts_share_their_threads_buffers
 
     monkeypatch.setattr(reader_mod, "PART_BYTES", 1)
     check_parts_share_their_threads_buffers(tmp_path, monkeypatch, "cuda")

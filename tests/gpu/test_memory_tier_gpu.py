@@ -38,7 +38,7 @@ def test_a_memory_step_loads_back_bitwise_on_cuda(tmp_path, offload):
     torch.cuda.synchronize()
     assert (torch.cuda.max_memory_allocated() - base) / MiB < 64
     want = _host_state(model, opt)
-    mgr._memory.mark = None  # (keep step 6 in memory only)
+    mgr._saves.memory.mark = None  # (keep step 6 in memory only)
     mgr.close()
     model2, opt2 = _build(1)
     if offload:
@@ -49,5 +49,5 @@ def test_a_memory_step_loads_back_bitwise_on_cuda(tmp_path, offload):
     got = _host_state(model2, opt2)
     for k in want:
         assert torch.equal(want[k].view(torch.uint8), got[k].view(torch.uint8)), k
-    mgr2._memory.mark = None
+    mgr2._saves.memory.mark = None
     mgr2.close()

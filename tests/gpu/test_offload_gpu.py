@@ -4,8 +4,8 @@ step with offload off, AdamW chunks included.
 
     python3 -m pytest tests/gpu/test_offload_gpu.py     (needs a CUDA device)
 
-On the CPU the same bookkeeping is counted by tests/test_offload_pipeline.py; on CUDA the host
-runs ahead of the GPU, so only the allocator shows that blocks are reused rather than
+On the CPU the same bookkeeping is counted by tests/offload/test_offload_pipeline.py; on CUDA
+the host runs ahead of the GPU, so only the allocator shows that blocks are reused rather than
 allocated anew while earlier copies are still in flight.
 """
 

@@ -5,7 +5,7 @@
 On CUDA the momentum update takes other kernels than on CPU: fused lerps, and for matrices of
 at least ``_FOREACH_MAX_NUMEL`` elements a per-matrix lerp written straight into bfloat16.
 The CPU suite cannot reach them, so this compares both against torch.optim.Muon here, with the
-tolerance of tests/test_optim_reference.py (one bf16 ulp of the update per step), and the fp32
+tolerance of tests/optim/test_optim_reference.py (one bf16 ulp of the update per step), and the fp32
 Newton-Schulz (``ns_dtype="fp32"``) and the Gram iteration (``ns_method="gram"``) against a
 float64 one on the GPU.
 """
@@ -111,7 +111,7 @@ def test_auto_ns_dtype_is_bf16_on_a_gpu_with_bf16_tensor_cores():
 
 @pytest.mark.parametrize("shape", [(1024, 1024), (512, 2048), (4, 256, 96)])
 def test_cuda_fp32_newton_schulz_is_within_5e_5_of_float64(shape):
-    # The bound of tests/test_optim_ns_dtype.py. TF32 is off by default in torch (it would be
+    # The bound of tests/optim/test_optim_ns_dtype.py. TF32 is off by default in torch (it would be
     # ~1e-3 off); the test keeps it off whatever the process set.
     from optim.newton_schulz import zeropower_via_newtonschulz
 
@@ -150,7 +150,7 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("shape", [(1024, 3072), (4096, 1024), (8, 256, 1024)])
 def test_cuda_gram_newton_schulz_is_as_close_to_float64_as_the_standard_iteration(shape):
-    # The bound of tests/test_optim_gram.py: the standard iteration's error in the same dtype
+    # The bound of tests/optim/test_optim_gram.py: the standard iteration's error in the same dtype
     # (bf16; the Gram one computes in float16), and 5e-5 in fp32 (TF32 kept off).
     from optim.newton_schulz import uses_gram, zeropower_via_newtonschulz
 

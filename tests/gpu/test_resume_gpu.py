@@ -1,5 +1,5 @@
 """GPU: a verified load into CUDA tensors of a step whose pages were evicted, and of one just
-written, each bit for bit (one device; issue: resume at the speed of the machine).
+written, each bit for bit (one device).
 
     python3 -m pytest tests/gpu/test_resume_gpu.py      (needs a CUDA device)
 

@@ -1,0 +1,245 @@
+"""One rank's storage fault ends the save, not the job: a fault-injecting
+proxy (``tests/_faults.py``, one port per rank) between each rank's s3fs and the moto server.
+
+A request fails within ``storage_timeout``, its retries included, so a rank whose storage
+fails reaches the save's next agreement point with its error and every rank raises the same
+``CheckpointStorageError`` naming that rank, the request and the object, long before
+``collective_timeout``; a collective that does time out (a slow rank) is a
+``CheckpointCollectiveError`` naming the rank and the timeout on every rank. Either way the
+previous step stays the newest, and the same manager saves and loads once the fault is gone
+(its process group is made again)."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from muon_ckpt import (
+    CheckpointCollectiveError,
+    CheckpointError,
+    CheckpointManager,
+    CheckpointStorageError,
+)
+from muon_ckpt.store._retry import ATTEMPTS
+from tests._dist import run_on_ranks
+from tests._faults import FaultControl, FaultProxy
+from tests.conftest import s3_options
+
+STORAGE_TIMEOUT = 1.0  # seconds: one request's budget, its retries included
+
+
+def _model(v: float) -> nn.Module:
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    return _fill(m, v)
+
+
+def _fill(m: nn.Module, v: float) -> nn.Module:
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(v)
+    return m
+
+
+def _holds(m: nn.Module, v: float) -> bool:
+    return all(torch.equal(p, torch.full_like(p, v)) for p in m.parameters())
+
+
+@pytest.fixture
+def proxy(s3_server: str) -> Iterator[FaultProxy]:
+    p = FaultProxy(s3_server, ranks=2).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def _url(bucket: str) -> str:
+    return f"s3://{bucket}/run-{uuid.uuid4().hex[:6]}"
+
+
+def _faulted_save(rank, world, url, urls, control, rule, timeouts):
+    """Save step 1; then, with ``rule`` set on the proxy (by rank 0), save step 2 (it must
+    fail); then, the fault cleared, save step 3 and load it with the same manager."""
+    faults = FaultControl(control)
+    storage_timeout, collective_timeout = timeouts
+    model = _model(1.0)
+    mgr = CheckpointManager(
+        url,
+        model=model,
+        storage_options=s3_options(urls[rank]),
+        storage_timeout=storage_timeout,
+        collective_timeout=collective_timeout,
+    )
+    mgr.save(1)
+    if rank == 0:
+        faults.rule(**rule)
+    dist.barrier()
+    _fill(model, 2.0)
+    t0 = time.monotonic()
+    try:
+        mgr.save(2)
+        raised = None
+    except CheckpointError as e:
+        raised = (type(e).__name__, str(e))
+    took = time.monotonic() - t0
+    dist.barrier()
+    if rank == 0:
+        faults.clear()
+    dist.barrier()
+    kept = mgr.steps()  # the previous step is still the newest
+    _fill(model, 3.0)
+    saved = mgr.save(3)
+    _fill(model, -1.0)
+    loaded = mgr.load()
+    mgr.close()
+    return raised, took, kept, saved, loaded, _holds(model, 3.0)
+
+
+def _check_recovered(out: list[Any]) -> None:
+    for _, _, kept, saved, loaded, holds in out:
+        assert kept == [1] and saved and loaded == 3 and holds, (kept, saved, loaded, holds)
+
+
+def test_a_rank_whose_puts_fail_ends_the_save_on_every_rank_with_its_error(proxy, s3_bucket):
+    """Every PUT of rank 1 answers 503 SlowDown: both ranks raise the same
+    CheckpointStorageError naming rank 1, the PUT and its object, within a few budgets
+    (collective_timeout is 60 s; it was reached, then the manager's group stayed broken and
+    every later call raised); step 1 stays the newest; the same manager then saves step 3
+    and loads it."""
+    bucket, _ = s3_bucket
+    rule = {"method": "PUT", "path": ".", "fault": "503", "kind": "PUT", "rank": 1}
+    out = run_on_ranks(
+        _faulted_save,
+        2,
+        _url(bucket),
+        proxy.urls,
+        proxy.control_url,
+        rule,
+        (STORAGE_TIMEOUT, 20.0),
+        timeout=240,
+    )
+    (kind0, msg0), (kind1, msg1) = out[0][0], out[1][0]
+    assert kind0 == kind1 == "CheckpointStorageError" and msg0 == msg1, (msg0, msg1)
+    assert re.search(
+        r"PUT s3://\S+/data/\S+/__1_\d+\.distcp on rank 1 failed: 503 SlowDown", msg0
+    ), msg0
+    assert "storage_timeout=1 s" in msg0, msg0
+    assert all(took < 20.0 for _, took, *_ in out), [o[1] for o in out]  # not the timeout
+    _check_recovered(out)
+
+
+def test_a_slow_rank_is_named_with_the_timeout_and_the_manager_recovers(proxy, s3_bucket):
+    """Rank 1's storage answers 7 s late (no error) with collective_timeout=5: every rank
+    raises the same CheckpointCollectiveError naming rank 1 and the timeout (rank 0 gave raw
+    gloo text, rank 1 a plain CheckpointError); the same manager then saves and loads."""
+    bucket, _ = s3_bucket
+    proxy.delay_s = 7.0
+    rule = {"method": "*", "path": ".", "fault": "delay", "rank": 1}
+    out = run_on_ranks(
+        _faulted_save,
+        2,
+        _url(bucket),
+        proxy.urls,
+        proxy.control_url,
+        rule,
+        (30.0, 5.0),
+        timeout=240,
+    )
+    (kind0, msg0), (kind1, msg1) = out[0][0], out[1][0]
+    assert kind0 == kind1 == CheckpointCollectiveError.__name__ and msg0 == msg1, (msg0, msg1)
+    assert "rank(s) [1] of 2 did not reach" in msg0 and "collective_timeout (5 s)" in msg0, msg0
+    assert "save(step=2)" in msg0, msg0
+    _check_recovered(out)
+
+
+def _faulted_load(rank, world, url, urls, control):
+    """Save step 1; with every LIST failing on both ranks, load (it must raise, never start
+    fresh); the fault cleared, load again with the same manager."""
+    faults = FaultControl(control)
+    model = _model(1.0)
+    mgr = CheckpointManager(
+        url,
+        model=model,
+        storage_options=s3_options(urls[rank]),
+        storage_timeout=STORAGE_TIMEOUT,
+        collective_timeout=10.0,
+    )
+    mgr.save(1)
+    if rank == 0:
+        faults.rule("GET", ".", "503", kind="LIST")
+    dist.barrier()
+    _fill(model, 2.0)
+    try:
+        raised = ("returned", mgr.load())
+    except CheckpointError as e:
+        raised = (type(e).__name__, str(e))
+    unchanged = _holds(model, 2.0)  # (a load that raises changes nothing)
+    dist.barrier()
+    if rank == 0:
+        faults.clear()
+    dist.barrier()
+    loaded = mgr.load()
+    mgr.close()
+    return raised, unchanged, loaded, _holds(model, 1.0)
+
+
+def test_a_load_whose_listing_fails_on_every_rank_raises_then_recovers(proxy, s3_bucket):
+    """Every LIST answers 503 on both ranks: load() raises the same CheckpointStorageError on
+    both (never "starting fresh"), within the budget of the listing rather than at
+    collective_timeout (10 s: it was reached, and the manager stayed broken); the fault
+    cleared, the same manager loads step 1."""
+    bucket, _ = s3_bucket
+    out = run_on_ranks(_faulted_load, 2, _url(bucket), proxy.urls, proxy.control_url, timeout=240)
+    (kind0, msg0), (kind1, msg1) = out[0][0], out[1][0]
+    assert kind0 == kind1 == "CheckpointStorageError" and msg0 == msg1, (msg0, msg1)
+    assert "LIST s3://" in msg0 and "503 SlowDown" in msg0, msg0
+    for _, unchanged, loaded, holds in out:
+        assert unchanged and loaded == 1 and holds
+
+
+def test_retries_are_bounded_by_storage_timeout(proxy, s3_bucket):
+    """A PUT that answers 503 SlowDown every time is sent at most ATTEMPTS times, all within
+    storage_timeout (it was sent 25 times over 30-50 s, s3fs's retries around botocore's,
+    whatever storage_timeout said); the error says how many and in what time."""
+    bucket, _ = s3_bucket
+    url = _url(bucket)
+    mgr = CheckpointManager(
+        url,
+        model=_model(1.0),
+        storage_options=s3_options(proxy.url),
+        storage_timeout=STORAGE_TIMEOUT,
+    )
+    proxy.rule("PUT", r"__0_0\.distcp", "503", kind="PUT")
+    with pytest.raises(CheckpointError) as ei:
+        mgr.save(1)
+    sent = [x for x in proxy.log if x[1] == "PUT" and x[3].endswith("__0_0.distcp")]
+    assert 2 <= len(sent) <= ATTEMPTS, (len(sent), str(ei.value))
+    assert isinstance(ei.value, CheckpointStorageError), repr(ei.value)
+    m = re.search(r"gave up after (\d+) attempt\(s\) in ([0-9.]+) s", str(ei.value))
+    assert m and int(m.group(1)) == len(sent), str(ei.value)
+    assert "503 SlowDown" in str(ei.value), str(ei.value)  # the answer, also when the last
+    # attempt was abandoned at the budget's end. No attempt runs past storage_timeout; what
+    # the time shows beyond it is the event loop's lag on a loaded host (it was 30-50 s).
+    assert float(m.group(2)) < 5 * STORAGE_TIMEOUT, str(ei.value)
+    proxy.clear()
+    assert mgr.save(2) and mgr.steps() == [2]
+
+
+def test_the_probe_survives_one_transient_503(proxy, s3_bucket):
+    """The constructor's probe (HEAD of the bucket) is retried within its budget: one 503
+    SlowDown no longer kills the job at its start."""
+    bucket, _ = s3_bucket
+    proxy.rule("HEAD", ".", "503", times=1)
+    mgr = CheckpointManager(_url(bucket), model=_model(1.0), storage_options=s3_options(proxy.url))
+    assert proxy.injected == {"503": 1}
+    probes = [x for x in proxy.log if x[1] == "HEAD" and x[3].strip("/") == bucket]
+    assert [x[4] for x in probes] == ["503", None]
+    assert mgr.save(1) and mgr.steps() == [1]
