@@ -58,7 +58,16 @@ def main(layout: str, out_dir: str, steps: int) -> None:
         {"init": init, "grads": grads, "params": params},
         os.path.join(out_dir, f"rank{rank}.pt"),
     )
+    # Torn down together: gloo aborts a process ending right after a blocking collective
+    # while a mesh lives (pytorch#190489), so the last one is asynchronous and its Work
+    # lives until the exit.
+    work = dist.barrier(async_op=True)
+    work.wait()
+    _LAST_WORK.append(work)
     dist.destroy_process_group()
+
+
+_LAST_WORK: list = []  # (see the end of main)
 
 
 if __name__ == "__main__":
