@@ -141,7 +141,8 @@ def _titan_run(url, world, train: bool):
         for k, v in opt.state[p].items():
             full[f"state {n}.{k}"] = _full(v)
     info = mgr.step_info()
-    return {"loaded": got, "state": full, "layout": info.layout, "sched": sched.value}
+    own = states["train_state"].value
+    return {"loaded": got, "state": full, "layout": info.layout, "sched": sched.value, "own": own}
 
 
 def body_titan_meshes(rank, world_size, root):
@@ -156,7 +157,7 @@ def body_titan_meshes(rank, world_size, root):
 def test_torchtitans_parallel_dims_are_recorded_and_load_on_another(tmp_path):
     """HSDP (dp_replicate 2 x dp_shard 2) saved, loaded under dp_shard 2 x tp 2, and the
     reverse, on 4 gloo ranks: the manifest records torchtitan's dim names; params, Muon's and
-    AdamW's states and the lr scheduler load bitwise; the train state resumes at its step."""
+    AdamW's states, the lr scheduler and each rank's train state load bitwise."""
     results = run_on_ranks(body_titan_meshes, 4, str(tmp_path), timeout=600)
     for rank, res in enumerate(results):
         for name, (saved, loaded) in res.items():
@@ -167,6 +168,8 @@ def test_torchtitans_parallel_dims_are_recorded_and_load_on_another(tmp_path):
             assert want in dims, (name, dims)
             assert saved["loaded"] is None and loaded["loaded"] == STEPS, (rank, name)
             assert loaded["sched"] == {"last_epoch": STEPS}
+            # (the same number of ranks: each rank's own state loads too)
+            assert loaded["own"] == saved["own"] == {"step": STEPS, "ntokens_seen": 32 * STEPS}
             assert saved["state"].keys() == loaded["state"].keys()
             for k, v in saved["state"].items():
                 assert torch.equal(loaded["state"][k], v), (rank, name, k)
