@@ -173,3 +173,63 @@ def test_torchtitans_parallel_dims_are_recorded_and_load_on_another(tmp_path):
             assert saved["state"].keys() == loaded["state"].keys()
             for k, v in saved["state"].items():
                 assert torch.equal(loaded["state"][k], v), (rank, name, k)
+
+
+# --------------------------------------------------------------------- FSDP1 (FSDPStrategy)
+
+
+def _fsdp1_flattened(model: nn.Module) -> None:
+    """``model``'s params made what FSDP1 (``use_orig_params=True``, Lightning's default) leaves
+    them between steps: 1-D views of this rank's piece of one flat shard. By FSDP1's own
+    ``FlatParamHandle``: its wrapper needs an accelerator, the handle does not."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._flat_param import FlatParamHandle, HandleShardingStrategy
+
+    handle = FlatParamHandle(
+        list(model.parameters()),
+        model,
+        torch.device("cpu"),
+        HandleShardingStrategy.FULL_SHARD,
+        False,
+        None,
+        None,
+        False,
+        dist.group.WORLD,
+        True,
+    )
+    handle.shard()
+    handle.init_flat_param_attributes()
+    handle._use_sharded_views()
+
+
+def body_fsdp1(rank, world_size, url):
+    from muon_ckpt import CheckpointManager
+    from optim import Muon
+
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    _fsdp1_flattened(model)
+    assert all(p.ndim == 1 for p in model.parameters())
+    errors = {}
+    try:
+        Muon([{"params": [model[0].weight, model[1].weight]}])
+    except ValueError as e:
+        errors["muon"] = str(e)
+    try:
+        CheckpointManager(url, model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    except ValueError as e:
+        errors["manager"] = str(e)
+    return errors
+
+
+def test_fsdp1_flat_shards_are_refused_by_muon_and_the_manager(tmp_path):
+    """Lightning's FSDPStrategy shards with FSDP1, whose params are pieces of flat shards: Muon
+    cannot orthogonalise them (its 1-D refusal used to say to move the matrices to AdamW),
+    and their optimizer state cannot be placed in a checkpoint (it used to save each key from
+    one rank: the other ranks' pieces were lost). Both refuse, naming fully_shard (FSDP2)."""
+    url = str(tmp_path / "run")
+    for errors in run_on_ranks(body_fsdp1, 2, url, timeout=300):
+        assert "FSDP1" in errors.get("muon", ""), errors
+        assert "fully_shard" in errors["muon"] and "AdamW" not in errors["muon"], errors
+        assert "FSDP1" in errors.get("manager", ""), errors
+        assert "'0.weight'" in errors["manager"] and "fully_shard" in errors["manager"], errors
+    assert not os.path.exists(os.path.join(url, "step-00000001"))
