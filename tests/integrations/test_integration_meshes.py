@@ -7,10 +7,11 @@ processes under torchrun, ``MuonCheckpoint`` saving asynchronously (the job:
 tests/integrations/_lightning_mesh_job.py). Lightning's ``FSDPStrategy`` is FSDP1 and needs a
 GPU (its Trainer refuses ``accelerator="cpu"``): not run here (docs/integrations.md).
 
-torchtitan: its ``ParallelDims`` meshes (the dims of size > 1 in the order pp, dp_replicate,
-dp_shard, cp, tp; ``dp_shard_cp`` flattened; FSDP over ``("dp_replicate", "dp_shard_cp")``,
-TP over ``"tp"``), built as its code builds them, without torchtitan (not a test extra:
-tests/integrations/test_integration_torchtitan.py says why), saved and loaded through what
+torchtitan: its ``ParallelDims`` meshes as ``_build_mesh_without_ep`` built them (the dims of
+size > 1 in the order pp, dp_replicate, dp_shard, cp, tp; ``dp_shard_cp`` flattened; FSDP over
+``("dp_replicate", "dp_shard_cp")``, TP over ``"tp"``), without torchtitan (not a test extra:
+tests/integrations/test_integration_torchtitan.py says why; a release that names its dims
+otherwise changes only the names recorded), saved and loaded through what
 ``MuonCheckpointManager`` hands the manager (``_titan_state``).
 """
 
