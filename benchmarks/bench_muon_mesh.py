@@ -187,6 +187,12 @@ def run(args: argparse.Namespace) -> None:
     dist.all_gather_object(every, work)
     if rank == 0:
         report(args, world, dev, times, every)
+    # Torn down together once rank 0 has printed: gloo aborts a process ending right after a
+    # blocking collective while a mesh lives (pytorch#190489), so the last one is
+    # asynchronous and its Work lives until the exit.
+    work = dist.barrier(async_op=True)
+    work.wait()
+    _LAST_WORK.append(work)
     dist.destroy_process_group()
 
 
@@ -213,6 +219,9 @@ def report(args, world, dev, times, every) -> None:
             f"| {layout} | {_mesh_label(layout, world)} | {mats} | {max(gflop):.2f} "
             f"| {total:.2f} | {total / group:.2f} | {statistics.median(times[layout]) * 1e3:.1f} |"
         )
+
+
+_LAST_WORK: list = []  # (see the end of run)
 
 
 def main() -> None:

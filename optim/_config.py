@@ -129,6 +129,15 @@ def check_group(group: dict, gi: int) -> None:
         label = repr(names[pi]) if names is not None else f"#{pi}"
         if not p.is_floating_point():
             raise ValueError(f"{where}: param {label} must be floating point, got {p.dtype}")
+        if group["use_muon"] and p.ndim < 2 and getattr(p, "_fsdp_flattened", False):
+            # (FSDP1's mark on the params it flattens; 1-D: a piece of a flat shard, where
+            # NO_SHARD and one rank keep the matrix's shape)
+            raise ValueError(
+                f"{where}: param {label} (shape {tuple(p.shape)}) is flattened by FSDP1 "
+                "(FullyShardedDataParallel; Lightning's FSDPStrategy): this rank holds a piece "
+                "of a flat shard, and Muon orthogonalises whole matrices. Shard the model with "
+                "fully_shard (FSDP2; Lightning's ModelParallelStrategy), whose DTensors Muon reads"
+            )
         if group["use_muon"] and p.ndim < 2:
             raise ValueError(
                 f"{where}: param {label} has shape {tuple(p.shape)} but a use_muon=True group "

@@ -111,8 +111,28 @@ def check_objects(
     if both:
         raise ValueError(f"{both} are names in both extra and rank_extra; use each name once")
     if optimizer is not None:
-        param_fqns(model, optimizer)  # a param without a name is a configuration error
+        fqns = param_fqns(model, optimizer)  # a param without a name is a configuration error
+        _refuse_fsdp1(optimizer, fqns)
     return extra, rank_extra
+
+
+def _refuse_fsdp1(optimizer: torch.optim.Optimizer, fqns: list[list[str]]) -> None:
+    """FSDP1's flattened params (its mark, ``_fsdp_flattened``) hold each rank's piece of a
+    flat shard: their optimizer state has no place in a checkpoint keyed by parameter."""
+    for group, names in zip(optimizer.param_groups, fqns, strict=True):
+        flat = [n for p, n in zip(group["params"], names, strict=True) if _fsdp1(p)]
+        if flat:
+            raise ValueError(
+                f"optimizer params {flat} are flattened by FSDP1 (FullyShardedDataParallel; "
+                "Lightning's FSDPStrategy): each rank's optimizer state is its piece of a flat "
+                "shard, which a checkpoint cannot place or reshard, and saving it would keep one "
+                "rank's piece. Shard the model with fully_shard (FSDP2; Lightning's "
+                "ModelParallelStrategy), whose DTensors the manager saves and reshards"
+            )
+
+
+def _fsdp1(p: Tensor) -> bool:
+    return bool(getattr(p, "_fsdp_flattened", False))
 
 
 def extra_digests(extra: dict[str, Any]) -> dict[str, str]:

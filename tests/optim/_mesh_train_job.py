@@ -28,26 +28,37 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
 
 
+def batch_index(layout: str) -> int:
+    """This rank's batch: one per data-parallel coordinate (every mesh dim but the
+    tensor-parallel one); tensor-parallel ranks share theirs."""
+    mesh = _MESHES[layout]
+    names, coord = mesh.mesh_dim_names, mesh.get_coordinate()
+    batch = 0
+    for j, n in enumerate(names):
+        if n != "tp":
+            batch = batch * mesh.shape[j] + coord[j]
+    return batch
+
+
+def forward_backward(model: torch.nn.Module, step: int, batch: int) -> None:
+    """Step ``step``'s forward and backward on batch ``batch`` (the same input whenever it
+    runs: a resumed run redoes it bitwise)."""
+    g = torch.Generator().manual_seed(1000 * step + batch)
+    x = torch.randn(3, 3, DIMS[0] + 2, generator=g)
+    model(x).pow(2).mean().backward()
+
+
 def main(layout: str, out_dir: str, steps: int) -> None:
     torch.set_num_threads(1)  # (the same bits in every process)
     dist.init_process_group("gloo")
     model = build(layout, DIMS)
     init = {n: _full(p.detach()) for n, p in model.named_parameters()}
-    mesh = _MESHES[layout]
-    names = mesh.mesh_dim_names
-    # Every mesh dim but the tensor-parallel one holds another batch.
-    batch_dims = [j for j, n in enumerate(names) if n != "tp"]
-    coord = mesh.get_coordinate()
-    batch = 0
-    for j in batch_dims:
-        batch = batch * mesh.shape[j] + coord[j]
+    batch = batch_index(layout)
     opt = Muon(groups(model), chunk_size=2, warmup_step=1)
     opt.turn_on_cpu_offload()
     grads = []
     for step in range(steps):
-        g = torch.Generator().manual_seed(1000 * step + batch)
-        x = torch.randn(3, 3, DIMS[0] + 2, generator=g)
-        model(x).pow(2).mean().backward()
+        forward_backward(model, step, batch)
         grads.append({n: _full(p.grad) for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
@@ -58,7 +69,16 @@ def main(layout: str, out_dir: str, steps: int) -> None:
         {"init": init, "grads": grads, "params": params},
         os.path.join(out_dir, f"rank{rank}.pt"),
     )
+    # Torn down together: gloo aborts a process ending right after a blocking collective
+    # while a mesh lives (pytorch#190489), so the last one is asynchronous and its Work
+    # lives until the exit.
+    work = dist.barrier(async_op=True)
+    work.wait()
+    _LAST_WORK.append(work)
     dist.destroy_process_group()
+
+
+_LAST_WORK: list = []  # (see the end of main)
 
 
 if __name__ == "__main__":
