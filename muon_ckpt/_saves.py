@@ -129,7 +129,11 @@ class Saves:
             self._hold()  # the interpreter's exit waits for it (_exit)
         src = self._buffers(url, busy)
         t0 = time.perf_counter()
-        adm = self._admit(step, url=url, overwrite=overwrite)
+        # An asynchronous save to the url alone is admitted from the steps the catalog knows:
+        # its listing and lease come in its job (``Admission.recheck``), after the snapshot.
+        # One the memory tier also keeps is admitted here (its job takes the plan as it is).
+        cached = background and url and not memory
+        adm = self._admit(step, url=url, overwrite=overwrite, cached=cached)
         t1 = time.perf_counter()
         # A memory save writes in the background: it needs host copies, as an async save.
         snap = self._take(src, step, background or memory, readers=url + memory)
@@ -206,9 +210,13 @@ class Saves:
             self._start_memory(h, owns=True, gate=self.gate, src=src)
         return True
 
-    def _admit(self, step: int, *, url: bool, overwrite: bool = False) -> Admission:
+    def _admit(
+        self, step: int, *, url: bool, overwrite: bool = False, cached: bool = False
+    ) -> Admission:
         """The one admission of a save of either tier (``RunLine.admit``)."""
-        return self.line.admit(self.catalog, step, self.calls.group, url=url, overwrite=overwrite)
+        return self.line.admit(
+            self.catalog, step, self.calls.group, url=url, overwrite=overwrite, cached=cached
+        )
 
     def _take(self, src: SaveSources, step: int, background: bool, readers: int) -> Snapshot:
         src.group = self.calls.group
@@ -244,8 +252,8 @@ class Saves:
         if release is not None:
             release()
         step = h.step
-        if w.committed_at is not None:  # (a read-back covers its references too)
-            verified = (step, h.admission.plan.gen) if reads_back(self.config.confirm) else None
+        if w.committed_at is not None and w.gen is not None:  # (a read-back covers its refs)
+            verified = (step, w.gen) if reads_back(self.config.confirm) else None
             self.line.committed(w.next_base, verified)
         t = {**before, **w.timings}
         t["total"] = sum(t.get(k, 0.0) for k in ("blocked", "dcp_save", "commit", "retention"))

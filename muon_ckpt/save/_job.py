@@ -22,6 +22,7 @@ the default group the training loop uses, so the two cannot interleave or deadlo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -42,6 +43,7 @@ from muon_ckpt.save._streams import FileRecords
 from muon_ckpt.save._writer import StepWriter
 from muon_ckpt.store import (
     Catalog,
+    SavePlan,
     confirm_files,
     write_dirname,
 )
@@ -60,6 +62,13 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
         w.gate.wait()
     _check_world(w)
     t0 = time.perf_counter()
+    if w.admission.recheck is not None:  # (a collective: every rank's job is here)
+        try:
+            _rechecked(w)
+        except BaseException:
+            w.snap.staging.finish()  # (nothing written: the copies are let go)
+            raise
+        out.timings["recheck"], t0 = time.perf_counter() - t0, time.perf_counter()
     records = FileRecords()
     dirname = write_dirname(w.step, w.admission.plan.beside)
     writer = StepWriter(
@@ -88,6 +97,7 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
     gathered = coll.gather_to_rank0((files, failed, gens, sums, share), w.group)
     coll.on_rank0(lambda: commit(w, writer, dirname, gathered or [], t1 - t0), w.group)
     t2 = out.committed_at = time.perf_counter()
+    out.gen = w.admission.plan.gen
     out.written_bytes = sum(e.size for e in records.files.values())
     out.referred_bytes = writer.dedup.referred_bytes
     if writer.packed[0]:
@@ -110,6 +120,31 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
         write_data=writer.write_seconds,
         stage_wait=w.snap.staging.wait_seconds,
         **records.thread_seconds(),
+    )
+
+
+def _rechecked(w: WriteSpec) -> None:
+    """A save admitted from the steps the catalog knew: rank 0 runs the url's listing and
+    lease (``Catalog.begin``, ``Admission.recheck``) before anything is written, and the plan
+    they give is the save's (as a synchronous save's would be), unless it refers to other
+    data than the snapshot was deduplicated against: then the save fails."""
+    adm, recheck = w.admission, w.admission.recheck
+    assert recheck is not None
+
+    def begin() -> SavePlan:
+        fresh = recheck()
+        if fresh.refer_to != adm.plan.refer_to:
+            raise CheckpointError(
+                f"saving step {w.step} to {w.catalog.storage.url!r}: the url changed since "
+                f"this save was admitted (step {adm.plan.refer_to} it refers to is no longer "
+                f"its base); step {w.step} is NOT committed and nothing was written. Save "
+                "again"
+            )
+        return fresh
+
+    plan = coll.on_rank0(begin, w.group)
+    w.handoff = dataclasses.replace(
+        w.handoff, admission=dataclasses.replace(adm, plan=plan, recheck=None)
     )
 
 

@@ -8,8 +8,10 @@ and checked by a load or a commit's read-back), which retention keeps."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,12 +34,14 @@ def new_id() -> str:
 class Admission:
     """A save as rank 0 admitted it, the same on every rank: what it retires and its
     generation (``plan``), the line its commit carries, its id, and what this rank's save may
-    refer to instead of writing (``base``)."""
+    refer to instead of writing (``base``). ``recheck``: admitted from the steps the catalog
+    knows, the ``Catalog.begin`` rank 0 runs in the save's job before it writes."""
 
     plan: SavePlan
     line: str
     save_id: str
     base: DedupBase | None = None
+    recheck: Callable[[], SavePlan] | None = None
 
 
 @dataclass
@@ -52,37 +56,55 @@ class RunLine:
     verified: tuple[int, int] | None = None  # (step, gen)
 
     def admit(
-        self, catalog: Catalog, step: int, group: Any, *, url: bool, overwrite: bool = False
+        self,
+        catalog: Catalog,
+        step: int,
+        group: Any,
+        *,
+        url: bool,
+        overwrite: bool = False,
+        cached: bool = False,
     ) -> Admission:
         """Every rank, before a save of ``step`` (``url``: to the url; else to the memory tier
         only): rank 0 readies it (``_ready``) and draws its id; every rank learns them and
-        what the save may refer to (``saving``)."""
-        plan, line, save_id = coll.on_rank0(
-            lambda: (*self._ready(catalog, step, url, overwrite), new_id()), group
-        )
-        return Admission(plan, line, save_id, self.saving(plan, line, url=url))
+        what the save may refer to (``saving``). ``cached`` (a save to the url): decided from
+        the steps the catalog knows where it knows them (``Catalog.plan_cached``: no storage
+        request), its ``begin`` left to the save's job (``Admission.recheck``)."""
+        later: list[Any] = [None]  # (rank 0's ``begin``: a closure is not broadcast)
+
+        def ready() -> tuple[SavePlan, str, str, bool]:
+            plan, line, later[0] = self._ready(catalog, step, url, overwrite, cached)
+            return plan, line, new_id(), later[0] is not None
+
+        plan, line, save_id, deferred = coll.on_rank0(ready, group)
+        recheck = (lambda: later[0]()) if deferred else None  # (called on rank 0 only)
+        return Admission(plan, line, save_id, self.saving(plan, line, url=url), recheck)
 
     def _ready(
-        self, catalog: Catalog, step: int, url: bool, overwrite: bool
-    ) -> tuple[SavePlan, str]:
+        self, catalog: Catalog, step: int, url: bool, overwrite: bool, cached: bool
+    ) -> tuple[SavePlan, str, Callable[[], SavePlan] | None]:
         """Rank 0: the url's rules for a save of ``step`` and what it retires: to the url,
-        ``Catalog.begin`` readies the step directory; to the memory tier only,
-        ``Catalog.admit`` (the lease, another run's steps, a newer format; nothing written
-        there). Returns the plan and the line id its commit carries (this run's, or new)."""
+        ``Catalog.begin`` readies the step directory (``cached``: ``Catalog.plan_cached``
+        decides, and ``begin`` is returned for the save's job; else None); to the memory tier
+        only, ``Catalog.admit`` (the lease, another run's steps, a newer format; nothing
+        written there). Returns the plan, the line id its commit carries (this run's, or
+        new) and the ``begin`` left to the job."""
         if not url:
             plan = catalog.admit(
                 step, resumed=self.resumed, new_run=self.new_run, abandon=self.abandoned
             )
-            return plan, self.line or new_id()
-        plan = catalog.begin(
-            step,
+            return plan, self.line or new_id(), None
+        kw: dict[str, Any] = dict(
             overwrite=overwrite,
             resumed=self.resumed,
             new_run=self.new_run,
-            abandon=self.abandoned,
+            abandon=list(self.abandoned),
             refer_to=None if self.base is None else self.base.key,
-            pass_over=self.passed,
+            pass_over=list(self.passed),
         )
+        got = catalog.plan_cached(step, **kw) if cached else None
+        later = None if got is None else functools.partial(catalog.begin, step, **kw)
+        plan = got or catalog.begin(step, **kw)
         url_name = catalog.storage.url
         newly = {s for s, _, _ in self.passed}  # (gen None: its manifest was unreadable)
         for s, _, why in plan.passed:
@@ -115,7 +137,7 @@ class RunLine:
                 step,
                 plan.replacing,
             )
-        return plan, self.line or new_id()
+        return plan, self.line or new_id(), later
 
     def saving(self, plan: SavePlan, line: str, *, url: bool = True) -> DedupBase | None:
         """Every rank, once a save began: its line id is the run's from now on. A save to the

@@ -106,6 +106,7 @@ class Written:
     what it measured)."""
 
     committed_at: float | None = None  # time.perf_counter() once the step was committed
+    gen: int | None = None  # once committed: its generation (the plan its job committed by)
     written_bytes: int = 0  # bytes of the files this rank wrote
     referred_bytes: int = 0  # bytes of the unchanged tensors it referred to instead
     next_base: DedupBase | None = None  # once committed with dedup: the next save's base

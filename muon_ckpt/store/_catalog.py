@@ -52,6 +52,7 @@ from muon_ckpt.store._layout import (
 )
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, Lease
 from muon_ckpt.store._lines import SavePlan, aged_out, mark_superseded, plan_save
+from muon_ckpt.store._memo import ManifestMemo
 from muon_ckpt.store._steps import (
     CORRUPT,
     NEWER,
@@ -60,7 +61,6 @@ from muon_ckpt.store._steps import (
     UNCOMMITTED,
     StepInfo,
     pick,
-    read_manifest,
     read_step,
     step_dirs,
 )
@@ -84,28 +84,39 @@ class Catalog:
     def __init__(self, storage: Storage, *, lease_seconds: float = DEFAULT_LEASE_SECONDS) -> None:
         self.storage = storage
         self.lease = Lease(storage, lease_seconds)
+        self.memo = ManifestMemo(storage, lambda: self.lease.ours)  # manifests read once
+        self.lease.changed_hands = self._forget
+        # The steps as of this catalog's last scan under the lease, kept up to date by its
+        # commits and deletions: what an asynchronous save is admitted from (``plan_cached``)
+        self.known: list[StepInfo] | None = None
 
-    # ------------------------------------------------------------------ reading
+    def _forget(self) -> None:
+        self.memo.forget()
+        self.known = None
+
     def scan(self, *, detail: bool = False) -> list[StepInfo]:
         """Every step, oldest first, with its status (``detail``: also size, file count and
         time of the steps that are not committed, from a listing)."""
         steps = step_dirs(self.storage)[0]
         out = []
         for step, names in sorted(steps.items()):
-            info = pick([read_step(self.storage, n, step) for n in names])
+            info = pick([self._read_step(n, step) for n in names])
             if info is not None and info.status == CORRUPT:  # (a read fault? once more)
-                info = pick([read_step(self.storage, n, step) for n in names])
+                info = pick([self._read_step(n, step) for n in names])
             if info is not None:
                 if detail and not info.committed:
                     info = read_step(self.storage, info.dirname, step, detail=True)
                 out.append(info)
         mark_superseded(out)
+        self.known = list(out) if self.lease.ours else None
         return out
 
+    def _read_step(self, name: str, step: int) -> StepInfo:
+        return read_step(self.storage, name, step, read=self.memo.read)
+
     def ignored(self) -> list[str]:
-        """Entries under the root that look like steps but are not: names other than ``step-``
-        and exactly 8 digits, and plain files (or anything not a directory) named like a
-        step. Never listed, loaded or deleted."""
+        """Entries named like steps that are not (another name than ``step-`` and 8 digits,
+        or not a directory): never listed, loaded or deleted."""
         return step_dirs(self.storage)[1]
 
     def step_info(self, step: int | None = None) -> StepInfo | None:
@@ -150,14 +161,14 @@ class Catalog:
         staged = OVERWRITE + own
         if self.storage.is_link(staged) or not self.storage.exists(staged, MANIFEST):
             return own
-        info = pick([read_step(self.storage, n, step) for n in (own, staged)])
+        info = pick([self._read_step(n, step) for n in (own, staged)])
         return own if info is None else info.dirname
 
     def manifest(self, step: int, dirname: str | None = None) -> Manifest:
         """The valid manifest of ``step`` (in ``dirname``, default: ``dirname(step)``), or
         the not-found / corrupt error."""
         try:
-            return read_manifest(self.storage, dirname or self.dirname(step), step)
+            return self.memo.read(self.storage, dirname or self.dirname(step), step)
         except FileNotFoundError as e:
             raise self.not_found(step) from e
 
@@ -174,7 +185,6 @@ class Catalog:
         m = self.manifest(step, name)
         return name, m, check_files(self.storage, (name,), m)
 
-    # ------------------------------------------------------------------ writing (rank 0)
     def begin(
         self,
         step: int,
@@ -198,6 +208,7 @@ class Catalog:
         st = self.storage
         steps, _, links = step_dirs(st)
         for name in links:  # (another run's step linked along: unlinked, never followed)
+            self.memo.drop(name)
             st.rm(name)
         for s, names in steps.items():
             for name in names[1:] if names[0] == step_dirname(s) else names:
@@ -216,9 +227,18 @@ class Catalog:
         )
         for s in infos:
             if s.status == UNCOMMITTED:
+                self.memo.drop(s.dirname)
                 st.rm(s.dirname)
         self.collect()
         return plan
+
+    def plan_cached(self, step: int, **kw: Any) -> SavePlan | None:
+        """``begin``'s decision from the steps this catalog knows, with no request (an
+        asynchronous save's: its job runs ``begin`` before writing); None: nothing known."""
+        if self.known is None or not self.lease.ours:
+            return None
+        infos = [i for i in self.known if i.status != UNCOMMITTED]
+        return plan_save(infos, self.storage.url, step, **kw)
 
     def admit(
         self,
@@ -248,7 +268,7 @@ class Catalog:
         step's later commit (an object store's swap was cut short); else remove it (an
         overwrite that never committed, or the old version an exchange left behind)."""
         own = step_dirname(step)
-        infos = [read_step(self.storage, n, step) for n in (own, name)]
+        infos = [self._read_step(n, step) for n in (own, name)]
         picked = pick(infos)
         if picked is not None and picked.dirname == name:
             _log.warning("finishing the interrupted replacement of step %d", step)
@@ -317,8 +337,15 @@ class Catalog:
                 f"{st.url_of(name, MANIFEST)}: read back other bytes than were written (the "
                 f"upload was damaged); step {step} is NOT committed. Check the storage"
             )
+        self.memo.wrote(name, manifest)
         if plan.beside:
             self._swap_in(name, step)
+        if self.known is not None:  # (the commit as a scan would find it now)
+            info = self._read_step(step_dirname(step), step)
+            self.known = sorted(
+                [i for i in self.known if i.step != step] + [info], key=lambda i: i.step
+            )
+            mark_superseded(self.known)
         return manifest
 
     def _swap_in(self, staged: str, step: int) -> None:
@@ -328,6 +355,8 @@ class Catalog:
         a crash in between leaves the staged copy committed, and the next save (``begin``)
         finishes the move."""
         st, final = self.storage, step_dirname(step)
+        self.memo.drop(final)
+        self.memo.drop(staged)
         if st.is_local:
             if not st.exists(final):
                 st.rename(staged, final)
@@ -367,6 +396,9 @@ class Catalog:
             self._remove(OVERWRITE + step_dirname(step))
 
     def _remove(self, name: str) -> None:
+        self.memo.drop(name)
+        if self.known is not None:
+            self.known = [i for i in self.known if i.dirname != name]
         if self.storage.is_link(name):
             self.storage.rm(name)
             return
@@ -411,7 +443,8 @@ class Catalog:
     def collect(self) -> list[str]:
         """Delete the run's data files that no manifest of a step directory names (``_data``;
         rank 0, under the write lease, when no save is writing). Returns what went."""
-        gone = collect_data(self.storage, step_dirs(self.storage)[0])
+        st, memo = self.storage, self.memo
+        gone = collect_data(st, step_dirs(st)[0], memo.read, memo.clean)
         if gone:
             _log.info("%s: deleted data no step refers to: %s", self.storage.url, gone[:20])
         return gone

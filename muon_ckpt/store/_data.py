@@ -23,11 +23,13 @@ fails it), and a save that would write there is refused (``Storage.makedirs``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointVersionError
 from muon_ckpt.store._layout import (
     DATA,
+    Manifest,
     data_ref,
     data_ref_name,
     is_file_name,
@@ -56,13 +58,21 @@ def listing(storage: Storage, parts: tuple[str, ...], names: set[str]) -> dict[s
     return out
 
 
-def collect_data(storage: Storage, step_dirs: dict[int, list[str]]) -> list[str]:
+def collect_data(
+    storage: Storage,
+    step_dirs: dict[int, list[str]],
+    read: Callable[[Storage, str, int | None], Manifest] = read_manifest,
+    clean: dict[str, frozenset[str]] | None = None,
+) -> list[str]:
     """Delete the data files under ``<root>/data/`` that no manifest in ``step_dirs`` (step ->
     its directories) names, and the data directories left empty. Nothing while a step of a
     newer format is there; a step whose manifest is invalid keeps the data directories of its
     step number (what it refers to is not known); a name this version does not make is never
     deleted, nor anything that is or lies behind a symbolic link (``data`` itself or one of
-    its directories: another run's data, which that run collects). Returns what went."""
+    its directories: another run's data, which that run collects). Returns what went.
+    ``read``: how a manifest is read; ``clean``: the data directories listed before with
+    every file live (kept up to date here), not listed again while those files stay live."""
+    clean = {} if clean is None else clean
     if storage.is_link(DATA):
         _log.warning(
             "%s: not collected: %s is a symbolic link (a run's data is its own; through the "
@@ -79,7 +89,7 @@ def collect_data(storage: Storage, step_dirs: dict[int, list[str]]) -> list[str]
     for step, names in step_dirs.items():
         for name in names:
             try:
-                m = read_manifest(storage, name, step)
+                m = read(storage, name, step)
             except FileNotFoundError:
                 continue
             except CheckpointVersionError:
@@ -89,12 +99,19 @@ def collect_data(storage: Storage, step_dirs: dict[int, list[str]]) -> list[str]
                 continue
             live.update(n for n in m.files if data_ref(n) is not None)
     gone = []
+    for name in [n for n in clean if n not in dirs]:
+        del clean[name]
     for name, is_dir in dirs.items():
         step = parse_data_dirname(name)
         if not is_dir or step is None or step in keep or storage.is_link(DATA, name):
             continue
+        if name in clean and all(data_ref_name(name, f) in live for f in clean[name]):
+            continue  # (listed before, every file live then and now: nothing to delete)
+        clean.pop(name, None)
         files = storage.walk_files(DATA, name)
         dead = sorted(f for f in files if is_file_name(f) and data_ref_name(name, f) not in live)
+        if files and not dead:
+            clean[name] = frozenset(files)
         if len(dead) == len(files):
             storage.rm(DATA, name)  # (never follows a link inside)
             gone.append(name)

@@ -39,6 +39,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from muon_ckpt._errors import CheckpointCorruptError, CheckpointLeaseError
@@ -84,6 +85,10 @@ class Lease:
         self.seconds = float(seconds)
         self.purpose = purpose
         self.held = False  # acquired by this object (so release() gives it up)
+        self.ours = False  # this process held it at this object's last acquire or check
+        # Called when an acquire finds the lease not this process's (none, or another's):
+        # someone else may have written meanwhile (``_memo``)
+        self.changed_hands: Callable[[], None] = lambda: None
 
     @property
     def url(self) -> str:
@@ -162,14 +167,18 @@ class Lease:
         one); CheckpointLeaseError naming the holder if a live job holds it."""
         st = self.storage
         rec = self._after_prune(self.read())
+        if not self._mine(rec):
+            self.ours = False
+            self.changed_hands()
         if rec is None:
             st.makedirs()
             if st.create_exclusive(self._record(), LEASE):
-                self.held = True
+                self.held = self.ours = True
                 return
             rec = self._after_prune(self.read()) or {}
         if self._mine(rec):  # renew: the check before the commit reads it again
             st.write_bytes(self._record(), LEASE, durable=False)
+            self.ours = True
             return
         if not self._stale(rec):
             raise self._refuse(rec, doing)
@@ -179,7 +188,7 @@ class Lease:
         rec = self.read()
         if not self._mine(rec):
             raise self._refuse(rec or {}, "taking over a stale lease")
-        self.held = True
+        self.held = self.ours = True
 
     def check(self) -> None:
         """Before a commit: the lease must still be this process's, or free again (released
@@ -188,13 +197,15 @@ class Lease:
         if rec is None:
             return self.acquire()
         if not self._mine(rec):
+            self.ours = False
+            self.changed_hands()
             raise self._refuse(rec, "committing (the step is NOT committed)")
 
     def release(self) -> None:
         """Give the lease up if this object acquired it and this process still holds it."""
         if self.held and self._mine(self.read()):
             self.storage.rm(LEASE)
-        self.held = False
+        self.held = self.ours = False
 
 
 def _unknowable(rec: dict[str, Any]) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -142,13 +143,20 @@ def layout_of(m: Manifest) -> dict[str, Any] | None:
     return got if ok else None
 
 
-def read_step(storage: Storage, name: str, step: int, *, detail: bool = False) -> StepInfo:
+def read_step(
+    storage: Storage,
+    name: str,
+    step: int,
+    *,
+    detail: bool = False,
+    read: Callable[[Storage, str, int | None], Manifest] = read_manifest,
+) -> StepInfo:
     """The status of directory ``name`` of ``step`` (SUPERSEDED is decided over all steps,
     by ``_lines.mark_superseded``); ``detail``: size, file count and time of a directory
-    that is not committed, from a listing."""
+    that is not committed, from a listing; ``read``: how its manifest is read (``_memo``)."""
     info = StepInfo(step, name, UNCOMMITTED, problem="no manifest.json: not committed")
     try:
-        m = read_manifest(storage, name, step)
+        m = read(storage, name, step)
     except FileNotFoundError:
         pass
     except CheckpointVersionError as e:
