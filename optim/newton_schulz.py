@@ -22,6 +22,7 @@ from torch import Tensor
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
     "GRAM_ASPECT",
+    "GRAM_RESTART",
     "get_ns_compile",
     "newton_schulz",
     "ns_flops",
@@ -72,6 +73,10 @@ GRAM_ASPECT = 2
 # makes, see ``_iterate_gram``).
 _GRAM_COMPUTE = {torch.bfloat16: torch.float16}
 
+# The Gram iteration restarts (X <- QX, R <- XX^T) before every step k with k % GRAM_RESTART
+# == 0 (k > 0): at the default 5 steps once, before step 3; see ``_iterate_gram``.
+GRAM_RESTART = 3
+
 
 def uses_gram(rows: int, cols: int, method: str) -> bool:
     """Whether ``method`` ("standard" or "gram") runs the Gram iteration on a rows x cols
@@ -87,13 +92,13 @@ def ns_flops(rows: int, cols: int, ns_steps: int, method: str) -> int:
     if not uses_gram(rows, cols, method):
         return 2 * ns_steps * (2 * m * m * n + m**3)
     macs = m * m * n  # R = X X^T
-    restart, q = (ns_steps + 1) // 2, False
+    q = False
     for k in range(ns_steps):
-        if k == restart and q:
+        if k % GRAM_RESTART == 0 and q:
             macs, q = macs + 2 * m * m * n, False  # X <- Q X, R <- X X^T
         macs += m**3 * (2 if q else 1)  # Z, and Q <- Z Q
         q = True
-        if k + 1 < ns_steps and k + 1 != restart:
+        if k + 1 < ns_steps and (k + 1) % GRAM_RESTART:
             macs += 2 * m**3  # R <- Z R Z
     return 2 * (macs + m * m * n)  # (Q X at the end)
 
@@ -109,34 +114,35 @@ def _iterate_gram(
     Gram matrix R = X X^T: each step X <- Z X with Z = aI + bR + cR^2, so the steps collect
     into Q = Z_k ... Z_0 and R <- Z R Z, and X is multiplied once at the end. Returns ``dtype``.
 
-    X is normalised in float32 (an input of any range), then the iteration runs in
-    ``_GRAM_COMPUTE[dtype]`` (else ``dtype``). Normalised, every eigenvalue of R lies in
-    [0, 1], of Z in [a + b + c, a] = [0.70, 3.44], and of Q (at most ``ns_steps // 2 + 1``
-    factors) below 3.44^3 = 41: float16's 65504 holds them all.
+    X is normalised in float32 (so an input beyond float16's range is fine), then the iteration
+    runs in ``_GRAM_COMPUTE[dtype]`` (else ``dtype``). Normalised, every singular value of X
+    starts in [0, 1] and the polynomial keeps it in [0, 1.21], so every eigenvalue of R lies in
+    [0, 1.45], of Z in [0.64, 3.44], and of Q (at most ``GRAM_RESTART`` factors) below
+    3.44^3 = 41: float16's 65504 holds them all, a zero matrix's Q = a^3 I included.
 
-    Half-way the product is folded into X and R formed afresh from it (a restart, as the
-    published Gram iterations do): R and QX otherwise drift apart by rounding, which the
-    iteration amplifies. With it, float32 stays as close to a float64 iteration as
-    ``_iterate`` (rel. error ~5e-6 on gradient-like spectra), and float16 is 3-10x closer to it
-    than ``_iterate`` in bfloat16 (measured from 64 x 64 to 256 x 2048, gaussian, gradient-like
-    and heavy-tailed)."""
+    Every ``GRAM_RESTART`` steps the product is folded into X and R formed afresh from it (a
+    restart, as the published Gram iterations do): R and QX otherwise drift apart by rounding,
+    which the iteration amplifies (at ns_steps >= 9 with one restart half-way: 4x to NaN off
+    float64). With it, float32 stays as close to a float64 iteration as ``_iterate`` (rel.
+    error ~5e-6 on gradient-like spectra at 5 steps, ~1e-4 at 9 to 15, as ``_iterate``), and
+    float16 is 3-10x closer to it than ``_iterate`` in bfloat16 (measured from 64 x 64 to
+    256 x 2048, gaussian, gradient-like and heavy-tailed)."""
     a, b, c = coefficients
     mm = torch.mm if x.ndim == 2 else torch.bmm
     addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
     x = x.float()
     norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)
     x = (x / norm.clamp(min=eps)).to(_GRAM_COMPUTE.get(dtype, dtype))
-    restart = (ns_steps + 1) // 2
     r = mm(x, x.mT)
     q: Tensor | None = None
     for k in range(ns_steps):
-        if k == restart and q is not None:
+        if k % GRAM_RESTART == 0 and q is not None:
             x, q = mm(q, x), None
             r = mm(x, x.mT)
         z = addmm(r, r, r, beta=b, alpha=c)
         z.diagonal(dim1=-2, dim2=-1).add_(a)
         q = z if q is None else mm(z, q)
-        if k + 1 < ns_steps and k + 1 != restart:  # (the next R is needed)
+        if k + 1 < ns_steps and (k + 1) % GRAM_RESTART:  # (the next R is needed)
             r = mm(z, mm(r, z))
     return (x if q is None else mm(q, x)).to(dtype)
 
