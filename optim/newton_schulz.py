@@ -12,6 +12,7 @@ gained nothing on 16 x 4096^2 and lost on many small shapes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 from collections.abc import Callable
@@ -147,6 +148,14 @@ def _iterate_gram(
     return (x if q is None else mm(q, x)).to(dtype)
 
 
+def _no_autocast(device: torch.device):
+    """A context without autocast on ``device``: under it matmuls would run in the autocast
+    dtype, not in the ``dtype`` asked for (an fp32 group silently in bf16)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def zeropower_via_newtonschulz(
     grad: Tensor,
     ns_steps: int = 5,
@@ -157,7 +166,20 @@ def zeropower_via_newtonschulz(
 ) -> Tensor:
     """Newton-Schulz on a 2-D matrix, or on a batch ``(B, rows, cols)`` of same-shape
     matrices, computed in ``dtype`` (bfloat16: torch.optim.Muon's iteration) by ``method``
-    (``uses_gram``); returns ``dtype`` of the input's shape."""
+    (``uses_gram``), autocast or not; returns ``dtype`` of the input's shape."""
+    with _no_autocast(grad.device):
+        return _zeropower(grad, ns_steps, coefficients, eps, dtype, method)
+
+
+def _zeropower(
+    grad: Tensor,
+    ns_steps: int,
+    coefficients: tuple[float, float, float],
+    eps: float,
+    dtype: torch.dtype,
+    method: str,
+) -> Tensor:
+    """``zeropower_via_newtonschulz`` under the caller's autocast state (what is compiled)."""
     tall = grad.size(-2) > grad.size(-1)
     if uses_gram(grad.size(-2), grad.size(-1), method):
         x = grad.mT if tall else grad
@@ -168,10 +190,12 @@ def zeropower_via_newtonschulz(
     return out.mT if tall else out
 
 
-# Compiled Newton-Schulz, one entry per (shape, dtype, device, ns_steps, method) and global
-# state (grad mode is always off inside; TF32, threads, ... as the caller set them):
-# each a function of its own code object, so dynamo keeps one cache per entry and never meets
-# its recompile limit (8 per code object), which would leave every further shape eager.
+# Compiled Newton-Schulz, one entry per (shape, dtype, device, ns_steps, method), dispatch
+# keys and global state (grad mode and autocast are always off inside; TF32, threads, ... as
+# the caller set them): each a function of its own code object, so dynamo keeps one cache per
+# entry and never meets its recompile limit (8 per code object), which would leave every
+# further shape eager. The input is a detached, contiguous normal tensor outside inference
+# mode, so dynamo's guards on its requires_grad, strides and dispatch keys always hold.
 _compiled: dict[tuple, list[tuple[object, Callable[..., Tensor]]]] = {}
 
 
@@ -189,7 +213,7 @@ def _compiled_for(x: Tensor, ns_steps: int, dtype: torch.dtype, method: str):
     for state, fn in entries:
         if state is None or state.check():  # type: ignore[attr-defined]
             return fn
-    f = zeropower_via_newtonschulz
+    f = _zeropower
     fresh = types.FunctionType(
         f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__
     )
@@ -212,15 +236,25 @@ def newton_schulz(
     rows, cols = shape[0], math.prod(shape[1:])  # (not -1: a matrix may have no rows)
     if rows * cols == 0:  # nothing to orthogonalise (torch.optim.Muon steps these too)
         return [torch.zeros(shape, dtype=dtype, device=g.device) for g in grads]
-    # No autograd (its mode is part of what a compiled graph is specialised for, so a call
-    # with grad enabled would otherwise compile again).
-    with torch.no_grad():
+    # No autograd, no autocast, no inference mode (all three are part of what a compiled graph
+    # is specialised for, so a call under any would otherwise compile again; autocast would
+    # also change the dtype the iteration computes in). (inference_mode(False) turns grad mode
+    # on: no_grad comes after it.)
+    with torch.inference_mode(False), torch.no_grad(), _no_autocast(grads[0].device):
         if len(grads) == 1:
-            x = grads[0].reshape(rows, cols)
+            x = grads[0].detach().reshape(rows, cols)
         else:
             x = torch.stack([g.reshape(rows, cols) for g in grads])
-        fn = _compiled_for(x, ns_steps, dtype, method) if _use_compile else None
-        out = (fn or zeropower_via_newtonschulz)(x, ns_steps, dtype=dtype, method=method)
+        if _use_compile:
+            # An inference tensor (made under inference mode) lacks the autograd dispatch keys
+            # dynamo guards: its copy out here has them, like every other input.
+            if x.is_inference():
+                x = x.clone(memory_format=torch.contiguous_format)
+            x = x.contiguous()
+            fn = _compiled_for(x, ns_steps, dtype, method)
+        else:
+            fn = _zeropower
+        out = fn(x, ns_steps, DEFAULT_NS_COEFFICIENTS, _EPS, dtype, method)
     if len(grads) == 1:
         return [out.reshape(shape)]
     return [o.reshape(shape) for o in out.unbind(0)]

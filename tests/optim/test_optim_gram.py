@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from muon_ckpt import CheckpointManager
 from optim import Muon
-from torch.utils.flop_counter import FlopCounterMode
-
 from optim.newton_schulz import (
     _iterate,
     _iterate_gram,
