@@ -245,12 +245,14 @@ def newton_schulz(
             x = grads[0].detach().reshape(rows, cols)
         else:
             x = torch.stack([g.reshape(rows, cols) for g in grads])
+        # Contiguous: the matmuls' bits depend on the layout (a state's layout is not part of
+        # its value: offload on and off would differ), and dynamo guards strides.
+        x = x.contiguous()
         if _use_compile:
             # An inference tensor (made under inference mode) lacks the autograd dispatch keys
             # dynamo guards: its copy out here has them, like every other input.
             if x.is_inference():
-                x = x.clone(memory_format=torch.contiguous_format)
-            x = x.contiguous()
+                x = x.clone()
             fn = _compiled_for(x, ns_steps, dtype, method)
         else:
             fn = _zeropower
