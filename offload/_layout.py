@@ -185,8 +185,20 @@ class Layout:
                     e.cold = False
                 else:
                     flat[e.offset : e.offset + n].copy_(e.local.reshape(-1))
-                e.local.set_(flat.untyped_storage(), e.offset, e.local.shape)
+                point_at(e.local, flat, e.offset)
             seg.flat = flat
+
+
+def dense_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    return torch.empty(shape, device="meta").stride()
+
+
+def point_at(local: Tensor, flat: Tensor, offset: int) -> None:
+    """Make ``local`` a contiguous view of ``flat`` from ``offset`` (keeping its identity): the
+    pool's ranges hold values in row-major order, so a non-contiguous state's own strides would
+    read them in another order, or past the range."""
+    local.set_(flat.untyped_storage(), offset, local.shape, dense_strides(local.shape))
 
 
 def _segments(entries: Iterable[Entry]) -> dict[Hashable, Bucket]:

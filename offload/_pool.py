@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from offload._host import FrozenViews, HostViews
-from offload._layout import Bucket, Entry, Group, Key, Layout, Segment
+from offload._layout import Bucket, Entry, Group, Key, Layout, Segment, dense_strides, point_at
 from offload._pipeline import OffloadPipeline
 
 __all__ = ["CPUOffloadPool", "FrozenViews"]
@@ -117,7 +117,7 @@ class CPUOffloadPool:
         used until ``bucket`` is reloaded (if the bucket also holds resident tensors, it is
         laid out resident, with zeros)."""
         src = _local(like)
-        stride = torch.empty(src.shape, device="meta").stride()
+        stride = dense_strides(src.shape)
         # A tensor of this shape whose storage holds 0 bytes, made without allocating (a
         # slice or as_strided would bounds-check the storage); its bytes appear at reload.
         local = torch.ops.aten._reshape_alias(
@@ -324,7 +324,7 @@ class CPUOffloadPool:
         """Point cold entries at the (now sized) flat storage: no allocation, it is big enough."""
         if not seg.bound:
             for e in seg.entries:
-                e.local.set_(seg.flat.untyped_storage(), e.offset, e.local.shape)
+                point_at(e.local, seg.flat, e.offset)
                 e.cold = False
             seg.bound = True
 

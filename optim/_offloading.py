@@ -10,11 +10,13 @@ device at once.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from offload import CPUOffloadPool, FrozenViews, OffloadPipeline
 from optim._adamw import adamw_chunks
@@ -116,11 +118,24 @@ class CPUOffloadMixin:
         """True while optimizer states are parked in CPU memory between steps."""
         return self._cpu_offload
 
+    def register_relayout_pre_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Call ``hook()`` before a toggle moves the states (a checkpoint's deferred copies,
+        which may still read them, are waited for there, as before a step); its handle."""
+        hooks = self.__dict__.setdefault("_relayout_hooks", OrderedDict())
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        return handle
+
+    def _before_relayout(self) -> None:
+        for hook in list(self.__dict__.get("_relayout_hooks", {}).values()):
+            hook()
+
     @torch.no_grad()
     def turn_on_cpu_offload(self) -> None:
         """Park all states in (pinned) CPU memory now and after every step. Idempotent."""
         if self._cpu_offload:
             return
+        self._before_relayout()
         self._sync_pool()
         self._cpu_offload_pool.offload()
         self._cpu_offload = True
@@ -130,6 +145,7 @@ class CPUOffloadMixin:
         """Bring all states back to their devices and keep them there. Idempotent."""
         if not self._cpu_offload:
             return
+        self._before_relayout()
         self._cpu_offload_pool.reload()
         self._cpu_offload_pool.synchronize()
         self._cpu_offload = False

@@ -194,7 +194,7 @@ def _items(groups: list[dict]) -> tuple[list[Item], Exchange | None]:
     ex = exchange_of(main) if main is not None else None
     items: list[Item] = []
     for g in groups:
-        if not g["use_muon"]:
+        if not g["use_muon"] or not g["params"]:  # (an empty group's "auto" means nothing yet)
             continue
         dtype = NS_DTYPES[g["ns_dtype"]]
         for p in g["params"]:

@@ -12,6 +12,7 @@ gained nothing on 16 x 4096^2 and lost on many small shapes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from torch import Tensor
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
     "GRAM_ASPECT",
+    "GRAM_RESTART",
     "get_ns_compile",
     "newton_schulz",
     "ns_flops",
@@ -72,6 +74,10 @@ GRAM_ASPECT = 2
 # makes, see ``_iterate_gram``).
 _GRAM_COMPUTE = {torch.bfloat16: torch.float16}
 
+# The Gram iteration restarts (X <- QX, R <- XX^T) before every step k with k % GRAM_RESTART
+# == 0 (k > 0): at the default 5 steps once, before step 3; see ``_iterate_gram``.
+GRAM_RESTART = 3
+
 
 def uses_gram(rows: int, cols: int, method: str) -> bool:
     """Whether ``method`` ("standard" or "gram") runs the Gram iteration on a rows x cols
@@ -87,13 +93,13 @@ def ns_flops(rows: int, cols: int, ns_steps: int, method: str) -> int:
     if not uses_gram(rows, cols, method):
         return 2 * ns_steps * (2 * m * m * n + m**3)
     macs = m * m * n  # R = X X^T
-    restart, q = (ns_steps + 1) // 2, False
+    q = False
     for k in range(ns_steps):
-        if k == restart and q:
+        if k % GRAM_RESTART == 0 and q:
             macs, q = macs + 2 * m * m * n, False  # X <- Q X, R <- X X^T
         macs += m**3 * (2 if q else 1)  # Z, and Q <- Z Q
         q = True
-        if k + 1 < ns_steps and k + 1 != restart:
+        if k + 1 < ns_steps and (k + 1) % GRAM_RESTART:
             macs += 2 * m**3  # R <- Z R Z
     return 2 * (macs + m * m * n)  # (Q X at the end)
 
@@ -109,36 +115,45 @@ def _iterate_gram(
     Gram matrix R = X X^T: each step X <- Z X with Z = aI + bR + cR^2, so the steps collect
     into Q = Z_k ... Z_0 and R <- Z R Z, and X is multiplied once at the end. Returns ``dtype``.
 
-    X is normalised in float32 (an input of any range), then the iteration runs in
-    ``_GRAM_COMPUTE[dtype]`` (else ``dtype``). Normalised, every eigenvalue of R lies in
-    [0, 1], of Z in [a + b + c, a] = [0.70, 3.44], and of Q (at most ``ns_steps // 2 + 1``
-    factors) below 3.44^3 = 41: float16's 65504 holds them all.
+    X is normalised in float32 (so an input beyond float16's range is fine), then the iteration
+    runs in ``_GRAM_COMPUTE[dtype]`` (else ``dtype``). Normalised, every singular value of X
+    starts in [0, 1] and the polynomial keeps it in [0, 1.21], so every eigenvalue of R lies in
+    [0, 1.45], of Z in [0.64, 3.44], and of Q (at most ``GRAM_RESTART`` factors) below
+    3.44^3 = 41: float16's 65504 holds them all, a zero matrix's Q = a^3 I included.
 
-    Half-way the product is folded into X and R formed afresh from it (a restart, as the
-    published Gram iterations do): R and QX otherwise drift apart by rounding, which the
-    iteration amplifies. With it, float32 stays as close to a float64 iteration as
-    ``_iterate`` (rel. error ~5e-6 on gradient-like spectra), and float16 is 3-10x closer to it
-    than ``_iterate`` in bfloat16 (measured from 64 x 64 to 256 x 2048, gaussian, gradient-like
-    and heavy-tailed)."""
+    Every ``GRAM_RESTART`` steps the product is folded into X and R formed afresh from it (a
+    restart, as the published Gram iterations do): R and QX otherwise drift apart by rounding,
+    which the iteration amplifies (at ns_steps >= 9 with one restart half-way: 4x to NaN off
+    float64). With it, float32 stays as close to a float64 iteration as ``_iterate`` (rel.
+    error ~5e-6 on gradient-like spectra at 5 steps, ~1e-4 at 9 to 15, as ``_iterate``), and
+    float16 is 3-10x closer to it than ``_iterate`` in bfloat16 (measured from 64 x 64 to
+    256 x 2048, gaussian, gradient-like and heavy-tailed)."""
     a, b, c = coefficients
     mm = torch.mm if x.ndim == 2 else torch.bmm
     addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
     x = x.float()
     norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)
     x = (x / norm.clamp(min=eps)).to(_GRAM_COMPUTE.get(dtype, dtype))
-    restart = (ns_steps + 1) // 2
     r = mm(x, x.mT)
     q: Tensor | None = None
     for k in range(ns_steps):
-        if k == restart and q is not None:
+        if k % GRAM_RESTART == 0 and q is not None:
             x, q = mm(q, x), None
             r = mm(x, x.mT)
         z = addmm(r, r, r, beta=b, alpha=c)
         z.diagonal(dim1=-2, dim2=-1).add_(a)
         q = z if q is None else mm(z, q)
-        if k + 1 < ns_steps and k + 1 != restart:  # (the next R is needed)
+        if k + 1 < ns_steps and (k + 1) % GRAM_RESTART:  # (the next R is needed)
             r = mm(z, mm(r, z))
     return (x if q is None else mm(q, x)).to(dtype)
+
+
+def _no_autocast(device: torch.device):
+    """A context without autocast on ``device``: under it matmuls would run in the autocast
+    dtype, not in the ``dtype`` asked for (an fp32 group silently in bf16)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def zeropower_via_newtonschulz(
@@ -151,7 +166,20 @@ def zeropower_via_newtonschulz(
 ) -> Tensor:
     """Newton-Schulz on a 2-D matrix, or on a batch ``(B, rows, cols)`` of same-shape
     matrices, computed in ``dtype`` (bfloat16: torch.optim.Muon's iteration) by ``method``
-    (``uses_gram``); returns ``dtype`` of the input's shape."""
+    (``uses_gram``), autocast or not; returns ``dtype`` of the input's shape."""
+    with _no_autocast(grad.device):
+        return _zeropower(grad, ns_steps, coefficients, eps, dtype, method)
+
+
+def _zeropower(
+    grad: Tensor,
+    ns_steps: int,
+    coefficients: tuple[float, float, float],
+    eps: float,
+    dtype: torch.dtype,
+    method: str,
+) -> Tensor:
+    """``zeropower_via_newtonschulz`` under the caller's autocast state (what is compiled)."""
     tall = grad.size(-2) > grad.size(-1)
     if uses_gram(grad.size(-2), grad.size(-1), method):
         x = grad.mT if tall else grad
@@ -162,10 +190,12 @@ def zeropower_via_newtonschulz(
     return out.mT if tall else out
 
 
-# Compiled Newton-Schulz, one entry per (shape, dtype, device, ns_steps, method) and global
-# state (grad mode is always off inside; TF32, threads, ... as the caller set them):
-# each a function of its own code object, so dynamo keeps one cache per entry and never meets
-# its recompile limit (8 per code object), which would leave every further shape eager.
+# Compiled Newton-Schulz, one entry per (shape, dtype, device, ns_steps, method), dispatch
+# keys and global state (grad mode and autocast are always off inside; TF32, threads, ... as
+# the caller set them): each a function of its own code object, so dynamo keeps one cache per
+# entry and never meets its recompile limit (8 per code object), which would leave every
+# further shape eager. The input is a detached, contiguous normal tensor outside inference
+# mode, so dynamo's guards on its requires_grad, strides and dispatch keys always hold.
 _compiled: dict[tuple, list[tuple[object, Callable[..., Tensor]]]] = {}
 
 
@@ -183,7 +213,7 @@ def _compiled_for(x: Tensor, ns_steps: int, dtype: torch.dtype, method: str):
     for state, fn in entries:
         if state is None or state.check():  # type: ignore[attr-defined]
             return fn
-    f = zeropower_via_newtonschulz
+    f = _zeropower
     fresh = types.FunctionType(
         f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__
     )
@@ -206,15 +236,27 @@ def newton_schulz(
     rows, cols = shape[0], math.prod(shape[1:])  # (not -1: a matrix may have no rows)
     if rows * cols == 0:  # nothing to orthogonalise (torch.optim.Muon steps these too)
         return [torch.zeros(shape, dtype=dtype, device=g.device) for g in grads]
-    # No autograd (its mode is part of what a compiled graph is specialised for, so a call
-    # with grad enabled would otherwise compile again).
-    with torch.no_grad():
+    # No autograd, no autocast, no inference mode (all three are part of what a compiled graph
+    # is specialised for, so a call under any would otherwise compile again; autocast would
+    # also change the dtype the iteration computes in). (inference_mode(False) turns grad mode
+    # on: no_grad comes after it.)
+    with torch.inference_mode(False), torch.no_grad(), _no_autocast(grads[0].device):
         if len(grads) == 1:
-            x = grads[0].reshape(rows, cols)
+            x = grads[0].detach().reshape(rows, cols)
         else:
             x = torch.stack([g.reshape(rows, cols) for g in grads])
-        fn = _compiled_for(x, ns_steps, dtype, method) if _use_compile else None
-        out = (fn or zeropower_via_newtonschulz)(x, ns_steps, dtype=dtype, method=method)
+        # Contiguous: the matmuls' bits depend on the layout (a state's layout is not part of
+        # its value: offload on and off would differ), and dynamo guards strides.
+        x = x.contiguous()
+        if _use_compile:
+            # An inference tensor (made under inference mode) lacks the autograd dispatch keys
+            # dynamo guards: its copy out here has them, like every other input.
+            if x.is_inference():
+                x = x.clone()
+            fn = _compiled_for(x, ns_steps, dtype, method)
+        else:
+            fn = _zeropower
+        out = fn(x, ns_steps, DEFAULT_NS_COEFFICIENTS, _EPS, dtype, method)
     if len(grads) == 1:
         return [out.reshape(shape)]
     return [o.reshape(shape) for o in out.unbind(0)]

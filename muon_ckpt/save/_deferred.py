@@ -86,9 +86,27 @@ def hook_step(
             "or use async_save=True"
         )
 
-    def before_step(opt: Any, args: Any, kwargs: Any) -> None:
+    def before_step(*_: Any) -> None:
         deferred = pending()
         if deferred is not None:
             deferred.before_step()
 
-    return optimizer.register_step_pre_hook(before_step)
+    handles = [optimizer.register_step_pre_hook(before_step)]
+    # An offloading optimizer's toggle moves (and parks) the states the copies read: it waits
+    # for them first, as a step does, and the versions are compared before the move (a move is
+    # no change of value).
+    relayout = getattr(optimizer, "register_relayout_pre_hook", None)
+    if relayout is not None:
+        handles.append(relayout(before_step))
+    return _Handles(handles)
+
+
+class _Handles:
+    """Removable handles removed together."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

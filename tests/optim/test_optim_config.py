@@ -121,3 +121,27 @@ def test_matrices_without_elements_step(shape):
     empty.grad, full.grad = torch.zeros(shape), torch.ones(4, 4)
     opt.step()
     assert empty.shape == shape and not torch.equal(full.data, torch.zeros(4, 4))
+
+
+def test_a_muon_group_without_params_is_passed_over_by_the_step_and_the_offload():
+    # Its ns_dtype and ns_method stay "auto" (no device to resolve them by): the plan raised
+    # KeyError 'auto' from every step and from turn_on_cpu_offload().
+    def make():
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(4, 12, generator=gen))
+        b = torch.nn.Parameter(torch.randn(4, generator=gen))
+        groups = [{"params": [p]}, {"params": [b], "use_muon": False}]
+        return p, b, groups
+
+    p, b, groups = make()
+    ref = Muon(groups)
+    p2, b2, groups2 = make()
+    opt = Muon([{"params": []}, *groups2])
+    assert opt.param_groups[0]["ns_dtype"] == "auto"
+    opt.turn_on_cpu_offload()
+    for q, r, s in ((p, b, 1), (p2, b2, 1)):
+        gen = torch.Generator().manual_seed(s)
+        q.grad, r.grad = torch.randn(4, 12, generator=gen), torch.randn(4, generator=gen)
+    ref.step()
+    opt.step()
+    assert torch.equal(p, p2) and torch.equal(b, b2)

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from optim import Muon
-from optim.newton_schulz import newton_schulz, set_ns_compile, zeropower_via_newtonschulz
+from optim.newton_schulz import (
+    _compiled,
+    newton_schulz,
+    set_ns_compile,
+    zeropower_via_newtonschulz,
+)
 
 
 def _why_no_compile() -> str | None:
@@ -28,6 +33,7 @@ def compiled():
     from torch._dynamo.utils import counters
 
     counters.clear()
+    _compiled.clear()  # (each test counts its own compiled entries)
     set_ns_compile(True)
     try:
         yield counters
@@ -76,3 +82,46 @@ def test_a_muon_step_compiles_each_batch_shape_once(compiled):
     # The same batch from outside a step (grad mode on): the same graph.
     newton_schulz([torch.randn(8, 8)] * 3, 5, torch.float32, "gram")
     assert _graphs(compiled) == 2
+
+
+def _entries() -> int:
+    return sum(len(v) for v in _compiled.values())
+
+
+def test_inference_mode_autocast_and_the_input_s_layout_never_recompile_a_shape(compiled):
+    # Dynamo guards an input's dispatch keys (inference or not, inference mode or not),
+    # requires_grad and strides, and the global autocast state: each of these used to compile
+    # the one shape again.
+    gen = torch.Generator().manual_seed(2)
+    m = torch.randn(12, 4, generator=gen).t()  # non-contiguous
+    with torch.inference_mode():
+        inference_tensor = m.clone()
+    inputs = {
+        "plain": m.contiguous(),
+        "non-contiguous": m,
+        "requires_grad": m.contiguous().requires_grad_(),
+        "inference tensor": inference_tensor,
+    }
+    outs = []
+    for _ in range(2):
+        for x in inputs.values():
+            outs.append(newton_schulz([x], 5, torch.float32, "gram")[0])
+            with torch.inference_mode():
+                outs.append(newton_schulz([x], 5, torch.float32, "gram")[0])
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outs.append(newton_schulz([x], 5, torch.float32, "gram")[0])
+    # One graph for the one shape, and the same bits from every call (autocast off inside: the
+    # fp32 iteration runs in fp32).
+    assert (_entries(), _graphs(compiled)) == (1, 1)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_a_muon_step_under_inference_mode_compiles_no_other_graph(compiled):
+    gen = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(4, 16, generator=gen))
+    opt = Muon([{"params": [p], "ns_dtype": "fp32"}])
+    for inference in (False, True, False, True):
+        p.grad = torch.randn(4, 16, generator=gen)
+        with torch.inference_mode(inference):
+            opt.step()
+    assert _graphs(compiled) == 1 == _entries()

@@ -193,3 +193,24 @@ def test_an_fp32_muon_step_is_the_float64_step_within_5e_5():
         upd = (1 - m) * gr + m * ((1 - m) * gr)  # Nesterov, from a zero momentum
         want = lr * 0.2 * math.sqrt(max(p.shape)) * _ns_float64(upd)
         assert _rel(w0 * (1 - lr * wd) - p.double(), want) < 5e-5
+
+
+def test_autocast_leaves_newton_schulz_in_the_dtype_asked_for():
+    # Under autocast the matmuls of an ns_dtype="fp32" iteration ran in bf16 (2e4x farther from
+    # float64), and the standard one returned bf16.
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(16, 64, generator=gen)
+    for method in ("standard", "gram"):
+        plain = zeropower_via_newtonschulz(g, dtype=torch.float32, method=method)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            auto = zeropower_via_newtonschulz(g, dtype=torch.float32, method=method)
+        assert auto.dtype == torch.float32 and torch.equal(auto, plain), method
+    stepped = []
+    for autocast in (False, True):
+        p = torch.nn.Parameter(torch.zeros(16, 64))
+        opt = Muon([{"params": [p], "ns_dtype": "fp32"}])
+        p.grad = g.clone()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            opt.step()
+        stepped.append(p.detach().clone())
+    assert torch.equal(*stepped)

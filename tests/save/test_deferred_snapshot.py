@@ -2,8 +2,9 @@
 parameters and optimizer states and returns; the next ``optimizer.step()`` waits for them. The
 checkpoint still holds the state of the ``save()`` call: saved at step k, then the next
 forward, backward and step run at once, step k loads bitwise in fresh processes (1 and 2
-ranks, plain and FSDP2, offload on and off); a parameter written in place before the next
-step fails that save (never a silently wrong checkpoint) and the previous step stays."""
+ranks, plain and FSDP2, offload on and off, offload toggled before the next step); a parameter
+written in place before the next step fails that save (never a silently wrong checkpoint) and
+the previous step stays."""
 
 from __future__ import annotations
 
@@ -93,6 +94,32 @@ def test_deferred_save_holds_the_state_of_the_save_call_in_one_process(tmp_path,
     url = str(tmp_path / "run")
     want = save_then_train_at_once(url, {}, None, offload)
     assert_bitwise(want, load_fresh(url, {}, None, offload), f"offload {offload}")
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["turned-on", "turned-off"])
+def test_toggling_offload_between_the_save_and_the_next_step_keeps_the_save(tmp_path, offload):
+    # The toggle moves the states the copies read: it waits for them, as a step does, and a
+    # move is no change of value. Turning offload on used to fail every later step (a parked
+    # state's version read) and the save.
+    url = str(tmp_path / "run")
+    model, opt = build(None)
+    if offload:
+        opt.turn_on_cpu_offload()
+    for s in (1, 2):
+        forward_backward_step(model, opt, s)
+    data = DataPosition(2)
+    mgr = CheckpointManager(
+        url, model=model, optimizer=opt, extra={"data": data}, async_save="deferred"
+    )
+    want = state_of(model, opt, data)
+    assert mgr.save(2)
+    (opt.turn_off_cpu_offload if offload else opt.turn_on_cpu_offload)()
+    for s in (3, 4):
+        forward_backward_step(model, opt, s)
+    data.pos = 99
+    assert mgr.wait() == 2
+    mgr.close()
+    assert_bitwise(want, load_fresh(url, {}, None, not offload), f"offload {offload} toggled")
 
 
 def test_an_in_place_write_before_the_next_step_fails_that_save(tmp_path):
