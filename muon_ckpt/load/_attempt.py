@@ -97,6 +97,7 @@ class RankFailure:
 
     corrupt: bool  # the step's data is damaged (a reason to fall back to an older step)
     message: str
+    mismatch: bool = False  # the step does not fit this job (never a reason to load another)
 
     @classmethod
     def of(cls, error: Exception | None, since: BaseException | None) -> RankFailure | None:
@@ -105,7 +106,8 @@ class RankFailure:
         if error is None:
             return None
         corrupt = isinstance(error, CheckpointCorruptError) and interrupt_in(error, since) is None
-        return cls(corrupt, f"{type(error).__name__}: {error}")
+        mismatch = isinstance(error, CheckpointMismatchError)
+        return cls(corrupt, f"{type(error).__name__}: {error}", mismatch)
 
 
 @dataclasses.dataclass
@@ -126,6 +128,12 @@ class LoadOutcome:
     def corrupt(self) -> bool:
         """Every failure was damaged data (the caller may fall back to an older step)."""
         return bool(self.failures) and all(f.corrupt for f in self.failures.values())
+
+    @property
+    def mismatch(self) -> bool:
+        """Some rank found the step not fitting this job (keys, shapes, update rules): a strict
+        load raises it, as another tier's copy of the step would fit no better."""
+        return any(f.mismatch for f in self.failures.values())
 
 
 def attempt(

@@ -42,6 +42,7 @@ __all__ = [
     "is_run_dirname",
     "layout_digest",
     "list_parts",
+    "model_digest",
     "own_dirname",
     "part_manifest",
     "read_run_file",
@@ -128,6 +129,18 @@ def layout_digest(sd: dict[str, Any]) -> str:
             chunks = [((0,) * v.dim(), tuple(v.shape))]
         t = local_tensor(v)
         h.update(repr((key, str(t.dtype), tuple(v.shape), chunks)).encode())
+    return h.hexdigest()
+
+
+def model_digest(sd: dict[str, Any]) -> str:
+    """A digest of the model's tensors as any layout holds them: key and global shape. Two
+    parts of one layout digest differ in it only when the model itself changed (a param
+    renamed, added or resized): a load would refuse that step, not read another."""
+    h = hashlib.blake2b(digest_size=8)
+    for key in sorted(sd):
+        v = sd[key]
+        if isinstance(v, torch.Tensor) and key.startswith("model."):
+            h.update(repr((key, tuple(v.shape))).encode())
     return h.hexdigest()
 
 

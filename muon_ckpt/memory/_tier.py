@@ -252,6 +252,7 @@ class MemoryWrite:
     world_size: int
     rank: int
     layout: str  # layout_digest of this rank's state
+    model: str  # model_digest of this rank's state
     extra: dict[str, Any]  # the manifest's extra (the optimizer's type)
     io_threads: int
     group: Any
@@ -386,6 +387,7 @@ class MemoryJob:
                     "rank": w.rank,
                     "node_size": tier.node_size(w.world_size),
                     "layout": w.layout,
+                    "model": w.model,
                     "base": w.base,
                 },
                 extra=w.extra,
