@@ -186,7 +186,11 @@ def list_parts(run_dir: str) -> list[PartInfo]:
     out: list[PartInfo] = []
     for step, sdir in step_dirs(run_dir).items():
         sname = os.path.basename(sdir)
-        for pname in sorted(os.listdir(sdir)):
+        try:
+            names = os.listdir(sdir)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # (another rank of the node dropped the step since step_dirs saw it)
+        for pname in sorted(names):
             own, cp = _OWN.fullmatch(pname), _COPY.fullmatch(pname)
             if (own is None and cp is None) or os.path.islink(os.path.join(sdir, pname)):
                 continue  # (a link is never a part, as a linked step directory is no step)
@@ -198,6 +202,12 @@ def list_parts(run_dir: str) -> list[PartInfo]:
             try:
                 with open(path, "rb") as f:
                     data = f.read(MAX_PART_MANIFEST + 1)
+            except FileNotFoundError:
+                continue  # (dropped by another rank since: no part, as one without a manifest)
+            except OSError as e:
+                out.append(PartInfo(step, rank, cp is not None, rel, None, str(e)))
+                continue
+            try:
                 if len(data) > MAX_PART_MANIFEST:
                     raise CheckpointError(f"{path}: larger than {MAX_PART_MANIFEST} bytes")
                 m = part_manifest(data, path)
@@ -209,7 +219,7 @@ def list_parts(run_dir: str) -> list[PartInfo]:
                 out.append(PartInfo(step, rank, cp is not None, rel, m))
             except CheckpointVersionError as e:
                 out.append(PartInfo(step, rank, cp is not None, rel, None, str(e), newer=True))
-            except (CheckpointError, OSError) as e:
+            except CheckpointError as e:
                 out.append(PartInfo(step, rank, cp is not None, rel, None, str(e)))
     out.sort(key=lambda p: (-p.step, p.rank, p.copy))
     return out
