@@ -59,7 +59,7 @@ def test_a_tier_step_under_other_update_rules_is_refused_not_rewound_past(tmp_pa
         mgr.save(2)
     m = _net()
     o = _muon(m, moved=False)
-    with _mgr(tmp_path, m, o) as mgr, pytest.raises(CheckpointMismatchError, match="'1.weight'"):
+    with _mgr(tmp_path, m, o) as mgr, pytest.raises(CheckpointMismatchError, match=r"'1\.weight'"):
         mgr.load()
     m = _net()
     o = _muon(m, moved=True)
