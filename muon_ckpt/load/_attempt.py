@@ -122,7 +122,7 @@ class LoadOutcome:
     rollback: Rollback | None = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     bytes_read: int = 0
-    rules: RuleCheck | None = None  # the update rules compared (an optimizer that reports them)
+    rules: RuleCheck | None = None  # the update rules compared (None: no optimizer loaded)
 
     @property
     def corrupt(self) -> bool:
@@ -241,7 +241,7 @@ def _prepare(
             "size; load(elastic=True) loads the rest and leaves rank_extra as it is"
         )
     opt = t.optimizer if "optim" in parts else None
-    rules = RuleCheck.before(t.model, opt, d.update_rules, where, strict)
+    rules = RuleCheck.before(t.model, opt, d.update_rules, where, strict, d.optimizer)
     fresh = prepare_optimizer_state(opt) if opt is not None else set()
     flat = FlatState.build(
         t.model, opt, t.extra, rank_extra=t.rank_extra, rank=coll.rank(), parts=parts
