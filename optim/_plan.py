@@ -227,7 +227,7 @@ def _check_pieces(exchanged: list[Item], ex: Exchange | None) -> torch.device | 
         [
             codes.index(it.ns_dtype),
             NS_METHODS.index(it.method),
-            int(tuple(it.param.to_local().shape) != it.box(ex.rank)[1]),
+            int(not _fits(tuple(it.param.to_local().shape), it.box(ex.rank)[1])),
         ]
         for it in exchanged
     ]
@@ -245,7 +245,7 @@ def _check_pieces(exchanged: list[Item], ex: Exchange | None) -> torch.device | 
         _check_same_ns_method(it, [NS_METHODS[got[r][j][1]] for r in range(ex.world)])
         for r in range(ex.world):
             found = tuple(got[r][j][2 : 2 + len(it.gshape)])
-            if found != it.box(r)[1]:
+            if not _fits(found, it.box(r)[1]):
                 raise RuntimeError(
                     f"a Muon param of shape {tuple(it.gshape)} with placements "
                     f"{it.placements} on {ex.mesh}: rank {r} (mesh coordinate {ex.coords[r]}) "
@@ -254,6 +254,13 @@ def _check_pieces(exchanged: list[Item], ex: Exchange | None) -> torch.device | 
                     "(is the param a DTensor whose local tensor was replaced or resized?)"
                 )
     return device
+
+
+def _fits(local_shape: tuple[int, ...], box_shape: tuple[int, ...]) -> bool:
+    """Whether a local shard of ``local_shape`` is the piece ``box_shape``: the same, or both
+    empty (``fully_shard`` over a tensor-parallel shard with no columns keeps it (0, 0) where
+    the placements give (rows, 0): no elements either way)."""
+    return local_shape == box_shape or math.prod(local_shape) == math.prod(box_shape) == 0
 
 
 def _spread(rows: list[list[int]], ex: Exchange, device: torch.device):

@@ -9,7 +9,7 @@ from muon_ckpt.load._decide import Decision, History, refuse_newer
 from muon_ckpt.load._item_zip import unbounded_records
 from muon_ckpt.load._planner import SafeLoadPlanner
 from muon_ckpt.load._reader import VerifyingReader
-from muon_ckpt.load._resume import Loaded, loaded, resume
+from muon_ckpt.load._resume import Loaded, loaded, refusal, resume
 from muon_ckpt.load._verify import verify_step
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "VerifyingReader",
     "attempt",
     "loaded",
+    "refusal",
     "refuse_newer",
     "resume",
     "unbounded_records",

@@ -97,6 +97,7 @@ class RankFailure:
 
     corrupt: bool  # the step's data is damaged (a reason to fall back to an older step)
     message: str
+    mismatch: bool = False  # the step does not fit this job (never a reason to load another)
 
     @classmethod
     def of(cls, error: Exception | None, since: BaseException | None) -> RankFailure | None:
@@ -105,7 +106,8 @@ class RankFailure:
         if error is None:
             return None
         corrupt = isinstance(error, CheckpointCorruptError) and interrupt_in(error, since) is None
-        return cls(corrupt, f"{type(error).__name__}: {error}")
+        mismatch = isinstance(error, CheckpointMismatchError)
+        return cls(corrupt, f"{type(error).__name__}: {error}", mismatch)
 
 
 @dataclasses.dataclass
@@ -120,12 +122,18 @@ class LoadOutcome:
     rollback: Rollback | None = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     bytes_read: int = 0
-    rules: RuleCheck | None = None  # the update rules compared (an optimizer that reports them)
+    rules: RuleCheck | None = None  # the update rules compared (None: no optimizer loaded)
 
     @property
     def corrupt(self) -> bool:
         """Every failure was damaged data (the caller may fall back to an older step)."""
         return bool(self.failures) and all(f.corrupt for f in self.failures.values())
+
+    @property
+    def mismatch(self) -> bool:
+        """Some rank found the step not fitting this job (keys, shapes, update rules): a strict
+        load raises it, as another tier's copy of the step would fit no better."""
+        return any(f.mismatch for f in self.failures.values())
 
 
 def attempt(
@@ -233,7 +241,7 @@ def _prepare(
             "size; load(elastic=True) loads the rest and leaves rank_extra as it is"
         )
     opt = t.optimizer if "optim" in parts else None
-    rules = RuleCheck.before(t.model, opt, d.update_rules, where, strict)
+    rules = RuleCheck.before(t.model, opt, d.update_rules, where, strict, d.optimizer)
     fresh = prepare_optimizer_state(opt) if opt is not None else set()
     flat = FlatState.build(
         t.model, opt, t.extra, rank_extra=t.rank_extra, rank=coll.rank(), parts=parts

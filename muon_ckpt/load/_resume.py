@@ -22,7 +22,7 @@ from muon_ckpt.load._decide import Decision, History, Skip, decide
 from muon_ckpt.state import LoadReport, optimizer_name
 from muon_ckpt.store import Catalog, Storage, check_stored
 
-__all__ = ["Loaded", "loaded", "resume"]
+__all__ = ["Loaded", "loaded", "refusal", "resume"]
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -94,7 +94,7 @@ def resume(
                 undo(t, None)  # (lets the backup's buffers go)
                 again = False
         if not again:
-            raise _raised(t, out, d, where, chosen)
+            raise refusal(t, out, d, where, chosen)
         if coll.rank() == 0:
             _log.warning(
                 "skipping step %d (%s): %s; trying the next older step", d.step, where, why
@@ -179,7 +179,7 @@ def _elastic(t: LoadTargets, d: Decision, parts: tuple[str, ...]) -> tuple[str, 
     return tuple(p for p in parts if p != "rank_extra")
 
 
-def _raised(
+def refusal(
     t: LoadTargets, out: LoadOutcome, d: Decision, where: str, parts: tuple[str, ...]
 ) -> Exception:
     """The error a failed attempt raises on this rank: its own (explained), or one naming

@@ -42,6 +42,7 @@ __all__ = [
     "is_run_dirname",
     "layout_digest",
     "list_parts",
+    "model_digest",
     "own_dirname",
     "part_manifest",
     "read_run_file",
@@ -131,6 +132,18 @@ def layout_digest(sd: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def model_digest(sd: dict[str, Any]) -> str:
+    """A digest of the model's tensors as any layout holds them: key and global shape. Two
+    parts of one layout digest differ in it only when the model itself changed (a param
+    renamed, added or resized): a load would refuse that step, not read another."""
+    h = hashlib.blake2b(digest_size=8)
+    for key in sorted(sd):
+        v = sd[key]
+        if isinstance(v, torch.Tensor) and key.startswith("model."):
+            h.update(repr((key, tuple(v.shape))).encode())
+    return h.hexdigest()
+
+
 @dataclasses.dataclass(frozen=True)
 class PartInfo:
     """A part found in a run directory: whose (``rank``), held as its own or as a copy, and
@@ -173,7 +186,11 @@ def list_parts(run_dir: str) -> list[PartInfo]:
     out: list[PartInfo] = []
     for step, sdir in step_dirs(run_dir).items():
         sname = os.path.basename(sdir)
-        for pname in sorted(os.listdir(sdir)):
+        try:
+            names = os.listdir(sdir)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # (another rank of the node dropped the step since step_dirs saw it)
+        for pname in sorted(names):
             own, cp = _OWN.fullmatch(pname), _COPY.fullmatch(pname)
             if (own is None and cp is None) or os.path.islink(os.path.join(sdir, pname)):
                 continue  # (a link is never a part, as a linked step directory is no step)
@@ -185,6 +202,12 @@ def list_parts(run_dir: str) -> list[PartInfo]:
             try:
                 with open(path, "rb") as f:
                     data = f.read(MAX_PART_MANIFEST + 1)
+            except FileNotFoundError:
+                continue  # (dropped by another rank since: no part, as one without a manifest)
+            except OSError as e:
+                out.append(PartInfo(step, rank, cp is not None, rel, None, str(e)))
+                continue
+            try:
                 if len(data) > MAX_PART_MANIFEST:
                     raise CheckpointError(f"{path}: larger than {MAX_PART_MANIFEST} bytes")
                 m = part_manifest(data, path)
@@ -196,7 +219,7 @@ def list_parts(run_dir: str) -> list[PartInfo]:
                 out.append(PartInfo(step, rank, cp is not None, rel, m))
             except CheckpointVersionError as e:
                 out.append(PartInfo(step, rank, cp is not None, rel, None, str(e), newer=True))
-            except (CheckpointError, OSError) as e:
+            except CheckpointError as e:
                 out.append(PartInfo(step, rank, cp is not None, rel, None, str(e)))
     out.sort(key=lambda p: (-p.step, p.rank, p.copy))
     return out

@@ -12,8 +12,9 @@ from its own memory, else from a replica on another rank, else the whole load fr
 3. parts to fetch move from their holders (``memory._parts``, checked as they arrive), and
    every rank loads its part alone, all or nothing as a load from storage (``attempt``);
 4. a rank whose part fails (damaged, missing) takes its next source, with a WARNING naming
-   the tier, the step and the rank; when a rank has none left, or anything else failed, the
-   load goes to storage (``load.resume``, with the same history: the url is not scanned
+   the tier, the step and the rank; a step that does not fit this job (keys, shapes, update
+   rules: ``CheckpointMismatchError``) is raised on every rank, as from the url; when a rank
+   has none left, or anything else failed (I/O), the load goes to storage (``load.resume``, with the same history: the url is not scanned
    again), the state as it was.
 """
 
@@ -26,22 +27,30 @@ import time
 from typing import Any
 
 import muon_ckpt._collective as coll
-from muon_ckpt._errors import CheckpointError, handled, raise_interrupt
+from muon_ckpt._errors import CheckpointError, CheckpointMismatchError, handled, raise_interrupt
 from muon_ckpt.load import (
     History,
     Loaded,
     LoadTargets,
     attempt,
     loaded,
+    refusal,
     refuse_newer,
     resume,
     undo,
 )
-from muon_ckpt.memory._dirs import PartInfo, copy_dirname, layout_digest, own_dirname, part_manifest
+from muon_ckpt.memory._dirs import (
+    PartInfo,
+    copy_dirname,
+    layout_digest,
+    model_digest,
+    own_dirname,
+    part_manifest,
+)
 from muon_ckpt.memory._parts import drop_part, receive_part, send_part
 from muon_ckpt.memory._tier import MemoryTier
 from muon_ckpt.state import FlatState
-from muon_ckpt.store import MANIFEST, Catalog, Manifest, Status, StepInfo, Storage
+from muon_ckpt.store import MANIFEST, Catalog, Manifest, Status, StepInfo, Storage, step_dirname
 from muon_ckpt.store.dcp import check_files
 
 __all__ = ["check_part", "load_tiers", "restore_from_memory"]
@@ -62,6 +71,7 @@ class _Held:
     world_size: int
     node_size: Any
     layout: Any
+    model: Any  # model_digest (None: a part of a version that did not record it)
     url: Any
     save: Any  # the memory save that wrote it
     gen: int
@@ -137,7 +147,7 @@ def restore_from_memory(
     held = [_held(p) for p in mine if p.manifest]
     newer = sorted({p.step for p in mine if p.newer})
     flat = FlatState.build(t.model, None, {}, rank=rank)
-    layout = layout_digest(flat.sd)
+    layout = (layout_digest(flat.sd), model_digest(flat.sd))
     gathered = coll.all_gather((held, layout, why_not, newer), group)
     if rank == 0:
         for r, (_, _, why, _) in enumerate(gathered):
@@ -145,11 +155,16 @@ def restore_from_memory(
                 _log.warning("the memory tier of rank %d is not read: %s", r, why)
     newer = sorted({s for g in gathered for s in g[3]})
     refuse_newer(tier.run_dir, "memory-tier step(s)", newer, step, _UPGRADE)
-    by_save = _complete(gathered, world, tier.node_size(world), tier.url)
+    node = tier.node_size(world)
+    by_save = _complete(gathered, world, node, tier.url)
     commits = {key: _commit(key, gathered) for key in by_save}
-    history = History.of(scan, list(commits.values()))
+    # Steps of another model are commits of the run too: a load past them retires them.
+    others = [_commit(k, gathered) for k in _complete(gathered, world, node, tier.url, other=True)]
+    history = History.of(scan, [*commits.values(), *others])
     history.refuse_newer(catalog.storage.url, step)
     choice = _choose(scan, commits, step)
+    if strict:
+        _refuse_other_model(tier, scan, others, -1 if choice is None else choice[0], step)
     if choice is None:
         return history, None
     chosen, save = choice
@@ -176,6 +191,9 @@ def restore_from_memory(
         out = attempt(t, storage, d, where, strict, parts, alone=True)
         if not out.failures:
             break
+        if out.mismatch:  # the url's copy of this step would not fit either: raised, as there
+            undo(t, out.rollback)
+            raise refusal(t, out, d, where, parts)
         undo(t, out.rollback, again=out.corrupt)  # (a copy elsewhere copies into the same buffers)
         failed = {r: f.message for r, f in out.failures.items()}
         if not out.corrupt:
@@ -201,6 +219,7 @@ def _held(p: PartInfo) -> _Held:
         m.world_size,
         p.meta("node_size"),
         p.meta("layout"),
+        p.meta("model"),
         p.meta("url"),
         p.meta("save"),
         m.gen or 0,
@@ -220,14 +239,18 @@ def _complete(
     world: int,
     node: int,
     url: str,
+    *,
+    other: bool = False,
 ) -> dict[tuple[int, str], list[list[tuple[int, bool]]]]:
     """The tier's complete steps: for each (step, save) of which every rank's part is held
     somewhere (saved at this world size and ``node_size``, by a rank whose tensors lay out
     as that rank's do now), where each part is: (holder, copy). Parts of one step written by
-    two saves (after a restart or a rewind) never mix."""
+    two saves (after a restart or a rewind) never mix. ``other``: instead the steps whose
+    parts were saved by another model than this rank's now (``model_digest``)."""
     if len(gathered) != world:
         return {}
-    layouts = [g[1] for g in gathered]
+    layouts = [g[1][0] for g in gathered]
+    models = [g[1][1] for g in gathered]
     by_save: dict[tuple[int, str], list[list[tuple[int, bool]]]] = {}
     for holder, (held, _, _, _) in enumerate(gathered):
         for h in held:
@@ -237,12 +260,34 @@ def _complete(
                 and h.world_size == world
                 and h.node_size == node
                 and 0 <= h.rank < world
-                and h.layout == layouts[h.rank]
+                and (
+                    h.model is not None and h.model != models[h.rank]
+                    if other
+                    else h.layout == layouts[h.rank]
+                )
             )
             if ok:
                 slots = by_save.setdefault((h.step, h.save), [[] for _ in range(world)])
                 slots[h.rank].append((holder, h.copy))
     return {k: v for k, v in by_save.items() if all(v)}
+
+
+def _refuse_other_model(
+    tier: MemoryTier, scan: list[StepInfo], others: list[StepInfo], newest: int, step: int | None
+) -> None:
+    """A strict load raises CheckpointMismatchError (on every rank: all decide alike) when the
+    run's newest step is a tier step saved by another model (a param renamed, added or
+    resized): its url copy would be refused, and loading an older step would retire it."""
+    newest = max([newest, *(i.step for i in scan if i.committed)])
+    for o in others:
+        if o.committed and o.step > newest and step in (None, o.step):
+            where = os.path.join(tier.run_dir, step_dirname(o.step))
+            raise CheckpointMismatchError(
+                f"{where}: the memory tier's step {o.step}, the newest of the run, was saved by "
+                "a model whose parameters differ from this one's (names or shapes); loading an "
+                "older step would retire it. Load with the model that saved it, or "
+                "load(strict=False) to resume from the newest step this model fits"
+            )
 
 
 def _commit(

@@ -21,7 +21,7 @@ from typing import Any
 
 import muon_ckpt._collective as coll
 from muon_ckpt._config import ManagerConfig
-from muon_ckpt.memory._dirs import layout_digest
+from muon_ckpt.memory._dirs import layout_digest, model_digest
 from muon_ckpt.memory._flush import PartCopy, flush
 from muon_ckpt.memory._tier import MemoryJob, MemoryTier, MemoryWrite
 from muon_ckpt.save import Handoff
@@ -93,7 +93,7 @@ class MemoryWriter:
             save_id=admission.save_id,
             world_size=world,
             rank=rank,
-            layout=layout_digest(snap.sd),
+            layout=(layout_digest(snap.sd), model_digest(snap.sd)),
             extra=dict(h.about),
             io_threads=self._io_threads,
             digests=self._digests,

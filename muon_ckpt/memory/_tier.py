@@ -12,10 +12,9 @@ parts of the ranks whose replicas it holds (``_parts``: the same transfers in th
 on every rank), then agree (one all-gather) on which ranks' parts are complete. Only once a
 step is complete on every rank does retention drop older steps: a process killed while
 writing step ``s`` leaves step ``s - 1`` whole; while a complete step lacks some replica,
-the newest step that has them all is kept too. Steps of another line (a rewind, another run
-in the same url) are dropped then too. Every part of one save carries its id (rank 0 draws
-it): a step saved twice never loads from parts of both saves.
-"""
+the newest step that has them all is kept too; steps of another line (a rewind, another run
+in the same url) are dropped. Every part of one save carries its id (rank 0 draws it): a step
+saved twice never loads from parts of both saves."""
 
 from __future__ import annotations
 
@@ -251,7 +250,7 @@ class MemoryWrite:
     save_id: str  # the same on every rank, new at every memory save
     world_size: int
     rank: int
-    layout: str  # layout_digest of this rank's state
+    layout: tuple[str, str]  # layout_digest and model_digest of this rank's state
     extra: dict[str, Any]  # the manifest's extra (the optimizer's type)
     io_threads: int
     group: Any
@@ -385,7 +384,8 @@ class MemoryJob:
                     "save": w.save_id,
                     "rank": w.rank,
                     "node_size": tier.node_size(w.world_size),
-                    "layout": w.layout,
+                    "layout": w.layout[0],
+                    "model": w.layout[1],
                     "base": w.base,
                 },
                 extra=w.extra,

@@ -89,7 +89,7 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
     out.timings["confirm"] = time.perf_counter() - t1
     sums: Any = {}
     if w.config.certify_replicas and failed is None and w.parts is None:  # (not a copy's)
-        sums, failed = replica_checksums(w.step, w.snap.sd)
+        sums, failed = replica_checksums(w.step, w.snap.sd, w.world_size)
     out.timings["replicas"] = time.perf_counter() - t1 - out.timings["confirm"]
     gens = writer.dedup.gens(w.data_dir, w.admission.plan.gen)
     # files of earlier saves the step refers to (checked before), and its own

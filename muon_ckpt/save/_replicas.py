@@ -5,8 +5,10 @@ DCP writes a replicated shard once, from one of its holders; a replica silently 
 (a bit flipped in one device's memory) would otherwise be written, or hidden, unnoticed.
 Each rank computes the CRC32C (the manifests' algorithm, ``store.write_algorithm``) of every
 shard it holds that the mesh replicates: a DTensor with ``Replicate()`` over a mesh dim of
-more than one rank (HSDP's replicate dim, tensor parallelism's replicated params), model and
-optimizer state alike, from the copy the save writes. Rank 0 compares them with the files'
+more than one rank (HSDP's replicate dim, tensor parallelism's replicated params) or on a
+submesh (under FSDP x TP, a param TP leaves alone is sharded over the dp slice only, and
+each tp rank holds the same shards), model and optimizer state alike, from the copy the
+save writes. Rank 0 compares them with the files'
 records before the commit (``differing``). Plain tensors every rank holds are not compared:
 DCP's convention is that they may differ (DDP's BatchNorm statistics) and one is written.
 """
@@ -27,30 +29,37 @@ __all__ = ["differing", "replica_checksums"]
 Shard = tuple[str, tuple[int, ...]]  # (key, offsets of the shard in the full tensor)
 
 
-def _replicated(v: Any) -> bool:
+def _replicated(v: Any, world: int) -> bool:
+    """Whether other ranks of the save's ``world`` hold ``v``'s shard too: ``Replicate()``
+    over a mesh dim of more than one rank, or a mesh of fewer ranks than the save's (a param
+    tensor parallelism leaves alone, on the data-parallel slice of each tp rank: the ranks at
+    its coordinates on the other slices hold the same shard)."""
     if not isinstance(v, DTensor):
         return False
-    mesh = v.device_mesh.shape
-    return any(isinstance(pl, Replicate) and mesh[i] > 1 for i, pl in enumerate(v.placements))
+    mesh = v.device_mesh
+    if mesh.size() < world:
+        return True
+    return any(isinstance(pl, Replicate) and mesh.shape[i] > 1 for i, pl in enumerate(v.placements))
 
 
 def replica_checksums(
-    step: int, sd: dict[str, Any]
+    step: int, sd: dict[str, Any], world: int
 ) -> tuple[dict[Shard, str], CheckpointError | None]:
     """(key, offsets) -> the checksum of this rank's copy, for each replicated shard of
-    ``sd`` (a save's snapshot, its copies landed) that is not empty; or the failure (no
-    collective here: every rank goes on to the gather where rank 0 raises it for all)."""
+    ``sd`` (a save's snapshot, its copies landed; ``world``: the save's ranks) that is not
+    empty; or the failure (no collective here: every rank goes on to the gather where rank 0
+    raises it for all)."""
     try:
-        return _checksums(sd), None
+        return _checksums(sd, world), None
     except Exception as e:
         return {}, CheckpointError(f"saving step {step}: checksumming its replicas: {e!r}")
 
 
-def _checksums(sd: dict[str, Any]) -> dict[Shard, str]:
+def _checksums(sd: dict[str, Any], world: int) -> dict[Shard, str]:
     crc = crc_function(write_algorithm())
     out: dict[Shard, str] = {}
     for key, v in sd.items():
-        if not _replicated(v):
+        if not _replicated(v, world):
             continue
         t = v.to_local().detach()
         if t.numel() == 0:

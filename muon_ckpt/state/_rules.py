@@ -3,7 +3,8 @@
 An optimizer that reports how it updates each param (``ReportsRules``: ``optim.Muon``, whose
 ``update_rule(p)`` says Muon with its Newton-Schulz method and dtype, or AdamW) has that rule
 recorded per param FQN in the manifest (``update_rules``, by ``state.describe``); other
-optimizers record nothing (the manifest names their type). A load compares the record with
+optimizers record nothing (the manifest names their type), and a load between such an
+optimizer and one that reports rules changes every param's rule (named by the type). A load compares the record with
 the rule the optimizer it loads into would use, before anything is read
 (``RuleCheck.before``): a param that was Muon and is now in an AdamW group (or the reverse),
 or another Newton-Schulz method or dtype its group asks for, is a change. A strict load
@@ -23,6 +24,7 @@ hyperparameters give, as they did when it was saved, never by a default of this 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -34,6 +36,7 @@ from muon_ckpt._errors import CheckpointCorruptError, CheckpointMismatchError
 from muon_ckpt.state._apply import saved_hparams
 from muon_ckpt.state._flat import FlatState
 from muon_ckpt.state._names import param_fqns
+from muon_ckpt.state._offloaded import optimizer_name
 
 __all__ = ["ReportsRules", "RuleCheck", "record_rules"]
 
@@ -109,14 +112,26 @@ class RuleCheck:
         saved: Any,
         where: str,
         strict: bool,
+        saved_by: str | None = None,
     ) -> RuleCheck | None:
-        """The check of a load into ``optimizer`` of a step whose record is ``saved``
-        (None for an optimizer that reports no rules); a strict load that would change a
-        rule raises here, before anything is read."""
-        if not isinstance(optimizer, ReportsRules):
+        """The check of a load into ``optimizer`` of a step whose record is ``saved``,
+        written by an optimizer of type ``saved_by`` (the manifest's; None for no optimizer
+        to load into); a strict load that would change a rule raises here, before anything is
+        read. Rules are compared where both sides report them; where only one side does (a
+        Muon checkpoint into torch's SGD, another optimizer's into Muon), every param changes
+        rule unless the types are the same."""
+        if optimizer is None:
             return None
         record = _record(saved, where)
         params = {fqn: (gi, p) for gi, fqn, p in _params(model, optimizer)}
+        if not isinstance(optimizer, ReportsRules):
+            check = cls(optimizer, where, strict, None, params, {})
+            if record is not None and saved_by != optimizer_name(optimizer):
+                here = _shown(optimizer_name(optimizer))
+                check._changed([(f, r, here) for f, r in record.items() if f in params])
+            return check
+        if record is None and saved_by is not None and saved_by != optimizer_name(optimizer):
+            record = dict.fromkeys(params, _shown(saved_by))  # (no rule it could adopt)
         built = {fqn: optimizer.update_rule(p) for fqn, (_, p) in params.items()}
         keys = {
             gi: {k: g[k] for k in optimizer.update_rule_keys if k in g}
@@ -137,6 +152,8 @@ class RuleCheck:
         """After the hyperparameters of ``flat`` were applied: rule keys the saved groups
         lack get the optimizer's defaults for old state dicts; the groups of accepted
         changes keep their rule; every other param with a record must go on by it."""
+        if not isinstance(self.optimizer, ReportsRules):
+            return  # (its rule is its type's: the changes were all known before the read)
         self._fill_absent(saved_hparams(flat))
         self._keep_given({gi for f, *_ in self.changed for gi in [self.params[f][0]]})
         done = {f for f, *_ in self.changed}
@@ -186,14 +203,33 @@ class RuleCheck:
                 self.optimizer.param_groups[gi].setdefault(k, v)
 
 
+def _shown(name: str | None) -> str:
+    """An optimizer's ``module.Class`` as its users write it: from the shortest parent
+    package already imported that exports the same class (``torch.optim.SGD``)."""
+    if name is None or "." not in name:
+        return str(name)
+    module, cls = name.rsplit(".", 1)
+    kind = getattr(sys.modules.get(module), cls, None)
+    while "." in module and kind is not None:
+        parent = module.rsplit(".", 1)[0]
+        if getattr(sys.modules.get(parent), cls, None) is not kind:
+            break
+        module = parent
+    return f"{module}.{cls}"
+
+
 def _message(where: str, changes: list[tuple[str, str, str]], optimizer: Any) -> str:
     shown = "; ".join(f"{f!r}: saved {s}, here {h}" for f, s, h in changes[:6])
     more = f"; ... ({len(changes)} in all)" if len(changes) > 6 else ""
-    keys = ", ".join(optimizer.update_rule_keys)
+    if isinstance(optimizer, ReportsRules):
+        keys = ", ".join(optimizer.update_rule_keys)
+        fix = f"put each param in a group with the rule it had (the group keys {keys})"
+    else:
+        fix = "load into the optimizer that saved it"
     return (
         f"{where}: {len(changes)} param(s) would be updated by another rule than when the "
         f"checkpoint was saved: {shown}{more}. A load does not change how a param is "
-        f"updated: put each param in a group with the rule it had (the group keys {keys}), "
-        "or accept the change with load(strict=False), which loads the state that fits, "
-        "goes on with this optimizer's rules and reports them (last_load_report.rules)"
+        f"updated: {fix}, or accept the change with load(strict=False), which loads the "
+        "state that fits, goes on with this optimizer's rules and reports them "
+        "(last_load_report.rules)"
     )

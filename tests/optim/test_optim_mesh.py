@@ -307,3 +307,43 @@ def test_each_rank_piece_of_plain_shards_is_torchs_own():
                     assert got_size == tuple(size), (mesh_shape, pls, gshape, coord)
                     if all(size):
                         assert got_start == tuple(start), (mesh_shape, pls, gshape, coord)
+
+
+def body_empty_tp_shard(rank, world_size):
+    """One matrix with 1 column, row-parallel over tp 2 then fully_shard over dp 2: the ranks
+    at tp 1 hold an empty local shard, (0, 0) where the placements give (rows, 0)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from optim import Muon
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def laid(values):
+        m = nn.Sequential(nn.Linear(1, 6, bias=False))
+        with torch.no_grad():
+            m[0].weight.copy_(values)
+        parallelize_module(m, mesh["tp"], {"0": RowwiseParallel()})
+        fully_shard(m, mesh=mesh["dp"])
+        return m[0].weight
+
+    g = torch.Generator().manual_seed(3)
+    w0, grads = torch.randn(6, 1, generator=g), [torch.randn(6, 1, generator=g) for _ in range(2)]
+    ref = nn.Parameter(w0.clone())
+    ref_opt = Muon([ref], lr=0.02)
+    p = laid(w0)
+    opt = Muon([p], lr=0.02)
+    for grad in grads:
+        ref.grad = grad.clone()
+        ref_opt.step()
+        p.grad = _grad_like(p, laid(grad).to_local())
+        opt.step()
+    return tuple(p.to_local().shape), torch.equal(p.to_local(), laid(ref.detach()).to_local())
+
+
+def test_an_empty_tensor_parallel_shard_under_fully_shard_steps_bitwise_as_one_process():
+    got = run_on_ranks(body_empty_tp_shard, 4, timeout=300)
+    assert [shape for shape, _ in got] == [(3, 1), (0, 0), (3, 1), (0, 0)], got
+    assert all(same for _, same in got), got

@@ -92,3 +92,45 @@ def test_one_flipped_bit_in_one_replica_refuses_the_save_on_every_rank(tmp_path)
             assert "replicas of 1 replicated shard(s) differ" in error, error
             assert "is not committed" in error, error
             assert steps == [1], (victim, key, steps)
+
+
+def body_tp_slice(rank, world_size, root):
+    """FSDP x TP 2x2 with real forwards and backwards: a healthy save commits; a bit flipped
+    in one tp rank's copy of a param TP leaves alone (``proj``: sharded over the dp slice,
+    each tp rank holding the same shards), or of its optimizer state, refuses the save."""
+    from muon_ckpt import CheckpointError, CheckpointManager
+    from optim import Muon
+    from tests.optim._mesh_train_job import DIMS, forward_backward
+
+    model = build("tp2xfsdp2", DIMS)
+    params = dict(model.named_parameters())
+    opt = Muon(groups(model))
+    out = []
+    with CheckpointManager(root, model=model, optimizer=opt, certify_replicas=True) as mgr:
+        for step in (1, 2):
+            forward_backward(model, step, step)
+            opt.step()
+            opt.zero_grad()
+        mgr.save(1)
+        for trial, victim in ((0, 1), (1, 2)):
+            t, key = _target(opt, params, "proj.weight", trial)
+            if rank == victim:
+                _flip(t, trial)
+            error = None
+            try:
+                mgr.save(2 + trial)
+            except CheckpointError as e:
+                error = str(e)
+            if rank == victim:
+                _flip(t, trial)
+            out.append((victim, key, error))
+        return out, mgr.steps()
+
+
+def test_a_flipped_bit_in_one_tp_ranks_copy_of_a_dp_sliced_param_refuses_the_save(tmp_path):
+    results = run_on_ranks(body_tp_slice, 4, str(tmp_path / "run"), timeout=600)
+    for got, steps in results:
+        assert steps == [1], steps  # (the healthy save committed, neither flipped one)
+        for victim, key, error in got:
+            assert error is not None, (victim, key)
+            assert f"'{key}'" in error and f"rank {victim}: " in error, error

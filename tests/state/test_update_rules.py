@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from muon_ckpt import CheckpointManager, CheckpointMismatchError
+from tests import REPO
 from tests._ckpt import TinyNet, train
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "v1_crc32")
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "v1_crc32")
 
 
 def _muon(model, *, adamw=(), muon=(), **mat_kw):
@@ -158,4 +159,68 @@ def test_a_checkpoint_without_a_record_loads_with_the_rule_it_ran(tmp_path):
     with CheckpointManager(url, model=model, optimizer=opt) as mgr:
         assert mgr.load() == 2
     assert str(opt.update_rule(model.fc1.weight)) == "muon(ns_method=standard, ns_dtype=bf16)"
+    train(model, opt, 1, seed=3)
+
+
+def _torch(kind):
+    def make(model):
+        if kind == "sgd":
+            return torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.95, nesterov=True)
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("kind", "here"), [("sgd", "torch.optim.SGD"), ("adamw", "torch.optim.AdamW")]
+)
+def test_a_muon_checkpoint_is_refused_by_an_optimizer_that_reports_no_rule(tmp_path, kind, here):
+    """Muon's step into torch's SGD (momentum) or AdamW: every Muon matrix would change rule;
+    a strict load says so (not a key mismatch) and reads nothing; strict=False loads what
+    fits and reports the change."""
+    url = str(tmp_path / "run")
+    _saved(url)
+    model = _net()
+    opt = _torch(kind)(model)
+    before = _state(model, opt)
+    with (
+        CheckpointManager(url, model=model, optimizer=opt) as mgr,
+        pytest.raises(CheckpointMismatchError) as e,
+    ):
+        mgr.load()
+    msg = str(e.value)
+    assert f"'fc1.weight': saved muon(ns_method=standard, ns_dtype=fp32), here {here}" in msg
+    assert "load(strict=False)" in msg and "renamed" not in msg, msg
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(model, opt), strict=True))
+    with CheckpointManager(url, model=model, optimizer=opt) as mgr:
+        assert mgr.load(strict=False) == 2
+        changed = {f: h for f, _, h in mgr.last_load_report.rules}
+    assert changed["fc1.weight"] == changed["fc2.weight"] == here
+
+
+def test_another_optimizers_checkpoint_is_refused_by_muon(tmp_path):
+    """torch SGD's step (no record) into Muon: every param would change rule; a strict load
+    refuses it naming the saved type, strict=False loads it and reports the change."""
+    url = str(tmp_path / "run")
+    torch.manual_seed(0)
+    model = _net()
+    opt = _torch("sgd")(model)
+    train(model, opt, 2, seed=1)
+    with CheckpointManager(url, model=model, optimizer=opt) as mgr:
+        mgr.save(2)
+    model = _net()
+    opt = _muon(model)
+    with (
+        CheckpointManager(url, model=model, optimizer=opt) as mgr,
+        pytest.raises(CheckpointMismatchError) as e,
+    ):
+        mgr.load()
+    msg = str(e.value)
+    assert "'fc1.weight': saved torch.optim.SGD, here muon(ns_method=standard" in msg, msg
+    assert "load(strict=False)" in msg
+    with CheckpointManager(url, model=model, optimizer=opt) as mgr:
+        assert mgr.load(strict=False) == 2
+        changed = {f: s for f, s, _ in mgr.last_load_report.rules}
+    assert changed["fc1.weight"] == "torch.optim.SGD"
+    assert str(opt.update_rule(model.fc1.weight)) == "muon(ns_method=standard, ns_dtype=fp32)"
     train(model, opt, 1, seed=3)
