@@ -93,6 +93,14 @@ class RunLine:
             plan = catalog.admit(
                 step, resumed=self.resumed, new_run=self.new_run, abandon=self.abandoned
             )
+            if self.line is None and plan.base is None:  # (a new line the url cannot vouch for)
+                _log.warning(
+                    "%s: memory step %d is restorable only once the url holds a commit of this "
+                    "run (it holds none yet; a restart refuses tier steps of a line the url "
+                    "does not know): save(step, force=True) to the url once at the start",
+                    catalog.storage.url,
+                    step,
+                )
             return plan, self.line or new_id(), None
         kw: dict[str, Any] = dict(
             overwrite=overwrite,
