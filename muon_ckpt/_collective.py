@@ -227,6 +227,33 @@ def arrive(what: str, group: Any = None) -> None:
     _store().set(f"{t.tag}/at/{rank()}", str(t.points))
 
 
+def post(name: str, value: str, group: Any = None) -> None:
+    """Leave ``value`` under ``name`` in the store for the ranks of ``group`` (a manager's): what
+    a rank whose collective with this one failed reads (``posted``); best effort."""
+    t = _track_of(group)
+    if t is not None and is_dist():
+        with contextlib.suppress(Exception):  # (the store gone: the readers' bound ends it)
+            _store().set(f"{t.tag}/{name}", value)
+
+
+def posted(name: str, prefix: str, timeout: float, group: Any = None) -> str | None:
+    """The value ``post``ed under ``name`` that starts with ``prefix``, waited for up to
+    ``timeout`` seconds; None if none came (or the store is gone)."""
+    t = _track_of(group)
+    if t is None or not is_dist():
+        return None
+    deadline, key = time.monotonic() + timeout, f"{t.tag}/{name}"
+    with contextlib.suppress(Exception):
+        store = _store()
+        while True:
+            if store.check([key]) and (got := store.get(key).decode()).startswith(prefix):
+                return got
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+    return None
+
+
 def comm_failure(e: BaseException, what: str, group: Any = None) -> CheckpointCollectiveError:
     """A collective on ``group`` that raised (gloo timeout, a peer gone) as the error every
     rank raises: the ranks that did not arrive at ``what`` and collective_timeout (on a
