@@ -28,6 +28,7 @@ import muon_ckpt._dcp as _dcp
 from muon_ckpt._config import ManagerConfig, checks_content
 from muon_ckpt._errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointMismatchError,
     handled,
     interrupt_in,
@@ -49,7 +50,7 @@ from muon_ckpt.state import (
     offloaded_views,
     prepare_optimizer_state,
 )
-from muon_ckpt.store import Storage
+from muon_ckpt.store import Storage, failure_kind
 from muon_ckpt.store.dcp import check_held_chunks
 
 __all__ = ["LoadOutcome", "LoadTargets", "RankFailure", "attempt", "release_backup", "undo"]
@@ -97,6 +98,7 @@ class RankFailure:
 
     corrupt: bool  # the step's data is damaged (a reason to fall back to an older step)
     message: str
+    kind: type[CheckpointError] = CheckpointError  # what the other ranks raise (failure_kind)
 
     @classmethod
     def of(cls, error: Exception | None, since: BaseException | None) -> RankFailure | None:
@@ -105,7 +107,7 @@ class RankFailure:
         if error is None:
             return None
         corrupt = isinstance(error, CheckpointCorruptError) and interrupt_in(error, since) is None
-        return cls(corrupt, f"{type(error).__name__}: {error}")
+        return cls(corrupt, f"{type(error).__name__}: {error}", failure_kind(error))
 
 
 @dataclasses.dataclass

@@ -160,9 +160,9 @@ def test_a_slow_rank_is_named_with_the_timeout_and_the_manager_recovers(proxy, s
     _check_recovered(out)
 
 
-def _faulted_load(rank, world, url, urls, control):
-    """Save step 1; with every LIST failing on both ranks, load (it must raise, never start
-    fresh); the fault cleared, load again with the same manager."""
+def _faulted_load(rank, world, url, urls, control, rule):
+    """Save step 1; with ``rule`` set on the proxy (by rank 0), load (it must raise, never
+    start fresh); the fault cleared, load again with the same manager."""
     faults = FaultControl(control)
     model = _model(1.0)
     mgr = CheckpointManager(
@@ -174,7 +174,7 @@ def _faulted_load(rank, world, url, urls, control):
     )
     mgr.save(1)
     if rank == 0:
-        faults.rule("GET", ".", "503", kind="LIST")
+        faults.rule(**rule)
     dist.barrier()
     _fill(model, 2.0)
     try:
@@ -197,11 +197,30 @@ def test_a_load_whose_listing_fails_on_every_rank_raises_then_recovers(proxy, s3
     collective_timeout (10 s: it was reached, and the manager stayed broken); the fault
     cleared, the same manager loads step 1."""
     bucket, _ = s3_bucket
-    out = run_on_ranks(_faulted_load, 2, _url(bucket), proxy.urls, proxy.control_url, timeout=240)
+    rule = {"method": "GET", "path": ".", "fault": "503", "kind": "LIST"}
+    out = run_on_ranks(
+        _faulted_load, 2, _url(bucket), proxy.urls, proxy.control_url, rule, timeout=240
+    )
     (kind0, msg0), (kind1, msg1) = out[0][0], out[1][0]
     assert kind0 == kind1 == "CheckpointStorageError" and msg0 == msg1, (msg0, msg1)
     assert "LIST s3://" in msg0 and "503 SlowDown" in msg0, msg0
     for _, unchanged, loaded, holds in out:
+        assert unchanged and loaded == 1 and holds
+
+
+def test_a_load_whose_data_reads_fail_on_one_rank_raises_a_storage_error_on_both(proxy, s3_bucket):
+    """Every GET of a data file on rank 1 answers 503: load() raises CheckpointStorageError
+    naming rank 1 and the GET on both ranks (it was a plain CheckpointError: the kind of
+    rank 1's failure was lost where the ranks agree on their reads); the fault cleared, the
+    same manager loads step 1."""
+    bucket, _ = s3_bucket
+    rule = {"method": "GET", "path": r"\.distcp", "fault": "503", "kind": "GET", "rank": 1}
+    out = run_on_ranks(
+        _faulted_load, 2, _url(bucket), proxy.urls, proxy.control_url, rule, timeout=240
+    )
+    for (kind, msg), unchanged, loaded, holds in out:
+        assert kind == "CheckpointStorageError", (kind, msg)
+        assert re.search(r"GET s3://\S+\.distcp on rank 1 failed: 503 SlowDown", msg), msg
         assert unchanged and loaded == 1 and holds
 
 
@@ -243,3 +262,4 @@ def test_the_probe_survives_one_transient_503(proxy, s3_bucket):
     probes = [x for x in proxy.log if x[1] == "HEAD" and x[3].strip("/") == bucket]
     assert [x[4] for x in probes] == ["503", None]
     assert mgr.save(1) and mgr.steps() == [1]
+
