@@ -18,7 +18,8 @@ of it, so that a stalled attempt leaves time for another. Retried: answers that 
 again" (5xx, throttling, a request timeout, a checksum the store found wrong), a connection
 reset or closed mid-request, a short or damaged response, a timeout. Not retried: the other
 answers (a missing key, a refused access, a failed precondition: the caller needs them as
-they are), nor, for the probe (``reconnect=False``), an endpoint that refuses connections. A
+they are), nor, for the probe (``reconnect=False``), an endpoint that refuses connections or a host
+name that does not resolve (a connection reset is retried). A
 request that runs out of its budget raises ``RequestFailed`` (an ``OSError``) naming the rank,
 the request, the object, the attempts, the time and the last answer.
 """
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import random
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -264,11 +267,21 @@ def _retryable(e: BaseException, reconnect: bool) -> bool | None:
         return False if status >= 500 or code in _AGAIN else None
     for x in _chain(e):
         names = {c.__name__ for c in type(x).__mro__}
-        if names & _CONNECT:
-            return False if reconnect else None
+        if names & _CONNECT:  # (a reset or closed connection is retried, also by the probe)
+            return None if not reconnect and _refused(e) else False
         if names & _TRANSIENT or _parsing(x):
             return False
     return None
+
+
+def _refused(e: BaseException) -> bool:
+    """Whether no connection could be made at all: refused, or the host name unknown."""
+    for x in _chain(e):
+        if isinstance(x, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        if getattr(x, "errno", None) == errno.ECONNREFUSED or "DNSError" in type(x).__name__:
+            return True
+    return False
 
 
 def _parsing(e: BaseException) -> bool:

@@ -263,3 +263,14 @@ def test_the_probe_survives_one_transient_503(proxy, s3_bucket):
     assert [x[4] for x in probes] == ["503", None]
     assert mgr.save(1) and mgr.steps() == [1]
 
+
+def test_the_probe_retries_connection_resets(proxy, s3_bucket):
+    """Two connection resets (no answer) on the constructor's probe are retried within its
+    budget (the first ended the job at its start, taken for an endpoint that refuses
+    connections); an endpoint that refuses them still fails at once (test_storage_errors)."""
+    bucket, _ = s3_bucket
+    proxy.rule("HEAD", ".", "reset", times=2)
+    mgr = CheckpointManager(_url(bucket), model=_model(1.0), storage_options=s3_options(proxy.url))
+    probes = [x for x in proxy.log if x[1] == "HEAD" and x[3].strip("/") == bucket]
+    assert [x[4] for x in probes] == ["reset", "reset", None], probes
+    assert mgr.save(1) and mgr.steps() == [1]
