@@ -160,6 +160,30 @@ def test_a_slow_rank_is_named_with_the_timeout_and_the_manager_recovers(proxy, s
     _check_recovered(out)
 
 
+def test_a_slow_metadata_write_on_rank_0_is_named_as_rank_0(proxy, s3_bucket):
+    """Rank 0's PUT of the step's .metadata (DCP's finish) answers after collective_timeout:
+    every rank raises the same CheckpointCollectiveError naming rank 0 (rank 1, waiting for it,
+    was named, with raw gloo text); the same manager then saves and loads."""
+    bucket, _ = s3_bucket
+    proxy.delay_s = 9.0
+    rule = {"method": "PUT", "path": r"\.metadata", "fault": "delay", "rank": 0}
+    out = run_on_ranks(
+        _faulted_save,
+        2,
+        _url(bucket),
+        proxy.urls,
+        proxy.control_url,
+        rule,
+        (30.0, 3.0),
+        timeout=240,
+    )
+    (kind0, msg0), (kind1, msg1) = out[0][0], out[1][0]
+    assert kind0 == kind1 == CheckpointCollectiveError.__name__ and msg0 == msg1, (msg0, msg1)
+    assert "rank(s) [0] of 2 did not reach" in msg0 and ".metadata" in msg0, msg0
+    assert "gloo" not in msg0.lower(), msg0
+    _check_recovered(out)
+
+
 def _faulted_load(rank, world, url, urls, control, rule):
     """Save step 1; with ``rule`` set on the proxy (by rank 0), load (it must raise, never
     start fresh); the fault cleared, load again with the same manager."""
