@@ -330,6 +330,11 @@ class Saves:
             if job.joined:  # interrupted while joining (Ctrl-C): still pending
                 self.pending = None
 
+    def busy(self) -> bool:
+        """Whether a background job (the url's write, a memory save, a flush) still runs."""
+        jobs = (self.pending, self.memory_job, self._flushing)
+        return any(j is not None and not j.done() for j in jobs)
+
     def writing(self) -> int | None:
         """The step the url's write in the background is writing, or None."""
         job = self.pending

@@ -11,6 +11,7 @@ previous step stays the newest, and the same manager saves and loads once the fa
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
@@ -182,6 +183,49 @@ def test_a_slow_metadata_write_on_rank_0_is_named_as_rank_0(proxy, s3_bucket):
     assert "rank(s) [0] of 2 did not reach" in msg0 and ".metadata" in msg0, msg0
     assert "gloo" not in msg0.lower(), msg0
     _check_recovered(out)
+
+
+def _regroups(rank, world, url, urls, control, rounds):
+    """``rounds`` times: a save that times out (rank 1's PUTs late), then one that commits
+    (the groups made again); this process's open files and OS threads after each."""
+    faults = FaultControl(control)
+    mgr = CheckpointManager(
+        url,
+        model=_model(1.0),
+        storage_options=s3_options(urls[rank]),
+        storage_timeout=30.0,
+        collective_timeout=2.0,
+    )
+    counts = []
+    for i in range(rounds):
+        if rank == 0:
+            faults.rule("PUT", ".", "delay", kind="PUT", rank=1)
+        dist.barrier()
+        with pytest.raises(CheckpointCollectiveError):
+            mgr.save(2 * i + 1)
+        dist.barrier()
+        if rank == 0:
+            faults.clear()
+        dist.barrier()
+        assert mgr.save(2 * i + 2)
+        counts.append((len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))))
+    mgr.close()
+    return counts
+
+
+def test_groups_made_again_after_timeouts_do_not_leak(proxy, s3_bucket):
+    """Each collective timeout makes the manager's gloo groups again at the next call: the
+    old ones are destroyed (each left about 4 sockets and 3 threads per rank behind), so the
+    open files and threads of a rank stay flat over repeated timeouts."""
+    bucket, _ = s3_bucket
+    proxy.delay_s = 3.0
+    rounds = 4
+    out = run_on_ranks(
+        _regroups, 2, _url(bucket), proxy.urls, proxy.control_url, rounds, timeout=240
+    )
+    for counts in out:
+        (fds0, threads0), (fds, threads) = counts[0], counts[-1]
+        assert threads <= threads0 + 1 and fds <= fds0 + 2, counts
 
 
 def _faulted_load(rank, world, url, urls, control, rule):
