@@ -23,7 +23,6 @@ from muon_ckpt.store import (
     step_dirname,
     write_dirname,
 )
-from muon_ckpt.store._steps import read_manifest
 
 __all__ = ["commit", "settle", "tidy"]
 
@@ -54,7 +53,7 @@ def settle(w: WriteSpec, err: CheckpointCollectiveError) -> None:
     st, step, gen = w.catalog.storage, w.step, w.admission.plan.gen
     try:
         names = dict.fromkeys((step_dirname(step), write_dirname(step, w.admission.plan.beside)))
-        committed = any(_holds(st, n, step, gen) for n in names)
+        committed = any(_holds(w, n, gen) for n in names)
     except Exception as e:
         raise CheckpointError(
             f"{err}; whether step {step} was committed could not be read from "
@@ -71,10 +70,10 @@ def settle(w: WriteSpec, err: CheckpointCollectiveError) -> None:
     )
 
 
-def _holds(st: Any, name: str, step: int, gen: int) -> bool:
+def _holds(w: WriteSpec, name: str, gen: int) -> bool:
     try:
-        return read_manifest(st, name, step).gen == gen
-    except FileNotFoundError:
+        return w.catalog.manifest(w.step, name).gen == gen
+    except FileNotFoundError:  # (CheckpointNotFoundError)
         return False
 
 

@@ -31,7 +31,7 @@ from muon_ckpt.store._local import open_regular
 from muon_ckpt.store._probe import check_run_root, open_run, open_storage
 from muon_ckpt.store._resolve import Resolved, VerifyResult, prune, resolve, verify
 from muon_ckpt.store._steps import Status, StepInfo, layout_of
-from muon_ckpt.store._storage import Storage, failure_kind, is_storage_failure
+from muon_ckpt.store._storage import Storage, is_storage_failure
 
 __all__ = [
     "DATA",
@@ -55,7 +55,6 @@ __all__ = [
     "data_dirname",
     "data_ref",
     "data_ref_name",
-    "failure_kind",
     "is_file_name",
     "is_storage_failure",
     "layout_of",

@@ -35,7 +35,6 @@ from muon_ckpt.store._url import OBJECT_STORES, open_fs
 __all__ = [
     "DEFAULT_TIMEOUT",
     "Storage",
-    "failure_kind",
     "is_storage_failure",
     "open_regular",
     "storage_error",
@@ -51,16 +50,6 @@ def is_storage_failure(e: BaseException) -> bool:
     if isinstance(e, (OSError, TimeoutError, ConnectionError)):
         return True
     return any(c.__module__.startswith(_STORAGE_MODULES) for c in type(e).__mro__[:-1])
-
-
-def failure_kind(e: BaseException) -> type[CheckpointError]:
-    """The class another rank raises for this rank's failure ``e``: damaged bytes, the
-    storage, or a plain CheckpointError."""
-    if isinstance(e, (CheckpointCorruptError, CheckpointStorageError)):
-        return type(e)
-    if not isinstance(e, CheckpointError) and is_storage_failure(e):
-        return CheckpointStorageError
-    return CheckpointError
 
 
 def storage_error(e: BaseException, what: str) -> CheckpointStorageError:
