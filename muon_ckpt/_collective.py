@@ -326,7 +326,6 @@ class Calls:
         timeout: float,
         *,
         background_groups: bool = False,
-        busy: Callable[[], bool] = lambda: False,
     ) -> None:
         url_id = hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
         n = Calls._made[url_id] = Calls._made.get(url_id, 0) + 1
@@ -341,7 +340,8 @@ class Calls:
         self.write_group: Any = None  # a save's write and commit (else ``group``)
         self.memory_group: Any = None  # a memory save's replication and agreement
         self.hosts = 1
-        self._busy = busy  # whether a background job runs (it may hold a group made before)
+        # Whether a background job runs (it may hold a group made before); set by its owner.
+        self.busy: Callable[[], bool] = lambda: False
         self._retired: list[Any] = []  # groups replaced, destroyed once no job may hold them
 
     def _groups(self) -> list[Any]:
@@ -360,7 +360,7 @@ class Calls:
             # that failed with it is destroyed once that job has ended.
             self._retired += list(dict.fromkeys(self._groups()))
             self.group = self.write_group = self.memory_group = None
-        if self._retired and not self._busy():
+        if self._retired and not self.busy():
             self._destroy(self._retired)
         self.ensure_group()
         for g in self._groups():

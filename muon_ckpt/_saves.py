@@ -82,6 +82,7 @@ class Saves:
     ) -> None:
         self.catalog, self.config, self.line = catalog, config, line
         self.sources, self.calls = sources, calls
+        calls.busy = self.busy  # (a group a running job holds is destroyed once it ended)
         self.url = UrlWriter(catalog, config)
         self.memory = MemoryWriter.of(config, catalog.storage.url_of())
         self._owner = weakref.ref(owner)

@@ -87,10 +87,7 @@ class CheckpointManager:
             resume_options=None if c.resume_storage_options is None else c.resume_kwargs,
         )
         self._calls = coll.Calls(
-            c.url,
-            c.collective_timeout,
-            background_groups=c.memory is not None,
-            busy=lambda: self._saves.busy(),
+            c.url, c.collective_timeout, background_groups=c.memory is not None
         )
         line = RunLine(c.new_run, loads_check=checks_content(c.verify))
         self._preempt: PreemptionWatch | None = None
