@@ -37,6 +37,7 @@ from muon_ckpt._errors import (
 from muon_ckpt._interrupts import interrupts_deferred
 from muon_ckpt.load._decide import Decision
 from muon_ckpt.load._planner import SafeLoadPlanner
+from muon_ckpt.load._read_once import failure_kind
 from muon_ckpt.load._reader import VerifyingReader
 from muon_ckpt.state import (
     FlatState,
@@ -50,7 +51,7 @@ from muon_ckpt.state import (
     offloaded_views,
     prepare_optimizer_state,
 )
-from muon_ckpt.store import Storage, failure_kind
+from muon_ckpt.store import Storage
 from muon_ckpt.store.dcp import check_held_chunks
 
 __all__ = ["LoadOutcome", "LoadTargets", "RankFailure", "attempt", "release_backup", "undo"]
