@@ -228,7 +228,7 @@ def test_groups_made_again_after_timeouts_do_not_leak(proxy, s3_bucket):
         assert threads <= threads0 + 1 and fds <= fds0 + 2, counts
 
 
-def _faulted_load(rank, world, url, urls, control, rule):
+def _faulted_load(rank, world, url, urls, control, rule, storage_timeout=STORAGE_TIMEOUT):
     """Save step 1; with ``rule`` set on the proxy (by rank 0), load (it must raise, never
     start fresh); the fault cleared, load again with the same manager."""
     faults = FaultControl(control)
@@ -237,7 +237,7 @@ def _faulted_load(rank, world, url, urls, control, rule):
         url,
         model=model,
         storage_options=s3_options(urls[rank]),
-        storage_timeout=STORAGE_TIMEOUT,
+        storage_timeout=storage_timeout,
         collective_timeout=10.0,
     )
     mgr.save(1)
@@ -283,8 +283,8 @@ def test_a_load_whose_data_reads_fail_on_one_rank_raises_a_storage_error_on_both
     same manager loads step 1."""
     bucket, _ = s3_bucket
     rule = {"method": "GET", "path": r"\.distcp", "fault": "503", "kind": "GET", "rank": 1}
-    out = run_on_ranks(
-        _faulted_load, 2, _url(bucket), proxy.urls, proxy.control_url, rule, timeout=240
+    out = run_on_ranks(  # (a budget for a loaded host: the 503s end it in any case)
+        _faulted_load, 2, _url(bucket), proxy.urls, proxy.control_url, rule, 5.0, timeout=240
     )
     for (kind, msg), unchanged, loaded, holds in out:
         assert kind == "CheckpointStorageError", (kind, msg)
