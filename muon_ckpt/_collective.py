@@ -227,6 +227,33 @@ def arrive(what: str, group: Any = None) -> None:
     _store().set(f"{t.tag}/at/{rank()}", str(t.points))
 
 
+def post(name: str, value: str, group: Any = None) -> None:
+    """Leave ``value`` under ``name`` in the store for the ranks of ``group`` (a manager's): what
+    a rank whose collective with this one failed reads (``posted``); best effort."""
+    t = _track_of(group)
+    if t is not None and is_dist():
+        with contextlib.suppress(Exception):  # (the store gone: the readers' bound ends it)
+            _store().set(f"{t.tag}/{name}", value)
+
+
+def posted(name: str, prefix: str, timeout: float, group: Any = None) -> str | None:
+    """The value ``post``ed under ``name`` that starts with ``prefix``, waited for up to
+    ``timeout`` seconds; None if none came (or the store is gone)."""
+    t = _track_of(group)
+    if t is None or not is_dist():
+        return None
+    deadline, key = time.monotonic() + timeout, f"{t.tag}/{name}"
+    with contextlib.suppress(Exception):
+        store = _store()
+        while True:
+            if store.check([key]) and (got := store.get(key).decode()).startswith(prefix):
+                return got
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+    return None
+
+
 def comm_failure(e: BaseException, what: str, group: Any = None) -> CheckpointCollectiveError:
     """A collective on ``group`` that raised (gloo timeout, a peer gone) as the error every
     rank raises: the ranks that did not arrive at ``what`` and collective_timeout (on a
@@ -293,7 +320,13 @@ class Calls:
 
     _made: dict[str, int] = {}  # managers of each url made in this process
 
-    def __init__(self, url: str, timeout: float, *, background_groups: bool = False) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float,
+        *,
+        background_groups: bool = False,
+    ) -> None:
         url_id = hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
         n = Calls._made[url_id] = Calls._made.get(url_id, 0) + 1
         self._tag = f"muon_ckpt/{url_id}/{n}"
@@ -307,6 +340,9 @@ class Calls:
         self.write_group: Any = None  # a save's write and commit (else ``group``)
         self.memory_group: Any = None  # a memory save's replication and agreement
         self.hosts = 1
+        # Whether a background job runs (it may hold a group made before); set by its owner.
+        self.busy: Callable[[], bool] = lambda: False
+        self._retired: list[Any] = []  # groups replaced, destroyed once no job may hold them
 
     def _groups(self) -> list[Any]:
         return [g for g in (self.group, self.write_group, self.memory_group) if g is not None]
@@ -320,9 +356,12 @@ class Calls:
             forget(f"{self._tag}/{self._count - 2}", call)  # every rank is past that one
         broken = any(t.broken for g in self._groups() if (t := _tracks.get(g)) is not None)
         if handshake(f"{self._tag}/{self._count}", call, self._timeout, broken):
-            # A group whose collective failed is closed; one still used by a background job
-            # that failed with it is left to that job.
+            # A group whose collective failed is replaced; one still used by a background job
+            # that failed with it is destroyed once that job has ended.
+            self._retired += list(dict.fromkeys(self._groups()))
             self.group = self.write_group = self.memory_group = None
+        if self._retired and not self.busy():
+            self._destroy(self._retired)
         self.ensure_group()
         for g in self._groups():
             _tracks[g].call = call
@@ -346,7 +385,19 @@ class Calls:
         return group
 
     def close(self) -> None:
-        """Remove the last handshake's keys (housekeeping: the store's host may be gone)."""
+        """Remove the last handshake's keys (housekeeping: the store's host may be gone) and
+        destroy the groups (every background job has ended)."""
         if self._count > 1:  # every rank is past that one (not surely past the last)
             with contextlib.suppress(CheckpointCollectiveError):
                 forget(f"{self._tag}/{self._count - 1}", "close()")
+        self._retired += list(dict.fromkeys(self._groups()))
+        self.group = self.write_group = self.memory_group = None
+        self._destroy(self._retired)
+
+    @staticmethod
+    def _destroy(groups: list[Any]) -> None:
+        """Destroy ``groups`` (local: their sockets and threads go; each rank does it)."""
+        while groups:
+            g = groups.pop()
+            with contextlib.suppress(Exception):  # (a group torch already let go of)
+                dist.destroy_process_group(g)

@@ -91,7 +91,11 @@ def save(
     alone = _single_process(alone)
     with failures(what, group, collective=not alone), coll.lane(None if alone else group):
         coll.arrive("the start of DCP's save")
-        dcp.save(sd, storage_writer=writer, planner=planner, process_group=group, no_dist=alone)
+        try:
+            dcp.save(sd, storage_writer=writer, planner=planner, process_group=group, no_dist=alone)
+        finally:  # (a writer whose rank 0 marks DCP's finish: marked also where it never ran)
+            if (ended := getattr(writer, "ended", None)) is not None:
+                ended()
 
 
 def load(

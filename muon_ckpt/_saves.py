@@ -82,6 +82,7 @@ class Saves:
     ) -> None:
         self.catalog, self.config, self.line = catalog, config, line
         self.sources, self.calls = sources, calls
+        calls.busy = self.busy  # (a group a running job holds is destroyed once it ended)
         self.url = UrlWriter(catalog, config)
         self.memory = MemoryWriter.of(config, catalog.storage.url_of())
         self._owner = weakref.ref(owner)
@@ -337,6 +338,11 @@ class Saves:
         finally:
             if job.joined:  # interrupted while joining (Ctrl-C): still pending
                 self.pending = None
+
+    def busy(self) -> bool:
+        """Whether a background job (the url's write, a memory save, a flush) still runs."""
+        jobs = (self.pending, self.memory_job, self._flushing)
+        return any(j is not None and not j.done() for j in jobs)
 
     def writing(self) -> int | None:
         """The step the url's write in the background is writing, or None."""

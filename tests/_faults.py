@@ -15,6 +15,8 @@ request (``kind_of``): ``LIST``, ``GET``, ``HEAD``, ``PUT``, ``COPY``, ``CREATE`
 * ``"reset"``: the connection is closed without a response (RST);
 * ``"stall"``: no response for ``stall_s`` seconds, then the connection is closed;
 * ``"delay"``: the request is forwarded after ``delay_s`` seconds (a slow store, no error);
+* ``"slow"`` (never drawn at random): the response body sent in pieces of ``SLOW_PIECE``
+  bytes, ``slow_s`` seconds apart (a live link slower than the request's budget);
 * ``"corrupt_request"``: one byte of the request body flipped, the request's checksum
   headers dropped (a store that does not check what it is sent); ``"truncate_request"``: the
   body cut in half, likewise;
@@ -81,6 +83,7 @@ _CHECKSUM_HEADERS = re.compile(
 )
 _BODY_FAULTS = {"corrupt_request", "truncate_request", "flip_request", "short_request"}
 _CONTROL = "/__faults__/"
+SLOW_PIECE = 64 << 10
 
 
 def kind_of(method: str, path: str, headers: Any = None) -> str:
@@ -128,6 +131,7 @@ class FaultProxy:
         self.stall_s = stall_s  # None: a stall ends only when the proxy stops
         self._stopped = threading.Event()
         self.delay_s = delay_s
+        self.slow_s = 0.05  # seconds between the pieces of a "slow" body
         # [method, path, body, fault, times left, kind, rank, at]
         self.rules: list[list[Any]] = []
         self.rate = 0.0
@@ -329,7 +333,12 @@ class FaultProxy:
                 h.send_header(k, v)
         h.send_header("Content-Length", str(full))
         h.end_headers()
-        if h.command != "HEAD":
+        if fault == "slow" and h.command != "HEAD":
+            for at in range(0, len(data), SLOW_PIECE):
+                h.wfile.write(data[at : at + SLOW_PIECE])
+                h.wfile.flush()
+                self._stopped.wait(self.slow_s)
+        elif h.command != "HEAD":
             h.wfile.write(data[: full // 2] if cut else data)
         if cut:
             h.wfile.flush()

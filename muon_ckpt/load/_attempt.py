@@ -28,6 +28,7 @@ import muon_ckpt._dcp as _dcp
 from muon_ckpt._config import ManagerConfig, checks_content
 from muon_ckpt._errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointMismatchError,
     handled,
     interrupt_in,
@@ -36,6 +37,7 @@ from muon_ckpt._errors import (
 from muon_ckpt._interrupts import interrupts_deferred
 from muon_ckpt.load._decide import Decision
 from muon_ckpt.load._planner import SafeLoadPlanner
+from muon_ckpt.load._read_once import failure_kind
 from muon_ckpt.load._reader import VerifyingReader
 from muon_ckpt.state import (
     FlatState,
@@ -98,6 +100,7 @@ class RankFailure:
     corrupt: bool  # the step's data is damaged (a reason to fall back to an older step)
     message: str
     mismatch: bool = False  # the step does not fit this job (never a reason to load another)
+    kind: type[CheckpointError] = CheckpointError  # what the other ranks raise (failure_kind)
 
     @classmethod
     def of(cls, error: Exception | None, since: BaseException | None) -> RankFailure | None:
@@ -107,7 +110,7 @@ class RankFailure:
             return None
         corrupt = isinstance(error, CheckpointCorruptError) and interrupt_in(error, since) is None
         mismatch = isinstance(error, CheckpointMismatchError)
-        return cls(corrupt, f"{type(error).__name__}: {error}", mismatch)
+        return cls(corrupt, f"{type(error).__name__}: {error}", mismatch, failure_kind(error))
 
 
 @dataclasses.dataclass

@@ -44,12 +44,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import ReadItem
 
 import muon_ckpt._collective as coll
-from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointStorageError
 from muon_ckpt._tensors import tensor_bytes
 from muon_ckpt.load._declared import StoredChunks
 from muon_ckpt.load._item_bytes import load_blob
+from muon_ckpt.store import is_storage_failure
 
-__all__ = ["MESSAGE_BYTES", "SharePlan", "agree", "distribute", "plan_shared"]
+__all__ = ["MESSAGE_BYTES", "SharePlan", "agree", "distribute", "failure_kind", "plan_shared"]
 
 MESSAGE_BYTES = 64 << 20  # largest message packing several shared items (a larger one alone)
 WINDOW = 3  # messages in flight while an earlier one is loaded
@@ -154,20 +155,27 @@ def _pack(shared: list[SharedItem]) -> list[list[SharedItem]]:
     return out
 
 
+def failure_kind(e: BaseException) -> type[CheckpointError]:
+    """The class another rank raises for this rank's failure ``e`` (bytes, storage, other)."""
+    if isinstance(e, (CheckpointCorruptError, CheckpointStorageError)):
+        return type(e)
+    storage = not isinstance(e, CheckpointError) and is_storage_failure(e)
+    return CheckpointStorageError if storage else CheckpointError
+
+
 def agree(error: BaseException | None, rank: int, group: Any) -> None:
     """Collective: raise on every rank if the reads failed on any (this rank's own error as
-    it is; another rank's as the same kind of error, naming that rank)."""
+    it is; another rank's as the same kind of error, ``failure_kind``, naming that rank)."""
     mine = None
     if error is not None:
-        mine = (isinstance(error, CheckpointCorruptError), f"{type(error).__name__}: {error}")
+        mine = (failure_kind(error), f"{type(error).__name__}: {error}")
     outcome = coll.all_gather(mine, group)
     if error is not None:
         raise error
     for r, got in enumerate(outcome):
         if got is not None:
-            corrupt, text = got
-            cls = CheckpointCorruptError if corrupt else CheckpointError
-            raise cls(f"rank {r} could not read its part of the checkpoint: {text}")
+            kind, text = got
+            raise kind(f"rank {r} could not read its part of the checkpoint: {text}")
 
 
 def distribute(

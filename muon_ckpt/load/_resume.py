@@ -15,7 +15,7 @@ import logging
 import time
 
 import muon_ckpt._collective as coll
-from muon_ckpt._errors import CheckpointError, CheckpointMismatchError
+from muon_ckpt._errors import CheckpointMismatchError
 from muon_ckpt._gcpause import paused_gc
 from muon_ckpt.load._attempt import LoadOutcome, LoadTargets, attempt, release_backup, undo
 from muon_ckpt.load._decide import Decision, History, Skip, decide
@@ -185,7 +185,7 @@ def refusal(
     """The error a failed attempt raises on this rank: its own (explained), or one naming
     the ranks that failed."""
     if out.error is None:
-        return CheckpointError(
+        return out.failures[min(out.failures)].kind(
             f"loading {where} failed on rank(s) {sorted(out.failures)} "
             f"({out.failures[min(out.failures)].message}); this rank's model, optimizer and "
             "extra state are as they were"

@@ -1,20 +1,80 @@
 """A save's last two acts on rank 0: the commit (every rank's files, once the replicas agree,
-as the step's manifest) and the tidy after it (retention, retired steps deleted)."""
+as the step's manifest) and the tidy after it (retention, retired steps deleted); and, where
+the broadcast of the commit's outcome failed, that outcome decided from the storage
+(``settle``), so no rank reports a committed step as failed."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+import muon_ckpt._collective as coll
 from muon_ckpt._config import reads_back
+from muon_ckpt._errors import CheckpointCollectiveError, CheckpointError
 from muon_ckpt.save._replicas import differing
 from muon_ckpt.save._spec import WriteSpec
 from muon_ckpt.save._writer import StepWriter
-from muon_ckpt.store import METADATA, FileEntry, confirm_files, data_ref, step_dirname
+from muon_ckpt.store import (
+    MANIFEST,
+    METADATA,
+    FileEntry,
+    confirm_files,
+    data_ref,
+    step_dirname,
+    write_dirname,
+)
 
-__all__ = ["commit", "tidy"]
+__all__ = ["commit", "settle", "tidy"]
 
 _log = logging.getLogger("muon_ckpt")
+_COMMIT_REQUESTS = 6  # requests rank 0's commit sends one after another (listing ... swap)
+
+
+def _outcome_key(w: WriteSpec) -> str:
+    return f"{w.step}/{w.admission.plan.gen}:"
+
+
+def commit_posted(
+    w: WriteSpec, writer: StepWriter, dirname: str, gathered: list[Any], seconds: float
+) -> None:
+    """Rank 0: ``commit``, its end posted in the store for ranks whose broadcast fails."""
+    try:
+        commit(w, writer, dirname, gathered, seconds)
+    finally:
+        coll.post("commit", _outcome_key(w), w.group)
+
+
+def settle(w: WriteSpec, err: CheckpointCollectiveError) -> None:
+    """The broadcast of the commit's outcome failed (``err``): once rank 0's commit has ended
+    (its post, bounded by the commit's own requests), the manifest of this save's generation on
+    the storage decides. Committed: a WARNING and the save stands; else ``err``, which says so."""
+    bound = (w.config.storage_timeout or w.config.collective_timeout) * _COMMIT_REQUESTS
+    coll.posted("commit", _outcome_key(w), bound, w.group)
+    st, step, gen = w.catalog.storage, w.step, w.admission.plan.gen
+    try:
+        names = dict.fromkeys((step_dirname(step), write_dirname(step, w.admission.plan.beside)))
+        committed = any(_holds(w, n, gen) for n in names)
+    except Exception as e:
+        raise CheckpointError(
+            f"{err}; whether step {step} was committed could not be read from "
+            f"{st.url_of(step_dirname(step), MANIFEST)} ({type(e).__name__}: {e}): check with "
+            "steps() before saving it again"
+        ) from err
+    if not committed:
+        raise CheckpointCollectiveError(f"{err}; step {step} is not committed") from err
+    _log.warning(
+        "step %d was committed (its manifest is on the storage) though the ranks could not "
+        "agree on it afterwards: %s",
+        step,
+        err,
+    )
+
+
+def _holds(w: WriteSpec, name: str, gen: int) -> bool:
+    try:
+        return w.catalog.manifest(w.step, name).gen == gen
+    except FileNotFoundError:  # (CheckpointNotFoundError)
+        return False
 
 
 def commit(

@@ -9,8 +9,9 @@ threads, each file checksummed as it is written; a failure on any rank fails it 
 each rank confirms that the storage holds what it wrote (``store.confirm_files``: read-back
 of sizes and crc32 by default) and checksums its replicated shards (``_replicas``) -> gather
 every rank's file records and checksums (or its failure) on rank 0 -> rank 0 checks the
-replicas, the files and the write lease and writes the manifest (the commit), then
-applies retention -> the outcome is broadcast. A failure anywhere before the manifest leaves
+replicas, the files and the write lease and writes the manifest (the commit) -> the outcome is
+broadcast (where that fails, the manifest on the storage decides it: ``settle``) -> rank 0
+applies retention, alone (it logs the outcome). A failure anywhere before the manifest leaves
 the step uncommitted and every committed step untouched; retention runs only after a commit
 whose files were confirmed, and a retention delete that fails is a warning (the step is
 committed). An overwrite is written beside the step it replaces and swapped in at the commit.
@@ -32,10 +33,10 @@ from typing import Any
 import muon_ckpt._collective as coll
 import muon_ckpt._dcp as _dcp
 from muon_ckpt._config import ManagerConfig
-from muon_ckpt._errors import CheckpointError, handled, interrupt_in
+from muon_ckpt._errors import CheckpointCollectiveError, CheckpointError, handled, interrupt_in
 from muon_ckpt._interrupts import interrupts_deferred
 from muon_ckpt._threads import join, start
-from muon_ckpt.save._commit import commit, tidy
+from muon_ckpt.save._commit import commit_posted, settle, tidy
 from muon_ckpt.save._replicas import replica_checksums
 from muon_ckpt.save._snapshot import StagedSavePlanner
 from muon_ckpt.save._spec import Handoff, Prebuilt, WriteSpec, Written
@@ -95,7 +96,10 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
     # files of earlier saves the step refers to (checked before), and its own
     files = {**writer.dedup.refs, **records.files}
     gathered = coll.gather_to_rank0((files, failed, gens, sums, share), w.group)
-    coll.on_rank0(lambda: commit(w, writer, dirname, gathered or [], t1 - t0), w.group)
+    try:
+        coll.on_rank0(lambda: commit_posted(w, writer, dirname, gathered or [], t1 - t0), w.group)
+    except CheckpointCollectiveError as e:  # (rank 0 may have committed: the storage says)
+        settle(w, e)
     t2 = out.committed_at = time.perf_counter()
     out.gen = w.admission.plan.gen
     out.written_bytes = sum(e.size for e in records.files.values())
@@ -111,8 +115,8 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
     if w.data_dir is not None:
         out.next_base = writer.dedup.next_base((w.step, w.admission.plan.gen), records.files, gens)
     plan = w.admission.plan
-    if w.config.keep_last is not None or plan.retires or plan.drop:
-        coll.on_rank0(lambda: tidy(w), w.group)
+    if coll.rank() == 0 and (w.config.keep_last is not None or plan.retires or plan.drop):
+        tidy(w)  # (no agreement after it: a slow or failed retention cannot fail the save)
         out.timings["retention"] = time.perf_counter() - t2
     out.timings.update(
         dcp_save=t1 - t0,
@@ -287,9 +291,9 @@ class SaveJob:
         if not self._background or getattr(err, "committed", False):
             raise err  # (committed: the error says where the step is)
         ours = isinstance(err, CheckpointError)
-        raise (type(err) if ours else CheckpointError)(
-            f"the asynchronous save of step {self.step} failed, so it was not committed "
-            f"(committed steps are unchanged): {'' if ours else type(err).__name__ + ': '}{err}"
+        raise (type(err) if ours else CheckpointError)(  # (the cause says whether it committed)
+            f"the asynchronous save of step {self.step} failed: "
+            f"{'' if ours else type(err).__name__ + ': '}{err}"
         ) from err
 
 

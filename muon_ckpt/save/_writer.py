@@ -49,6 +49,7 @@ from muon_ckpt.store.dcp import dcp_filesystem
 __all__ = ["StepWriter", "WritePolicy"]
 
 _COPY_BYTES = 16 << 20  # a copied file's bytes go through one buffer of this size
+_FINISH = "the end of DCP's save (the written files gathered, rank 0's .metadata written)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,7 @@ class StepWriter(FileSystemWriter):
         self._lock = threading.Lock()
         self.packed = [0, 0]  # compressed tensors written: their bytes in, the bytes stored
         self.compressed = False  # (rank 0, once finished) whether the step has such items
+        self._finish_due = False  # (rank 0) DCP's finish, an agreement point, not yet reached
 
     def prepare_local_plan(self, plan: Any) -> Any:
         # DCP's also asks the storage whether a .metadata is there, only to warn (overwrite=
@@ -123,6 +125,14 @@ class StepWriter(FileSystemWriter):
         super().finish(metadata, results)
         infos = (metadata.storage_data or {}).values()
         self.compressed = any(getattr(i, "transform_descriptors", None) for i in infos)
+        self.ended()
+
+    def ended(self) -> None:
+        """Rank 0 past DCP's finish (its ``.metadata`` written, or DCP's save over without
+        it): the point the other ranks reached when they began to wait for it."""
+        if self._finish_due:
+            self._finish_due = False
+            coll.arrive(_FINISH)
 
     def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[Any]:
         t0 = time.perf_counter()
@@ -134,6 +144,10 @@ class StepWriter(FileSystemWriter):
         results = fut.wait()  # (a completed future)
         self.write_seconds = time.perf_counter() - t0
         coll.arrive("DCP's gather of the written files")  # (names a rank that never gets there)
+        if coll.rank() == 0:  # (so a slow .metadata write names rank 0, not the waiting ranks)
+            self._finish_due = True
+        else:
+            coll.arrive(_FINISH)
         errors = self.fs.records.errors
         written = {r.index for r in results or ()}
         missing = [it.index.fqn for it in plan.items if it.index not in written]

@@ -13,12 +13,14 @@ The budget of one request (``Budget``): at most ``ATTEMPTS`` attempts; between t
 that doubles from ``BASE`` (``THROTTLED_BASE`` after an answer that asks to slow down: S3's
 503 SlowDown, a 429, a throttling code), half of it random (jitter), so that ranks that failed
 together do not retry together; and a total bounded by ``timeout`` (``storage_timeout``): no
-attempt starts or goes on past it, and each attempt's connect and read timeouts are a third
-of it, so that a stalled attempt leaves time for another. Retried: answers that say "try
+attempt starts or goes on past it (but a GET whose body still arrives, until it is idle for a
+third of it), and each attempt's connect and read timeouts are a third of it, so that a
+stalled attempt leaves time for another. Retried: answers that say "try
 again" (5xx, throttling, a request timeout, a checksum the store found wrong), a connection
 reset or closed mid-request, a short or damaged response, a timeout. Not retried: the other
 answers (a missing key, a refused access, a failed precondition: the caller needs them as
-they are), nor, for the probe (``reconnect=False``), an endpoint that refuses connections. A
+they are), nor, for the probe (``reconnect=False``), an endpoint that refuses connections or a host
+name that does not resolve (a connection reset is retried). A
 request that runs out of its budget raises ``RequestFailed`` (an ``OSError``) naming the rank,
 the request, the object, the attempts, the time and the last answer.
 """
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import random
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -163,7 +167,9 @@ async def _within(budget: Budget, one: Any, method: str, args: tuple, kwargs: di
         attempt += 1
         left = None if deadline is None else deadline - time.monotonic()
         try:
-            return await _bounded(_attempt(one, method, args, kwargs), left)
+            flow = _Flow()
+            idle = None if budget.timeout is None else budget.timeout / 3
+            return await _bounded(_attempt(one, method, args, kwargs, flow), left, flow, idle)
         except Exception as e:
             slow = _retryable(e, budget.reconnect)
             if slow is None:
@@ -178,17 +184,33 @@ async def _within(budget: Budget, one: Any, method: str, args: tuple, kwargs: di
             await asyncio.sleep(pause)
 
 
+_PIECE = 1 << 20  # bytes of a GET's body read at a time (each one proof the link is live)
+
+
 class _Cut(TimeoutError):
     """An attempt still running when the request's budget ran out (abandoned)."""
 
 
-async def _bounded(attempt: Any, seconds: float | None) -> Any:
-    """``attempt``'s result, or TimeoutError once ``seconds`` passed (it is cancelled). Not
-    ``asyncio.wait_for``, which can raise CancelledError instead when the attempt ends just
-    as the time is up (Python 3.11)."""
+class _Flow:
+    """When the body of an attempt's answer last brought bytes (None: not yet)."""
+
+    at: float | None = None
+
+
+async def _bounded(attempt: Any, seconds: float | None, flow: _Flow, idle: float | None) -> Any:
+    """``attempt``'s result, or TimeoutError once ``seconds`` passed (it is cancelled), unless
+    its answer's body still brings bytes: then once none came for ``idle`` seconds (a slow
+    but live link finishes a large GET). Not ``asyncio.wait_for``, which can raise
+    CancelledError instead when the attempt ends just as the time is up (Python 3.11)."""
     task = asyncio.ensure_future(attempt)
+    end = None if seconds is None else time.monotonic() + seconds
     try:
-        done, _ = await asyncio.wait({task}, timeout=seconds)
+        while True:
+            wait = None if end is None else max(0.0, end - time.monotonic())
+            done, _ = await asyncio.wait({task}, timeout=wait)
+            if done or idle is None or flow.at is None or flow.at + idle <= time.monotonic():
+                break
+            end = flow.at + idle
     finally:
         if not task.done():
             task.cancel()
@@ -199,13 +221,17 @@ async def _bounded(attempt: Any, seconds: float | None) -> Any:
     return task.result()
 
 
-async def _attempt(one: Any, method: str, args: tuple, kwargs: dict) -> Any:
-    """One attempt; a GET's body read within it (a short or damaged body fails it)."""
+async def _attempt(one: Any, method: str, args: tuple, kwargs: dict, flow: _Flow) -> Any:
+    """One attempt; a GET's body read within it (a short or damaged body fails it), each
+    piece that arrives noted in ``flow``."""
     out = await one(method, *args, **kwargs)
     if method == "get_object" and isinstance(out, dict) and "Body" in out:
-        body = out["Body"]
+        body, data = out["Body"], bytearray()
         try:
-            out["Body"] = _ReadBody(await body.read())
+            while piece := await body.read(_PIECE):
+                data += piece
+                flow.at = time.monotonic()
+            out["Body"] = _ReadBody(bytes(data))
         finally:
             body.close()
     return out
@@ -264,11 +290,21 @@ def _retryable(e: BaseException, reconnect: bool) -> bool | None:
         return False if status >= 500 or code in _AGAIN else None
     for x in _chain(e):
         names = {c.__name__ for c in type(x).__mro__}
-        if names & _CONNECT:
-            return False if reconnect else None
+        if names & _CONNECT:  # (a reset or closed connection is retried, also by the probe)
+            return None if not reconnect and _refused(e) else False
         if names & _TRANSIENT or _parsing(x):
             return False
     return None
+
+
+def _refused(e: BaseException) -> bool:
+    """Whether no connection could be made at all: refused, or the host name unknown."""
+    for x in _chain(e):
+        if isinstance(x, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        if getattr(x, "errno", None) == errno.ECONNREFUSED or "DNSError" in type(x).__name__:
+            return True
+    return False
 
 
 def _parsing(e: BaseException) -> bool:
@@ -304,11 +340,11 @@ def _failed(
         code = "" if answer[1] == str(answer[0]) else f" {answer[1]}"  # (a HEAD has no body)
         last = f"{answer[0]}{code}: {answer[2]}".rstrip(": ")
     elif isinstance(e, _Cut):
-        last = "no answer within the budget"
+        last = "no complete answer within the budget"
     else:
         last = f"{type(e).__name__}: {e}"
     if cut and not isinstance(e, _Cut):
-        last += "; the last attempt had no answer when the budget ran out"
+        last += "; the last attempt had no complete answer when the budget ran out"
     bound = "" if budget.timeout is None else f", storage_timeout={budget.timeout:g} s"
     return RequestFailed(
         f"{what}{where} failed: {last} (gave up after {attempts} attempt(s) in "

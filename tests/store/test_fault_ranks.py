@@ -11,6 +11,7 @@ previous step stays the newest, and the same manager saves and loads once the fa
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
@@ -160,21 +161,88 @@ def test_a_slow_rank_is_named_with_the_timeout_and_the_manager_recovers(proxy, s
     _check_recovered(out)
 
 
-def _faulted_load(rank, world, url, urls, control):
-    """Save step 1; with every LIST failing on both ranks, load (it must raise, never start
-    fresh); the fault cleared, load again with the same manager."""
+def test_a_slow_metadata_write_on_rank_0_is_named_as_rank_0(proxy, s3_bucket):
+    """Rank 0's PUT of the step's .metadata (DCP's finish) answers after collective_timeout:
+    every rank raises the same CheckpointCollectiveError naming rank 0 (rank 1, waiting for it,
+    was named, with raw gloo text); the same manager then saves and loads."""
+    bucket, _ = s3_bucket
+    proxy.delay_s = 9.0
+    rule = {"method": "PUT", "path": r"\.metadata", "fault": "delay", "rank": 0}
+    out = run_on_ranks(
+        _faulted_save,
+        2,
+        _url(bucket),
+        proxy.urls,
+        proxy.control_url,
+        rule,
+        (30.0, 3.0),
+        timeout=240,
+    )
+    (kind0, msg0), (kind1, msg1) = out[0][0], out[1][0]
+    assert kind0 == kind1 == CheckpointCollectiveError.__name__ and msg0 == msg1, (msg0, msg1)
+    assert "rank(s) [0] of 2 did not reach" in msg0 and ".metadata" in msg0, msg0
+    assert "gloo" not in msg0.lower(), msg0
+    _check_recovered(out)
+
+
+def _regroups(rank, world, url, urls, control, rounds):
+    """``rounds`` times: a save that times out (rank 1's PUTs late), then one that commits
+    (the groups made again); this process's open files and OS threads after each."""
+    faults = FaultControl(control)
+    mgr = CheckpointManager(
+        url,
+        model=_model(1.0),
+        storage_options=s3_options(urls[rank]),
+        storage_timeout=30.0,
+        collective_timeout=2.0,
+    )
+    counts = []
+    for i in range(rounds):
+        if rank == 0:
+            faults.rule("PUT", ".", "delay", kind="PUT", rank=1)
+        dist.barrier()
+        with pytest.raises(CheckpointCollectiveError):
+            mgr.save(2 * i + 1)
+        dist.barrier()
+        if rank == 0:
+            faults.clear()
+        dist.barrier()
+        assert mgr.save(2 * i + 2)
+        counts.append((len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))))
+    mgr.close()
+    return counts
+
+
+def test_groups_made_again_after_timeouts_do_not_leak(proxy, s3_bucket):
+    """Each collective timeout makes the manager's gloo groups again at the next call: the
+    old ones are destroyed (each left about 4 sockets and 3 threads per rank behind), so the
+    open files and threads of a rank stay flat over repeated timeouts."""
+    bucket, _ = s3_bucket
+    proxy.delay_s = 3.0
+    rounds = 4
+    out = run_on_ranks(
+        _regroups, 2, _url(bucket), proxy.urls, proxy.control_url, rounds, timeout=240
+    )
+    for counts in out:
+        (fds0, threads0), (fds, threads) = counts[0], counts[-1]
+        assert threads <= threads0 + 1 and fds <= fds0 + 2, counts
+
+
+def _faulted_load(rank, world, url, urls, control, rule, storage_timeout=STORAGE_TIMEOUT):
+    """Save step 1; with ``rule`` set on the proxy (by rank 0), load (it must raise, never
+    start fresh); the fault cleared, load again with the same manager."""
     faults = FaultControl(control)
     model = _model(1.0)
     mgr = CheckpointManager(
         url,
         model=model,
         storage_options=s3_options(urls[rank]),
-        storage_timeout=STORAGE_TIMEOUT,
+        storage_timeout=storage_timeout,
         collective_timeout=10.0,
     )
     mgr.save(1)
     if rank == 0:
-        faults.rule("GET", ".", "503", kind="LIST")
+        faults.rule(**rule)
     dist.barrier()
     _fill(model, 2.0)
     try:
@@ -197,11 +265,30 @@ def test_a_load_whose_listing_fails_on_every_rank_raises_then_recovers(proxy, s3
     collective_timeout (10 s: it was reached, and the manager stayed broken); the fault
     cleared, the same manager loads step 1."""
     bucket, _ = s3_bucket
-    out = run_on_ranks(_faulted_load, 2, _url(bucket), proxy.urls, proxy.control_url, timeout=240)
+    rule = {"method": "GET", "path": ".", "fault": "503", "kind": "LIST"}
+    out = run_on_ranks(
+        _faulted_load, 2, _url(bucket), proxy.urls, proxy.control_url, rule, timeout=240
+    )
     (kind0, msg0), (kind1, msg1) = out[0][0], out[1][0]
     assert kind0 == kind1 == "CheckpointStorageError" and msg0 == msg1, (msg0, msg1)
     assert "LIST s3://" in msg0 and "503 SlowDown" in msg0, msg0
     for _, unchanged, loaded, holds in out:
+        assert unchanged and loaded == 1 and holds
+
+
+def test_a_load_whose_data_reads_fail_on_one_rank_raises_a_storage_error_on_both(proxy, s3_bucket):
+    """Every GET of a data file on rank 1 answers 503: load() raises CheckpointStorageError
+    naming rank 1 and the GET on both ranks (it was a plain CheckpointError: the kind of
+    rank 1's failure was lost where the ranks agree on their reads); the fault cleared, the
+    same manager loads step 1."""
+    bucket, _ = s3_bucket
+    rule = {"method": "GET", "path": r"\.distcp", "fault": "503", "kind": "GET", "rank": 1}
+    out = run_on_ranks(  # (a budget for a loaded host: the 503s end it in any case)
+        _faulted_load, 2, _url(bucket), proxy.urls, proxy.control_url, rule, 5.0, timeout=240
+    )
+    for (kind, msg), unchanged, loaded, holds in out:
+        assert kind == "CheckpointStorageError", (kind, msg)
+        assert re.search(r"GET s3://\S+\.distcp on rank 1 failed: 503 SlowDown", msg), msg
         assert unchanged and loaded == 1 and holds
 
 
@@ -242,4 +329,16 @@ def test_the_probe_survives_one_transient_503(proxy, s3_bucket):
     assert proxy.injected == {"503": 1}
     probes = [x for x in proxy.log if x[1] == "HEAD" and x[3].strip("/") == bucket]
     assert [x[4] for x in probes] == ["503", None]
+    assert mgr.save(1) and mgr.steps() == [1]
+
+
+def test_the_probe_retries_connection_resets(proxy, s3_bucket):
+    """Two connection resets (no answer) on the constructor's probe are retried within its
+    budget (the first ended the job at its start, taken for an endpoint that refuses
+    connections); an endpoint that refuses them still fails at once (test_storage_errors)."""
+    bucket, _ = s3_bucket
+    proxy.rule("HEAD", ".", "reset", times=2)
+    mgr = CheckpointManager(_url(bucket), model=_model(1.0), storage_options=s3_options(proxy.url))
+    probes = [x for x in proxy.log if x[1] == "HEAD" and x[3].strip("/") == bucket]
+    assert [x[4] for x in probes] == ["reset", "reset", None], probes
     assert mgr.save(1) and mgr.steps() == [1]

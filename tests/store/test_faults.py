@@ -382,3 +382,25 @@ def test_a_save_of_a_passed_over_steps_number_takes_its_place(tmp_path, caplog):
     fresh = _model(-1.0)
     assert CheckpointManager(url, model=fresh).load() == 2
     assert all(torch.all(p == 5.0) for p in fresh.parameters())
+
+
+def test_a_slow_but_live_link_reads_an_object_larger_than_the_budget(faulty):
+    """Every data GET's body arrives at 64 KiB per 0.05 s (about 1.3 MiB/s, never idle): a
+    4 MiB file takes over 3 s to arrive with storage_timeout=1.5, and loads, each GET once (it
+    was cut at the budget on every attempt, so that step could never be loaded on that link):
+    a GET whose body keeps arriving is bounded by its read timeout, not by the budget."""
+    f, proxy = faulty, faulty["proxy"]
+    model = nn.Linear(1024, 1024)  # 4 MiB of weights
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+        model.bias.fill_(2.0)
+    mgr = _mgr(f, model)
+    assert mgr.save(2)
+    proxy.rule("GET", r"\.distcp", "slow", kind="GET")
+    with torch.no_grad():
+        model.weight.fill_(-1.0)
+        model.bias.fill_(-1.0)
+    assert mgr.load() == 2
+    assert all(torch.all(p == 2.0) for p in model.parameters())
+    slow = [x for x in proxy.log if x[4] == "slow"]
+    assert slow and len({x[3] for x in slow}) == len(slow), slow  # (no GET sent twice)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from muon_ckpt import CheckpointError, CheckpointManager, CheckpointStorageError
+from muon_ckpt.store._retry import ATTEMPTS
 from tests.conftest import _free_port
 
 
@@ -100,7 +101,9 @@ def silent_endpoint() -> Iterator[str]:
 
 
 def test_a_stalled_storage_is_bounded_by_storage_timeout(silent_endpoint, s3_bucket, caplog):
-    """One request, cut by the timeout (the error says so), not retried."""
+    """The probe of an endpoint that accepts connections but never answers: each attempt cut
+    by its read timeout (the error says so) and retried within storage_timeout (only an
+    endpoint that refuses connections, or an unknown host, is given up at once)."""
     bucket, opts = s3_bucket
     t0 = time.monotonic()
     opts = {**opts, "endpoint_url": silent_endpoint}
@@ -110,7 +113,7 @@ def test_a_stalled_storage_is_bounded_by_storage_timeout(silent_endpoint, s3_buc
     ):
         CheckpointManager(f"s3://{bucket}/run", storage_options=opts, storage_timeout=1.0)
     assert time.monotonic() - t0 >= 1.0  # the timeout was waited for, once
-    assert _requests_sent(caplog) == 1
+    assert 2 <= _requests_sent(caplog) <= ATTEMPTS, _requests_sent(caplog)
     assert isinstance(ei.value, CheckpointError) and silent_endpoint in str(ei.value)
     assert "ReadTimeout" in str(ei.value), ei.value
 
