@@ -158,8 +158,11 @@ def restore_from_memory(
     node = tier.node_size(world)
     by_save = _complete(gathered, world, node, tier.url)
     commits = {key: _commit(key, gathered) for key in by_save}
-    # Steps of another model are commits of the run too: a load past them retires them.
-    others = [_commit(k, gathered) for k in _complete(gathered, world, node, tier.url, other=True)]
+    # Steps of another model are commits of the run too: a load past them retires them (only
+    # a load of the model can tell: without one, every step's model differs from none).
+    sees_model = t.model is not None and "model" in parts
+    other = _complete(gathered, world, node, tier.url, other=True) if sees_model else {}
+    others = [_commit(k, gathered) for k in other]
     history = History.of(scan, [*commits.values(), *others])
     history.refuse_newer(catalog.storage.url, step)
     choice = _choose(scan, commits, step)
