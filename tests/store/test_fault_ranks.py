@@ -34,7 +34,7 @@ from tests._dist import run_on_ranks
 from tests._faults import FaultControl, FaultProxy
 from tests.conftest import s3_options
 
-STORAGE_TIMEOUT = 1.0  # seconds: one request's budget, its retries included
+STORAGE_TIMEOUT = 3.0  # seconds: one request's budget, its retries included (healthy requests on a loaded host fit it)
 
 
 def _model(v: float) -> nn.Module:
@@ -132,7 +132,7 @@ def test_a_rank_whose_puts_fail_ends_the_save_on_every_rank_with_its_error(proxy
     assert re.search(
         r"PUT s3://\S+/data/\S+/__1_\d+\.distcp on rank 1 failed: 503 SlowDown", msg0
     ), msg0
-    assert "storage_timeout=1 s" in msg0, msg0
+    assert f"storage_timeout={STORAGE_TIMEOUT:g} s" in msg0, msg0
     assert all(took < 20.0 for _, took, *_ in out), [o[1] for o in out]  # not the timeout
     _check_recovered(out)
 
