@@ -107,9 +107,11 @@ def test_a_load_holds_at_most_one_copy_of_what_it_overwrites_and_no_more_than_a_
         assert m[name]["after"] <= _SLACK, (name, m)
     # The next save finds its buffers still there: it takes what the first one took beyond
     # them (its writer's), not the buffers again (the pool keeps the offloaded states'
-    # second buffer since the first save).
+    # second buffer since the first save). The writer's own share varies by a dozen MiB
+    # from run to run (its threads' reading buffers), so the bound is half the buffers
+    # below the first save: buffers taken again would put it at the first save's peak.
     buffers = state - own
-    assert m["async save after"]["peak"] <= m["async save"]["peak"] - buffers + _SLACK, m
+    assert m["async save after"]["peak"] <= m["async save"]["peak"] - buffers / 2, m
     # The synchronous one (made after the other was closed: no buffers) copies into memory
     # of its own each time, and frees it after.
     for name in ("sync load", "sync load again"):
