@@ -20,11 +20,13 @@ class LocalCounter:
     def __init__(self) -> None:
         self.root: str | None = None
         self.seen: dict[str, int] = {}
+        self.opened: list[str] = []  # the paths opened since ``clear()``, in order
         self.thread: int | None = None  # set: count only this thread's (not a save's job)
         sys.addaudithook(self._hook)
 
     def clear(self) -> None:
         self.seen.clear()
+        self.opened.clear()
 
     def read(self) -> dict:
         return dict(self.seen)
@@ -40,6 +42,8 @@ class LocalCounter:
         if isinstance(path, str) and path.startswith(self.root):
             kind = "open" if event == "open" else "listdir"
             self.seen[kind] = self.seen.get(kind, 0) + 1
+            if kind == "open":
+                self.opened.append(path)
 
 
 class ProxyCounter:
@@ -54,6 +58,7 @@ class ProxyCounter:
         self.control = FaultControl(control_url)
         self.rank = rank
         self.since: dict[str, int] = {}
+        self._logged = 0
 
     def _totals(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -65,6 +70,13 @@ class ProxyCounter:
 
     def clear(self) -> None:
         self.since = self._totals()
+        self._logged = len(self.control.log())
+
+    def paths(self, kind: str) -> list[str]:
+        """The keys (path-style: ``/bucket/key``) of this rank's requests of ``kind`` since
+        ``clear()``, in order."""
+        log = self.control.log()[self._logged :]
+        return [path.partition("?")[0] for rank, k, _, path, _ in log if rank == self.rank and k == kind]
 
     def read(self) -> dict[str, int]:
         got = {k: n - self.since.get(k, 0) for k, n in self._totals().items()}
