@@ -126,13 +126,22 @@ def commit(
 
 
 def tidy(w: WriteSpec) -> None:
-    """Rank 0, after the commit: retention and the retired steps deleted (a failure is a
-    WARNING: the step is committed)."""
+    """Rank 0, after the commit: retention and the retired steps deleted, then the run's
+    index written (a failure of either is a WARNING: the step is committed)."""
     step, plan, keep_last = w.step, w.admission.plan, w.config.keep_last
+    if keep_last is not None or plan.retires or plan.drop:
+        _retain(w, step, plan.gen, keep_last, plan.drop)
+    try:
+        w.catalog.publish()
+    except Exception as e:  # (an index that is not current is only not used)
+        _log.warning("%s: the run's index was not written: %s", w.catalog.storage.url, e)
+
+
+def _retain(w: WriteSpec, step: int, gen: int, keep_last: int | None, drop: list[int]) -> None:
     try:
         # The step just committed was read back whole (its references included)
-        checked = (step, plan.gen) if reads_back(w.config.confirm) else w.verified
-        replaced, deleted = w.catalog.tidy(keep_last, step, plan.drop, checked)
+        checked = (step, gen) if reads_back(w.config.confirm) else w.verified
+        replaced, deleted = w.catalog.tidy(keep_last, step, drop, checked)
     except Exception as e:  # the step is committed: a failed clean-up does not undo that
         _log.warning("retention after step %d failed (steps kept): %s", step, e)
         return

@@ -23,11 +23,9 @@ manager broadcasts the outcome.
 
 from __future__ import annotations
 
-import datetime
 import logging
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from muon_ckpt._errors import (
@@ -36,20 +34,9 @@ from muon_ckpt._errors import (
     CheckpointStorageError,
     CheckpointVersionError,
 )
-from muon_ckpt._version import __version__
-from muon_ckpt.store._data import collect_data, listing
-from muon_ckpt.store._files import check_files
-from muon_ckpt.store._layout import (
-    COMPRESSED_FORMAT_VERSION,
-    MANIFEST,
-    METADATA,
-    PLAIN_FORMAT_VERSION,
-    SHARED_FORMAT_VERSION,
-    FileEntry,
-    Manifest,
-    data_ref,
-    step_dirname,
-)
+from muon_ckpt.store._data import collect_data
+from muon_ckpt.store._files import check_files, check_written
+from muon_ckpt.store._layout import MANIFEST, FileEntry, Manifest, step_dirname
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, Lease
 from muon_ckpt.store._lines import SavePlan, aged_out, mark_superseded, plan_save
 from muon_ckpt.store._memo import ManifestMemo
@@ -60,6 +47,7 @@ from muon_ckpt.store._steps import (
     SUPERSEDED,
     UNCOMMITTED,
     StepInfo,
+    layout_of,
     pick,
     read_step,
     step_dirs,
@@ -84,20 +72,25 @@ class Catalog:
     def __init__(self, storage: Storage, *, lease_seconds: float = DEFAULT_LEASE_SECONDS) -> None:
         self.storage = storage
         self.lease = Lease(storage, lease_seconds)
-        self.memo = ManifestMemo(storage, lambda: self.lease.ours)  # manifests read once
-        self.lease.changed_hands = self._forget
+        self.memo = ManifestMemo(storage, lambda: self.lease.ours)  # read once, or never
+        self.lease.changed_hands = self._handover
         # The steps as of this catalog's last scan under the lease, kept up to date by its
         # commits and deletions: what an asynchronous save is admitted from (``plan_cached``)
         self.known: list[StepInfo] | None = None
+        # The step directories as of the last scan, kept up to date by this catalog's own
+        # changes (None: not listed yet): what the index names, where a step is read from
+        self._present: set[str] | None = None
 
-    def _forget(self) -> None:
-        self.memo.forget()
+    def _handover(self) -> None:
+        self.memo.handover()
         self.known = None
 
     def scan(self, *, detail: bool = False) -> list[StepInfo]:
         """Every step, oldest first, with its status (``detail``: also size, file count and
         time of the steps that are not committed, from a listing)."""
         steps = step_dirs(self.storage)[0]
+        self._present = {n for names in steps.values() for n in names}
+        self.memo.check(sorted(self._present))
         out = []
         for step, names in sorted(steps.items()):
             info = pick([self._read_step(n, step) for n in names])
@@ -112,7 +105,7 @@ class Catalog:
         return out
 
     def _read_step(self, name: str, step: int) -> StepInfo:
-        return read_step(self.storage, name, step, read=self.memo.read)
+        return self.memo.info(name, step)
 
     def ignored(self) -> list[str]:
         """Entries named like steps that are not (another name than ``step-`` and 8 digits,
@@ -123,11 +116,14 @@ class Catalog:
         """Committed ``step`` (default: the newest) as its manifest describes it; None when
         nothing is committed."""
         committed = [i for i in self.scan() if i.committed]
-        if step is None:
-            return committed[-1] if committed else None
-        found = next((i for i in committed if i.step == step), None)
+        if step is None and not committed:
+            return None
+        found = (
+            committed[-1] if step is None else next((i for i in committed if i.step == step), None)
+        )
         if found is None:
             raise self.not_found(step, [i.step for i in committed])
+        found.layout = layout_of(self.manifest(found.step, found.dirname))  # (not indexed)
         return found
 
     def committed_steps(self) -> list[int]:
@@ -159,6 +155,8 @@ class Catalog:
         (``_swap_in``) when that one holds the later commit."""
         own = step_dirname(step)
         staged = OVERWRITE + own
+        if self._present is not None and staged not in self._present:
+            return own  # (none when last listed: no request)
         if self.storage.is_link(staged) or not self.storage.exists(staged, MANIFEST):
             return own
         info = pick([self._read_step(n, step) for n in (own, staged)])
@@ -208,7 +206,7 @@ class Catalog:
         st = self.storage
         steps, _, links = step_dirs(st)
         for name in links:  # (another run's step linked along: unlinked, never followed)
-            self.memo.drop(name)
+            self._gone(name)
             st.rm(name)
         for s, names in steps.items():
             for name in names[1:] if names[0] == step_dirname(s) else names:
@@ -227,7 +225,7 @@ class Catalog:
         )
         for s in infos:
             if s.status == UNCOMMITTED:
-                self.memo.drop(s.dirname)
+                self._gone(s.dirname)
                 st.rm(s.dirname)
         self.collect()
         return plan
@@ -252,7 +250,7 @@ class Catalog:
         lease and the same refusals as ``begin`` (another job holds the lease, another run's
         steps, a newer format), nothing removed (a save to this url may be in flight). The
         plan's generation and retired commits go into the memory step's parts."""
-        self.lease.acquire()
+        self.lease.acquire(changing=False)
         return plan_save(
             self.scan(),
             self.storage.url,
@@ -296,32 +294,14 @@ class Catalog:
         directory it lists; ``compressed``: whether its metadata has compressed items, format
         4) and read it back; a step written beside the one it replaces is then swapped in."""
         st, name = self.storage, write_dirname(step, plan.beside)
-        listed = listing(st, (name,), set(files))
-        for fname, entry in sorted(files.items()):
-            got = listed.get(fname, {}).get("size")
-            if got is None or int(got) != entry.size:
-                ours = (ref := data_ref(fname)) is None or ref[0] == data
-                raise CheckpointCorruptError(
-                    f"{st.url_of(name, fname)}: {'written' if ours else 'referred to'} with "
-                    f"{entry.size} bytes but the storage reports {got}; step {step} is NOT "
-                    "committed (the next save writes again what an earlier save's file held)"
-                )
-        if METADATA not in files:
-            raise CheckpointCorruptError(
-                f"{st.url_of(name)}: DCP wrote no {METADATA}; step {step} is NOT committed"
-            )
-        shared = any(data_ref(n) is not None for n in files)
-        version = SHARED_FORMAT_VERSION if shared else PLAIN_FORMAT_VERSION
-        manifest = Manifest(
-            step=step,
-            world_size=world_size,
-            files=dict(sorted(files.items())),
-            format_version=COMPRESSED_FORMAT_VERSION if compressed else version,
+        check_written(st, name, files, step, data)
+        manifest = Manifest.new(
+            step,
+            world_size,
+            files,
+            extra,
             data=data,
-            time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            torch_version=torch.__version__,
-            muon_ckpt_version=__version__,
-            extra=extra,
+            compressed=compressed,
             gen=plan.gen,
             line=line,
             retires=list(plan.retires),
@@ -338,10 +318,12 @@ class Catalog:
                 f"upload was damaged); step {step} is NOT committed. Check the storage"
             )
         self.memo.wrote(name, manifest)
+        if self._present is not None:
+            self._present.add(name)
         if plan.beside:
             self._swap_in(name, step)
+        info = self._read_step(step_dirname(step), step)  # (remembered: what the index says)
         if self.known is not None:  # (the commit as a scan would find it now)
-            info = self._read_step(step_dirname(step), step)
             self.known = sorted(
                 [i for i in self.known if i.step != step] + [info], key=lambda i: i.step
             )
@@ -357,9 +339,12 @@ class Catalog:
         st, final = self.storage, step_dirname(step)
         self.memo.drop(final)
         self.memo.drop(staged)
+        if self._present is not None:
+            self._present.add(final)
         if st.is_local:
             if not st.exists(final):
                 st.rename(staged, final)
+                self._gone(staged)
                 return
             st.exchange(staged, final)
             self._remove(staged)  # now the old version (or the symlink that was the step)
@@ -385,6 +370,7 @@ class Catalog:
             )
             err.committed = True  # (not 'not committed': SaveJob passes it on as it is)
             raise err from e
+        self._gone(staged)
         st.rm(staged)
 
     def delete(self, step: int) -> None:
@@ -395,8 +381,14 @@ class Catalog:
         if self.storage.exists(OVERWRITE + step_dirname(step), MANIFEST):  # (a link: unlinked)
             self._remove(OVERWRITE + step_dirname(step))
 
-    def _remove(self, name: str) -> None:
+    def _gone(self, name: str) -> None:
+        """Directory ``name`` is deleted (or moved) by this catalog."""
         self.memo.drop(name)
+        if self._present is not None:
+            self._present.discard(name)
+
+    def _remove(self, name: str) -> None:
+        self._gone(name)
         if self.known is not None:
             self.known = [i for i in self.known if i.dirname != name]
         if self.storage.is_link(name):
@@ -439,6 +431,12 @@ class Catalog:
             self.delete(s)
         self.collect()
         return gone, victims
+
+    def publish(self) -> None:
+        """Rank 0, after a save's last change: the run's index written (``_index``)."""
+        st = self.storage
+        if self.lease.ours and self._present is not None and (st.is_local or st.object_store):
+            self.memo.publish(sorted(self._present))
 
     def collect(self) -> list[str]:
         """Delete the run's data files that no manifest of a step directory names (``_data``;

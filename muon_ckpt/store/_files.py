@@ -10,11 +10,34 @@ from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._gcpause import paused_gc
 from muon_ckpt.store._checksum import Checksum
 from muon_ckpt.store._data import listing
-from muon_ckpt.store._layout import MANIFEST, METADATA, Manifest
+from muon_ckpt.store._entry import FileEntry
+from muon_ckpt.store._layout import MANIFEST, METADATA, Manifest, data_ref
 from muon_ckpt.store._metadata import check_paths, check_ranges, parse_metadata
 from muon_ckpt.store._storage import Storage
 
-__all__ = ["check_files"]
+__all__ = ["check_files", "check_written"]
+
+
+def check_written(
+    storage: Storage, name: str, files: dict[str, FileEntry], step: int, data: str | None
+) -> None:
+    """Before a commit: every file a save recorded (``files``, in step directory ``name``;
+    its own data directory ``data``) is on the storage at its size, the run's data it refers
+    to included, and DCP wrote its metadata. A CheckpointCorruptError otherwise."""
+    listed = listing(storage, (name,), set(files))
+    for fname, entry in sorted(files.items()):
+        got = listed.get(fname, {}).get("size")
+        if got is None or int(got) != entry.size:
+            ours = (ref := data_ref(fname)) is None or ref[0] == data
+            raise CheckpointCorruptError(
+                f"{storage.url_of(name, fname)}: {'written' if ours else 'referred to'} with "
+                f"{entry.size} bytes but the storage reports {got}; step {step} is NOT "
+                "committed (the next save writes again what an earlier save's file held)"
+            )
+    if METADATA not in files:
+        raise CheckpointCorruptError(
+            f"{storage.url_of(name)}: DCP wrote no {METADATA}; step {step} is NOT committed"
+        )
 
 
 def check_files(

@@ -25,6 +25,7 @@ Keys (DCP state-dict keys, by parameter FQN, never by position)::
 
 from __future__ import annotations
 
+import datetime
 import json
 import operator
 import re
@@ -182,6 +183,36 @@ class Manifest:
     # Of ``retires``, the commits a load passed over (``[step, gen, why]``: it could not read
     # them when it fell back to an older step): retired, but kept until retention or prune
     passed_over: list[tuple[int, int, str]] = field(default_factory=list)
+
+    @classmethod
+    def new(
+        cls,
+        step: int,
+        world_size: int,
+        files: dict[str, FileEntry],
+        extra: dict[str, Any],
+        *,
+        compressed: bool,
+        **history: Any,
+    ) -> Manifest:
+        """A commit's manifest, made now by this version: the oldest format that reads it
+        (compressed items: 4; files in the run's data: 3; else 2); ``history``: ``gen``,
+        ``line``, ``retires``, ``data``, ``data_gens``, ``passed_over``."""
+        import torch  # (here: the layout's names load without torch)
+
+        shared = any(data_ref(n) is not None for n in files)
+        version = SHARED_FORMAT_VERSION if shared else PLAIN_FORMAT_VERSION
+        return cls(
+            step=step,
+            world_size=world_size,
+            files=dict(sorted(files.items())),
+            format_version=COMPRESSED_FORMAT_VERSION if compressed else version,
+            time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            torch_version=torch.__version__,
+            muon_ckpt_version=__version__,
+            extra=extra,
+            **history,
+        )
 
     def to_json(self, limit: int = MAX_MANIFEST_BYTES) -> bytes:
         """Indented JSON, one file to a line: a file's entry as compact JSON (json's C

@@ -37,6 +37,7 @@ from muon_ckpt.store._layout import (
     MAX_MANIFEST_BYTES,
     STEP_PREFIX,
     Manifest,
+    data_ref,
     parse_step_dirname,
 )
 from muon_ckpt.store._storage import Storage
@@ -104,6 +105,9 @@ class StepInfo:
     # "params": {fqn: {"mesh", "placements"}}} (docs/format.md); None: plain tensors, or an
     # older manifest
     layout: dict[str, Any] | None = field(default=None, repr=False)
+    # The objects in its directory: its manifest and the files it lists there (not the run's
+    # data), which a listing of the step directories returns (``_memo``)
+    stored: int | None = field(default=None, repr=False)
 
     @property
     def committed(self) -> bool:
@@ -111,7 +115,7 @@ class StepInfo:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["retires"], d["base"], d["passes"], d["layout"]
+        del d["retires"], d["base"], d["passes"], d["layout"], d["stored"]
         return {**d, "committed": self.committed}
 
 
@@ -170,6 +174,7 @@ def read_step(
         info.gen, info.line, info.retires = m.gen, m.line, list(m.retires)
         info.passes = list(m.passed_over)
         info.layout = layout_of(m)
+        info.stored = 1 + sum(1 for n in m.files if data_ref(n) is None)
     if detail and not info.committed:
         found = storage.walk_info(name)
         info.size = sum(int(i.get("size") or 0) for i in found.values())

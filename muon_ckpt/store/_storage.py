@@ -24,12 +24,12 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Any
 
-from muon_ckpt._collective import is_dist, rank
-from muon_ckpt._errors import CheckpointCorruptError, CheckpointError, CheckpointStorageError
+from muon_ckpt._errors import CheckpointCorruptError, CheckpointError
+from muon_ckpt.store._failure import is_storage_failure, storage_error
 from muon_ckpt.store._local import link_new, open_regular, rmtree
 from muon_ckpt.store._readahead import ReadAhead
 from muon_ckpt.store._rename import exchange
-from muon_ckpt.store._retry import Budget, RequestFailed, client_options, own_retries
+from muon_ckpt.store._retry import Budget, client_options, own_retries
 from muon_ckpt.store._url import OBJECT_STORES, open_fs
 
 __all__ = [
@@ -42,24 +42,6 @@ __all__ = [
 
 DEFAULT_TIMEOUT = 60.0  # seconds: one storage request, its retries included (_retry)
 _S3 = ("s3", "s3a")
-_STORAGE_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "google", "fsspec")
-
-
-def is_storage_failure(e: BaseException) -> bool:
-    """Whether ``e`` comes from the storage (I/O, network, the storage client)."""
-    if isinstance(e, (OSError, TimeoutError, ConnectionError)):
-        return True
-    return any(c.__module__.startswith(_STORAGE_MODULES) for c in type(e).__mro__[:-1])
-
-
-def storage_error(e: BaseException, what: str) -> CheckpointStorageError:
-    """The CheckpointStorageError for ``e``, raised while doing ``what`` (names the URL, and
-    the rank in a process group)."""
-    where = f" on rank {rank()}" if is_dist() and not isinstance(e, RequestFailed) else ""
-    return CheckpointStorageError(
-        f"{what} failed{where}: {type(e).__name__}: {e}. Check the URL and storage_options "
-        "(endpoint_url, credentials) and that the storage is reachable; then retry"
-    )
 
 
 def _climbs(parts: tuple[str, ...]) -> bool:
@@ -244,18 +226,25 @@ class Storage:
         """Relative path -> size of every file below ``parts``."""
         return {k: int(v.get("size") or 0) for k, v in self.walk_info(*parts).items()}
 
-    def walk_info(self, *parts: str) -> dict[str, dict[str, Any]]:
-        """Relative path -> fsspec info (``size``, ``type``, times...) of every file below
-        ``parts`` (locally, a FIFO or device is listed with ``type`` "other", a symlink with
-        ``islink``)."""
+    def walk_info(self, *parts: str, prefix: str = "") -> dict[str, dict[str, Any]]:
+        """Relative path -> fsspec info (``size``, ``type``, times, an object store's tag...)
+        of every file below ``parts`` (``prefix``: whose path below it begins so, on an
+        object store: one listing, paged; locally, a FIFO or device is listed with ``type``
+        "other", a symlink with ``islink``)."""
         base = self.path(*parts)
+        kw = {"prefix": prefix} if prefix else {}
         try:
             with self._calling("listing", *parts):
                 self.fs.invalidate_cache(base)
-                found = self.fs.find(base, detail=True)
+                found = self.fs.find(base, detail=True, **kw)
         except FileNotFoundError:
             return {}
         return {posixpath.relpath(full, base): info for full, info in found.items()}
+
+    def info(self, *parts: str) -> dict[str, Any]:
+        """fsspec's info of one file (on an object store, a HEAD)."""
+        with self._calling("checking", *parts):
+            return self.fs.info(self.path(*parts))
 
     # ------------------------------------------------------------------ reads
     def open(self, *parts: str, ahead: list[tuple[int, int]] | None = None) -> IO[bytes]:

@@ -146,7 +146,7 @@ def test_prune_keeps_newest_and_never_touches_leftovers(run, capsys):
     rc, out, _ = cli(capsys, "prune", run["url"], "--keep", "1", *run["flags"])
     assert rc == 0 and "deleted 2 step(s): 1, 2" in out and "kept 1 committed step(s): 3" in out
     assert "uncommitted leftovers (not touched; a save may still be running): 4" in out
-    assert sorted(st.listdir()) == ["data", "step-00000003", "step-00000004"]
+    assert sorted(st.listdir()) == ["data", "index.json", "step-00000003", "step-00000004"]
     assert [n[:8] for n in st.listdir("data")] == ["00000003"]  # the pruned steps' data went
     rc, _, err = cli(capsys, "prune", run["url"], "--keep", "0", *run["flags"])
     assert rc == 1

@@ -81,8 +81,8 @@ def _stored_in(st: Storage, step: int, key: str) -> str:
 
 
 def _stored_bytes(st: Storage) -> int:
-    """Every byte under the run's root but the lease."""
-    return sum(n for p, n in st.walk_files().items() if p != "lease.json")
+    """Every byte under the run's root but the lease and the index (the run's bookkeeping)."""
+    return sum(n for p, n in st.walk_files().items() if p not in ("lease.json", "index.json"))
 
 
 def _no_orphans(st: Storage) -> None:

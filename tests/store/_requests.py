@@ -76,7 +76,9 @@ class ProxyCounter:
         """The keys (path-style: ``/bucket/key``) of this rank's requests of ``kind`` since
         ``clear()``, in order."""
         log = self.control.log()[self._logged :]
-        return [path.partition("?")[0] for rank, k, _, path, _ in log if rank == self.rank and k == kind]
+        return [
+            path.partition("?")[0] for rank, k, _, path, _ in log if rank == self.rank and k == kind
+        ]
 
     def read(self) -> dict[str, int]:
         got = {k: n - self.since.get(k, 0) for k, n in self._totals().items()}
