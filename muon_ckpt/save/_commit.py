@@ -24,7 +24,7 @@ from muon_ckpt.store import (
     write_dirname,
 )
 
-__all__ = ["commit", "settle", "tidy"]
+__all__ = ["commit", "publish", "settle", "tidy"]
 
 _log = logging.getLogger("muon_ckpt")
 _COMMIT_REQUESTS = 6  # requests rank 0's commit sends one after another (listing ... swap)
@@ -125,15 +125,22 @@ def commit(
     )
 
 
-def tidy(w: WriteSpec) -> None:
-    """Rank 0, after the commit: retention and the retired steps deleted, then the run's
-    index written (a failure of either is a WARNING: the step is committed)."""
+def tidy(w: WriteSpec) -> bool:
+    """Rank 0, after the commit: retention and the retired steps deleted (a failure is a
+    WARNING: the step is committed); whether there was any to apply."""
     step, plan, keep_last = w.step, w.admission.plan, w.config.keep_last
-    if keep_last is not None or plan.retires or plan.drop:
-        _retain(w, step, plan.gen, keep_last, plan.drop)
+    if keep_last is None and not plan.retires and not plan.drop:
+        return False
+    _retain(w, step, plan.gen, keep_last, plan.drop)
+    return True
+
+
+def publish(w: WriteSpec) -> None:
+    """Rank 0, after the save's last change: the run's index written (a failure is a
+    WARNING: an index that is not current is only not used)."""
     try:
         w.catalog.publish()
-    except Exception as e:  # (an index that is not current is only not used)
+    except Exception as e:
         _log.warning("%s: the run's index was not written: %s", w.catalog.storage.url, e)
 
 

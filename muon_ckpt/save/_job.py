@@ -36,7 +36,7 @@ from muon_ckpt._config import ManagerConfig
 from muon_ckpt._errors import CheckpointCollectiveError, CheckpointError, handled, interrupt_in
 from muon_ckpt._interrupts import interrupts_deferred
 from muon_ckpt._threads import join, start
-from muon_ckpt.save._commit import commit_posted, settle, tidy
+from muon_ckpt.save._commit import commit_posted, publish, settle, tidy
 from muon_ckpt.save._replicas import replica_checksums
 from muon_ckpt.save._snapshot import StagedSavePlanner
 from muon_ckpt.save._spec import Handoff, Prebuilt, WriteSpec, Written
@@ -114,9 +114,12 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
         )
     if w.data_dir is not None:
         out.next_base = writer.dedup.next_base((w.step, w.admission.plan.gen), records.files, gens)
-    if coll.rank() == 0:
-        tidy(w)  # (no agreement after it: a slow or failed retention cannot fail the save)
-        out.timings["retention"] = time.perf_counter() - t2
+    if coll.rank() == 0:  # (no agreement after these: a slow or failed one cannot fail the save)
+        if tidy(w):
+            out.timings["retention"] = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        publish(w)
+        out.timings["index"] = time.perf_counter() - t3
     out.timings.update(
         dcp_save=t1 - t0,
         commit=t2 - t1 - out.timings["confirm"] - out.timings["replicas"],

@@ -250,7 +250,7 @@ class Catalog:
         lease and the same refusals as ``begin`` (another job holds the lease, another run's
         steps, a newer format), nothing removed (a save to this url may be in flight). The
         plan's generation and retired commits go into the memory step's parts."""
-        self.lease.acquire(changing=False)
+        self.lease.acquire()
         return plan_save(
             self.scan(),
             self.storage.url,
