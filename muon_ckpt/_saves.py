@@ -130,10 +130,10 @@ class Saves:
             self._hold()  # the interpreter's exit waits for it (_exit)
         src = self._buffers(url, busy)
         t0 = time.perf_counter()
-        # An asynchronous save to the url alone is admitted from the steps the catalog knows:
-        # its listing and lease come in its job (``Admission.recheck``), after the snapshot.
-        # One the memory tier also keeps is admitted here (its job takes the plan as it is).
-        cached = background and url and not memory
+        # An asynchronous save to the url alone, or one to the memory tier alone, is admitted
+        # from the steps the catalog knows: its listing and lease come in its job
+        # (``Admission.recheck``), after the snapshot. One to both is admitted here.
+        cached = (background and url and not memory) or (memory and not url)
         adm = self._admit(step, url=url, overwrite=overwrite, cached=cached)
         t1 = time.perf_counter()
         # A memory save writes in the background: it needs host copies, as an async save.

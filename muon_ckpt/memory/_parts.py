@@ -34,11 +34,25 @@ from muon_ckpt.state import HostStaging
 from muon_ckpt.store import MANIFEST, FileEntry, Manifest, Storage, open_regular
 from muon_ckpt.store.checksums import Checksum
 
-__all__ = ["drop_part", "receive_part", "send_part", "write_own_part"]
+__all__ = ["drop_part", "nbytes_of", "receive_part", "send_part", "write_own_part"]
 
 _log = logging.getLogger("muon_ckpt")
 
 PIECE = 64 << 20  # bytes per message of a part's file
+_ITEM_OVERHEAD = 4096  # bytes a stored item takes beyond its tensor's (zip records)
+
+
+def nbytes_of(sd: dict[str, Any]) -> int:
+    """About the bytes a part of ``sd`` takes: its tensors' bytes, and some per item."""
+    from muon_ckpt._tensors import local_tensor
+
+    n = 0
+    for v in sd.values():
+        if isinstance(v, torch.Tensor):
+            t = local_tensor(v)
+            n += t.numel() * t.element_size()
+        n += _ITEM_OVERHEAD
+    return n + (1 << 20)
 
 
 class _StagedPlanner:

@@ -101,6 +101,7 @@ class MemoryWriter:
             before_commit=snap.deferred.verify if snap.deferred is not None else None,
             owns_staging=owns,
             gate=gate,
+            recheck=admission.recheck,
         )
         job = MemoryJob(self.tier, w, snap.reader_done)
         job.start()

@@ -27,8 +27,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 import muon_ckpt._collective as coll
 from muon_ckpt._config import MemoryOptions
 from muon_ckpt._interrupts import Stop, interrupts_deferred
@@ -45,28 +43,19 @@ from muon_ckpt.memory._dirs import (
     unsafe_reason,
     write_run_file,
 )
-from muon_ckpt.memory._parts import drop_part, receive_part, send_part, write_own_part
+from muon_ckpt.memory._parts import (
+    drop_part,
+    nbytes_of,
+    receive_part,
+    send_part,
+    write_own_part,
+)
 from muon_ckpt.state import HostStaging
 from muon_ckpt.store import Manifest
 
 __all__ = ["MemoryJob", "MemoryTier"]
 
 _log = logging.getLogger("muon_ckpt")
-
-_ITEM_OVERHEAD = 4096  # bytes a stored item takes beyond its tensor's (zip records)
-
-
-def nbytes_of(sd: dict[str, Any]) -> int:
-    """About the bytes a part of ``sd`` takes: its tensors' bytes, and some per item."""
-    from muon_ckpt._tensors import local_tensor
-
-    n = 0
-    for v in sd.values():
-        if isinstance(v, torch.Tensor):
-            t = local_tensor(v)
-            n += t.numel() * t.element_size()
-        n += _ITEM_OVERHEAD
-    return n + (1 << 20)
 
 
 class MemoryTier:
@@ -258,6 +247,8 @@ class MemoryWrite:
     before_commit: Callable[[], None] | None = None
     owns_staging: bool = True  # the snapshot is this save's alone: its copies end here
     gate: threading.Event | None = None  # tests: the job starts once this is set
+    # The url's admission, left to the job (rank 0 runs it first): its plan is recorded
+    recheck: Callable[[], Any] | None = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -325,6 +316,9 @@ class MemoryJob:
             w.gate.wait()
         t0 = time.perf_counter()
         try:
+            if w.recheck is not None:  # (a collective: every rank's job is here)
+                plan = coll.on_rank0(w.recheck, w.group)
+                w.gen, w.retires, w.base = plan.gen, list(plan.retires), plan.base
             own = self._write_own()
         finally:
             if w.owns_staging:

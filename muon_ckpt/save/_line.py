@@ -69,7 +69,8 @@ class RunLine:
         only): rank 0 readies it (``_ready``) and draws its id; every rank learns them and
         what the save may refer to (``saving``). ``cached`` (a save to the url): decided from
         the steps the catalog knows where it knows them (``Catalog.plan_cached``: no storage
-        request), its ``begin`` left to the save's job (``Admission.recheck``)."""
+        request), its ``begin`` left to the save's job (``Admission.recheck``); to the memory
+        tier only, likewise, its ``Catalog.admit`` left to the memory job."""
         later: list[Any] = [None]  # (rank 0's ``begin``: a closure is not broadcast)
 
         def ready() -> tuple[SavePlan, str, str, bool]:
@@ -87,12 +88,15 @@ class RunLine:
         ``Catalog.begin`` readies the step directory (``cached``: ``Catalog.plan_cached``
         decides, and ``begin`` is returned for the save's job; else None); to the memory tier
         only, ``Catalog.admit`` (the lease, another run's steps, a newer format; nothing
-        written there). Returns the plan, the line id its commit carries (this run's, or
-        new) and the ``begin`` left to the job."""
+        written there; ``cached``: likewise left to the job). Returns the plan, the line id
+        its commit carries (this run's, or new) and the check left to the job."""
         if not url:
-            plan = catalog.admit(
-                step, resumed=self.resumed, new_run=self.new_run, abandon=self.abandoned
+            kw: dict[str, Any] = dict(
+                resumed=self.resumed, new_run=self.new_run, abandon=list(self.abandoned)
             )
+            got = catalog.plan_cached(step, overwrite=True, **kw) if cached else None
+            later = None if got is None else functools.partial(catalog.admit, step, **kw)
+            plan = got or catalog.admit(step, **kw)
             if self.line is None and plan.base is None:  # (a new line the url cannot vouch for)
                 _log.warning(
                     "%s: memory step %d is restorable only once the url holds a commit of this "
@@ -101,8 +105,8 @@ class RunLine:
                     catalog.storage.url,
                     step,
                 )
-            return plan, self.line or new_id(), None
-        kw: dict[str, Any] = dict(
+            return plan, self.line or new_id(), later
+        kw = dict(
             overwrite=overwrite,
             resumed=self.resumed,
             new_run=self.new_run,

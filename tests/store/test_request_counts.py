@@ -124,3 +124,50 @@ def test_async_save_makes_no_request_and_rechecks_in_its_job(tmp_path: Any) -> N
             m.wait()
         assert m.steps() == [1, 2]
         (tmp_path / "run" / "lease.json").unlink()
+
+
+def test_a_memory_save_makes_no_request_and_rechecks_in_its_job(tmp_path: Any) -> None:
+    """A save to the memory tier alone, once the lease is this job's, makes no storage
+    request in save() (admitted from what the catalog knows); the lease and listing come in
+    its job, before its part is written: a lease another job took meanwhile keeps the step
+    out of the tier (a WARNING), and nothing is written to the url."""
+    import json
+    import threading
+    import time
+
+    from tests._memtier import _fresh, _mgr, _run_dir
+
+    root = str(tmp_path / "run")
+    model, opt = _fresh()
+    with _mgr(tmp_path, model, opt) as m:
+        assert m.load() is None
+        train(model, opt, 1)
+        m.save(5)  # (to the url and the tier: the lease taken, the run listed)
+        m.wait()
+        train(model, opt, 1)
+        _LOCAL.root = root
+        _LOCAL.clear()
+        _LOCAL.thread = threading.get_ident()  # (the job's thread may start meanwhile)
+        try:
+            m.save(6)
+            blocked = _LOCAL.read()
+            _LOCAL.clear()
+            _LOCAL.thread = None
+            m.wait()
+            assert blocked == {}, blocked
+            assert _LOCAL.read().get("listdir", 0) > 0  # (the job listed the run)
+        finally:
+            _LOCAL.root = _LOCAL.thread = None
+            _LOCAL.clear()
+        tier = _run_dir(tmp_path)
+        assert (tier / "step-00000006").exists()
+        now = time.time()
+        other = {"owner": "another-job", "host": "elsewhere", "pid": 1, "purpose": "save"}
+        with open(tmp_path / "run" / "lease.json", "w") as f:
+            json.dump({**other, "heartbeat": now, "expires": now + 600}, f)
+        train(model, opt, 1)
+        assert m.save(7)  # (admitted: nothing asked of the storage)
+        m.wait()
+        assert not (tier / "step-00000007").exists()
+        assert m.steps() == [5]
+        (tmp_path / "run" / "lease.json").unlink()
