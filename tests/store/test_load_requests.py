@@ -159,3 +159,31 @@ def test_s3_a_step_rewritten_by_another_process_is_read_again(
             assert info is not None and info.gen is not None and info.gen > gen, (info, gen)
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_an_index_that_does_not_parse_or_is_missing_is_read_past(store, tmp_path, request):
+    """The index is a cache: one that does not parse, or none (deleted, or never written by
+    an older version), and a load reads the manifests as without it and loads the same."""
+    from muon_ckpt.store import INDEX
+
+    if store == "local":
+        url, opts = str(tmp_path / "run"), {}
+    else:
+        bucket, opts = request.getfixturevalue("s3_bucket")
+        url = f"s3://{bucket}/run"
+    newest = _long_run(url, opts, 5)
+    st = Storage(url, opts)
+    for damage in (b'{"format": "muon-ckpt-index", "version": 1, "steps": [{"dir"', None):
+        if damage is None:
+            st.rm(INDEX)
+        else:
+            st.write_bytes(damage, INDEX)
+        model, opt = _model()
+        with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts) as m:
+            assert m.steps() == list(range(1, newest + 1))
+            assert m.load() == newest
+            assert [i.gen for i in map(m.step_info, m.steps())] == [
+                Manifest.from_json(st.read_bytes(step_dirname(s), MANIFEST), "").gen
+                for s in m.steps()
+            ]

@@ -135,6 +135,7 @@ def test_a_memory_save_makes_no_request_and_rechecks_in_its_job(tmp_path: Any) -
     import threading
     import time
 
+    from muon_ckpt import CheckpointLeaseError
     from tests._memtier import _fresh, _mgr, _run_dir
 
     root = str(tmp_path / "run")
@@ -170,4 +171,7 @@ def test_a_memory_save_makes_no_request_and_rechecks_in_its_job(tmp_path: Any) -
         m.wait()
         assert not (tier / "step-00000007").exists()
         assert m.steps() == [5]
+        train(model, opt, 1)
+        with pytest.raises(CheckpointLeaseError, match="another-job"):
+            m.save(10)  # (to the url: admitted before its snapshot, refused)
         (tmp_path / "run" / "lease.json").unlink()
