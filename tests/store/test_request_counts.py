@@ -146,20 +146,22 @@ def test_a_memory_save_makes_no_request_and_rechecks_in_its_job(tmp_path: Any) -
         m.save(5)  # (to the url and the tier: the lease taken, the run listed)
         m.wait()
         train(model, opt, 1)
+        gate = m._saves.gate = threading.Event()  # (the memory job starts once it is set)
         _LOCAL.root = root
         _LOCAL.clear()
-        _LOCAL.thread = threading.get_ident()  # (the job's thread may start meanwhile)
         try:
             m.save(6)
             blocked = _LOCAL.read()
             _LOCAL.clear()
-            _LOCAL.thread = None
+            gate.set()
             m.wait()
             assert blocked == {}, blocked
             assert _LOCAL.read().get("listdir", 0) > 0  # (the job listed the run)
         finally:
-            _LOCAL.root = _LOCAL.thread = None
+            _LOCAL.root = None
             _LOCAL.clear()
+            m._saves.gate = None
+            gate.set()
         tier = _run_dir(tmp_path)
         assert (tier / "step-00000006").exists()
         now = time.time()
