@@ -88,6 +88,7 @@ class _Run:
         if self.local_root is not None:
             self.counter.root = self.local_root
         self.counter.clear()
+        dist.barrier()  # (every rank starts together, its counter cleared)
         try:
             out = fn()
             return self.counter.read(), out
@@ -100,7 +101,6 @@ class _Run:
 
         train(self.model, self.opt, 1)
         self.step += 1
-        dist.barrier()
 
         def one() -> float:
             t0 = time.perf_counter()

@@ -52,13 +52,13 @@ class ProxyCounter:
     out), read through its control path (``control_url``: from any process, a rank of a
     distributed run too)."""
 
-    def __init__(self, control_url: str, rank: int = 0) -> None:
+    def __init__(self, control_url: str, rank: int = 0, *, paths: bool = False) -> None:
         from tests._faults import FaultControl
 
         self.control = FaultControl(control_url)
         self.rank = rank
         self.since: dict[str, int] = {}
-        self._logged = 0
+        self._logged: int | None = 0 if paths else None  # (``paths``: the proxy's whole log)
 
     def _totals(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -70,11 +70,13 @@ class ProxyCounter:
 
     def clear(self) -> None:
         self.since = self._totals()
-        self._logged = len(self.control.log())
+        if self._logged is not None:
+            self._logged = len(self.control.log())
 
     def paths(self, kind: str) -> list[str]:
         """The keys (path-style: ``/bucket/key``) of this rank's requests of ``kind`` since
-        ``clear()``, in order."""
+        ``clear()``, in order (made with ``paths=True``)."""
+        assert self._logged is not None, "ProxyCounter(..., paths=True)"
         log = self.control.log()[self._logged :]
         return [
             path.partition("?")[0] for rank, k, _, path, _ in log if rank == self.rank and k == kind

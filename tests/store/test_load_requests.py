@@ -81,7 +81,7 @@ def test_s3_load_requests_flat(s3_server: str, s3_bucket: tuple[str, dict]) -> N
             url = f"s3://{bucket}/run{n}"
             newest = _long_run(url, opts, n)
             model, opt = _model()
-            counter = ProxyCounter(proxy.control_url)
+            counter = ProxyCounter(proxy.control_url, paths=True)
             with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts) as m:
                 counter.clear()
                 assert m.load() == newest
@@ -104,7 +104,7 @@ def test_s3_save_after_a_load_reads_no_manifest_the_load_read(
         url = f"s3://{bucket}/run"
         newest = _long_run(url, opts, 20)
         model, opt = _model()
-        counter = ProxyCounter(proxy.control_url)
+        counter = ProxyCounter(proxy.control_url, paths=True)
         with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts) as m:
             counter.clear()
             assert m.load() == newest
