@@ -442,7 +442,7 @@ class Catalog:
         """Delete the run's data files that no manifest of a step directory names (``_data``;
         rank 0, under the write lease, when no save is writing). Returns what went."""
         st, memo = self.storage, self.memo
-        gone = collect_data(st, step_dirs(st)[0], memo.read, memo.clean)
+        gone = collect_data(st, step_dirs(st)[0], self._read_step, memo.read, memo.clean)
         if gone:
             _log.info("%s: deleted data no step refers to: %s", self.storage.url, gone[:20])
         return gone

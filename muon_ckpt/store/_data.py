@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from muon_ckpt._errors import CheckpointCorruptError, CheckpointVersionError
+from muon_ckpt._errors import CheckpointError
 from muon_ckpt.store._layout import (
     DATA,
     Manifest,
@@ -35,7 +35,7 @@ from muon_ckpt.store._layout import (
     is_file_name,
     parse_data_dirname,
 )
-from muon_ckpt.store._steps import read_manifest
+from muon_ckpt.store._steps import CORRUPT, NEWER, StepInfo
 from muon_ckpt.store._storage import Storage
 
 __all__ = ["collect_data", "listing"]
@@ -61,8 +61,9 @@ def listing(storage: Storage, parts: tuple[str, ...], names: set[str]) -> dict[s
 def collect_data(
     storage: Storage,
     step_dirs: dict[int, list[str]],
-    read: Callable[[Storage, str, int | None], Manifest] = read_manifest,
-    clean: dict[str, frozenset[str]] | None = None,
+    info: Callable[[str, int], StepInfo],
+    read: Callable[[Storage, str, int | None], Manifest],
+    clean: dict[str, frozenset[str]],
 ) -> list[str]:
     """Delete the data files under ``<root>/data/`` that no manifest in ``step_dirs`` (step ->
     its directories) names, and the data directories left empty. Nothing while a step of a
@@ -70,9 +71,10 @@ def collect_data(
     step number (what it refers to is not known); a name this version does not make is never
     deleted, nor anything that is or lies behind a symbolic link (``data`` itself or one of
     its directories: another run's data, which that run collects). Returns what went.
-    ``read``: how a manifest is read; ``clean``: the data directories listed before with
-    every file live (kept up to date here), not listed again while those files stay live."""
-    clean = {} if clean is None else clean
+    ``info``: a step directory's info (``refers``: the data directories its manifest names),
+    ``read``: its manifest, read only for a data directory that may hold dead files;
+    ``clean``: data directory -> the step directories naming its files when every one was
+    found live (kept up to date here): not listed again while all of those still name it."""
     if storage.is_link(DATA):
         _log.warning(
             "%s: not collected: %s is a symbolic link (a run's data is its own; through the "
@@ -84,20 +86,18 @@ def collect_data(
     dirs = storage.list_dirs(DATA)
     if not dirs:
         return []
-    live: set[str] = set()
+    by: dict[str, dict[str, int]] = {}  # data directory -> the step directories naming it
     keep: set[int] = set()
     for step, names in step_dirs.items():
         for name in names:
-            try:
-                m = read(storage, name, step)
-            except FileNotFoundError:
-                continue
-            except CheckpointVersionError:
+            got = info(name, step)
+            if got.status == NEWER:
                 return []
-            except CheckpointCorruptError:
+            if got.status == CORRUPT:
                 keep.add(step)
-                continue
-            live.update(n for n in m.files if data_ref(n) is not None)
+            elif got.committed:
+                for d in got.refers:
+                    by.setdefault(d, {})[name] = step
     gone = []
     for name in [n for n in clean if n not in dirs]:
         del clean[name]
@@ -105,13 +105,17 @@ def collect_data(
         step = parse_data_dirname(name)
         if not is_dir or step is None or step in keep or storage.is_link(DATA, name):
             continue
-        if name in clean and all(data_ref_name(name, f) in live for f in clean[name]):
-            continue  # (listed before, every file live then and now: nothing to delete)
+        refs = by.get(name, {})
+        if name in clean and clean[name] <= refs.keys():
+            continue  # (every file live, and every step that named one still names it)
         clean.pop(name, None)
+        live = _live(storage, name, refs, read)
+        if live is None:
+            continue
         files = storage.walk_files(DATA, name)
-        dead = sorted(f for f in files if is_file_name(f) and data_ref_name(name, f) not in live)
+        dead = sorted(f for f in files if is_file_name(f) and f not in live)
         if files and not dead:
-            clean[name] = frozenset(files)
+            clean[name] = frozenset(refs)
         if len(dead) == len(files):
             storage.rm(DATA, name)  # (never follows a link inside)
             gone.append(name)
@@ -120,3 +124,21 @@ def collect_data(
             storage.rm(DATA, name, f)
             gone.append(f"{name}/{f}")
     return gone
+
+
+def _live(
+    storage: Storage,
+    name: str,
+    refs: dict[str, int],
+    read: Callable[[Storage, str, int | None], Manifest],
+) -> set[str] | None:
+    """The files of data directory ``name`` that the manifests in ``refs`` name; None where
+    one of them cannot be read now (then nothing there is deleted)."""
+    live = set()
+    for step_dir, step in refs.items():
+        try:
+            m = read(storage, step_dir, step)
+        except (FileNotFoundError, CheckpointError):
+            return None
+        live.update(ref[1] for n in m.files if (ref := data_ref(n)) is not None and ref[0] == name)
+    return live

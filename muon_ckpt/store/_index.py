@@ -17,8 +17,10 @@ Shape::
     {"format": "muon-ckpt-index", "version": 1,
      "steps": [{"dir": "step-00000500", "step": 500, "gen": 7, "line": "...",
                 "retires": [[600, 6]], "passes": [[600, 6, "why"]], "size": 9437199,
-                "files": 5, "stored": 2, "time": "2026-...", "world_size": 2,
-                "stamp": [dev, inode, size, mtime_ns] or ["<entity tag>", size]}, ...]}
+                "files": 5, "stored": 2, "data": ["00000500-5f0c2a9e7b1d4c83"],
+                "time": "2026-...", "world_size": 2,
+                "stamp": [dev, inode, size, mtime_ns] or ["<entity tag>", size]}, ...],
+     "clean": {"00000500-5f0c2a9e7b1d4c83": ["step-00000500", ...]}}
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from typing import Any
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt.store._entry import _bounded
-from muon_ckpt.store._layout import _LINE_RE, _passed, _retired, parse_step_dirname
+from muon_ckpt.store._layout import (
+    _LINE_RE,
+    _mapping,
+    _passed,
+    _retired,
+    parse_data_dirname,
+    parse_step_dirname,
+)
 from muon_ckpt.store._steps import COMMITTED, OVERWRITE, StepInfo
 from muon_ckpt.store._storage import Storage
 
@@ -48,9 +57,11 @@ _log = logging.getLogger("muon_ckpt")
 
 @dataclass(frozen=True)
 class Index:
-    """An index as read: each directory's entry (its manifest's stamp, its info)."""
+    """An index as read: each directory's entry (its manifest's stamp, its info), and the
+    data directories found with every file live (-> the step directories naming them)."""
 
     entries: dict[str, tuple[Stamp, StepInfo]]
+    clean: dict[str, frozenset[str]]
 
 
 def read_index(storage: Storage) -> Index | None:
@@ -67,11 +78,15 @@ def read_index(storage: Storage) -> Index | None:
         return None
 
 
-def write_index(storage: Storage, entries: list[tuple[Stamp, StepInfo]]) -> None:
-    """Write the index of ``entries``: committed directories' infos, as ``read_step`` gives
-    them, with their manifests' stamps."""
+def write_index(
+    storage: Storage, entries: list[tuple[Stamp, StepInfo]], clean: dict[str, frozenset[str]]
+) -> None:
+    """Write the index of ``entries`` (committed directories' infos, as ``read_step`` gives
+    them, with their manifests' stamps) and ``clean`` (``_data.collect_data``'s)."""
     out = [_entry(stamp, i) for stamp, i in sorted(entries, key=lambda e: e[1].dirname)]
-    d = {"format": _FORMAT, "version": _VERSION, "steps": out}
+    named = {i.dirname for _, i in entries}
+    data = {d: sorted(by) for d, by in sorted(clean.items()) if by <= named}
+    d = {"format": _FORMAT, "version": _VERSION, "steps": out, "clean": data}
     storage.write_bytes(json.dumps(d, separators=(",", ":")).encode(), INDEX, durable=False)
 
 
@@ -86,6 +101,7 @@ def _entry(stamp: Stamp, i: StepInfo) -> dict[str, Any]:
         "size": i.size,
         "files": i.files,
         "stored": i.stored,
+        "data": list(i.refers),
         "time": i.time,
         "world_size": i.world_size,
         "stamp": list(stamp),
@@ -99,7 +115,12 @@ def _parse(d: Any) -> Index:
     for e in d["steps"]:
         stamp, info = _info(e)
         entries[info.dirname] = (stamp, info)
-    return Index(entries)
+    clean = {}
+    for name, by in _mapping("clean", d.get("clean", {})).items():
+        if parse_data_dirname(name) is None or not all(n in entries for n in by):
+            raise ValueError(f"clean: {str(name)[:40]!r}")
+        clean[name] = frozenset(by)
+    return Index(entries, clean)
 
 
 def _info(e: dict[str, Any]) -> tuple[tuple[int, ...] | None, StepInfo]:
@@ -129,5 +150,12 @@ def _info(e: dict[str, Any]) -> tuple[tuple[int, ...] | None, StepInfo]:
         retires=[_retired(r) for r in e["retires"]],
         passes=[_passed(p) for p in e["passes"]],
         stored=None if e["stored"] is None else _bounded("stored", e["stored"]),
+        refers=[_data_dir(x) for x in e["data"]],
     )
     return tuple(stamp), info
+
+
+def _data_dir(name: Any) -> str:
+    if not isinstance(name, str) or parse_data_dirname(name) is None:
+        raise ValueError(f"data {str(name)[:40]!r} is not a data directory's name")
+    return name

@@ -17,9 +17,10 @@ manifest or the index), stands while its manifest is the same object:
 * on ``memory://`` (no stamps), never.
 
 This catalog's own writes (a commit, a swap, a delete) update or drop what they change. The
-data directories are remembered the same way (``clean``: a directory listed once with every
-file live is not listed again while every one of them stays live; an old data directory never
-gains files, a save writes a new one), so retention lists only what a deletion changed.
+data directories are remembered the same way (``clean``: a directory found with every file
+live, and the step directories naming them, from the index too; it is not listed again while
+each of those steps stands: an old data directory never gains files, a save writes a new
+one), so a save lists only what a deletion or a crash changed.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class ManifestMemo:
         self._listed: dict[str, Stamp] | None = None  # object stores: the last stamps listed
         self._leased: set[str] = set()  # checked or read since this process took the lease
         self._indexed: set[str] | None = None  # directories the index was last read for
-        self.clean: dict[str, frozenset[str]] = {}  # data directory -> its files, all live
+        # Data directory -> the step directories naming its files, when all were live
+        self.clean: dict[str, frozenset[str]] = {}
 
     # ------------------------------------------------------------------ what stands
     def _now(self, name: str) -> Stamp | None:
@@ -100,6 +102,8 @@ class ManifestMemo:
         if got is not None and got[1].step == step and self._stands(name, got[0]):
             self._infos[name] = got
             return _copy(got[1])
+        if got is not None:
+            self._changed(name)
         info = read_step(self.storage, name, step, read=self.read)
         read = self._manifests.get((name, step))
         if info.committed and read is not None:
@@ -126,6 +130,8 @@ class ManifestMemo:
             for name, (stamp, info) in ({} if index is None else index.entries).items():
                 if name not in self._infos and name not in self._leased:
                     self._infos[name] = (stamp, info)
+            for name, by in ({} if index is None else index.clean).items():
+                self.clean.setdefault(name, by)  # (stands while every step of ``by`` does)
         known = [self._infos[n][1] for n in names if n in self._infos]
         if st.object_store and known:
             objects = sum(i.stored or 2 for i in known) + 2 * (len(names) - len(known))
@@ -146,7 +152,7 @@ class ManifestMemo:
                 stamp = found.get(n) or _tag(st.info(n, MANIFEST))
                 self._infos[n] = (stamp, self._infos[n][1])
         entries = [self._infos[n] for n in names if n in self._infos]
-        write_index(st, [(s, i) for s, i in entries if s is not None])
+        write_index(st, [(s, i) for s, i in entries if s is not None], self.clean)
 
     def wrote(self, name: str, manifest: Manifest) -> None:
         """This catalog wrote ``manifest`` into ``name`` (and read it back)."""
@@ -159,6 +165,7 @@ class ManifestMemo:
 
     def drop(self, name: str) -> None:
         """``name`` was deleted or replaced by this catalog."""
+        self._changed(name)
         self._infos.pop(name, None)
         self._leased.discard(name)
         if self._listed is not None:  # (what was listed is no longer there)
@@ -168,9 +175,14 @@ class ManifestMemo:
 
     def handover(self) -> None:
         """An acquire or check found the lease not this process's: what was read stands
-        only as its stamps say, and what was all live may not be."""
+        only as its stamps say (``clean`` as the steps naming each directory stand)."""
         self._leased.clear()
-        self.clean.clear()
+
+    def _changed(self, name: str) -> None:
+        """Step directory ``name`` holds another commit now (or none): a data directory
+        whose files it named may hold dead ones."""
+        for d in [d for d, by in self.clean.items() if name in by]:
+            del self.clean[d]
 
 
 def _stamps(st: Storage) -> dict[str, Stamp]:

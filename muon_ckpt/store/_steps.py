@@ -108,6 +108,8 @@ class StepInfo:
     # The objects in its directory: its manifest and the files it lists there (not the run's
     # data), which a listing of the step directories returns (``_memo``)
     stored: int | None = field(default=None, repr=False)
+    # The data directories (``<url>/data/``) its manifest names files of (``_data.collect``)
+    refers: list[str] = field(default_factory=list, repr=False)
 
     @property
     def committed(self) -> bool:
@@ -115,7 +117,8 @@ class StepInfo:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        del d["retires"], d["base"], d["passes"], d["layout"], d["stored"]
+        for k in ("retires", "base", "passes", "layout", "stored", "refers"):
+            del d[k]
         return {**d, "committed": self.committed}
 
 
@@ -175,6 +178,7 @@ def read_step(
         info.passes = list(m.passed_over)
         info.layout = layout_of(m)
         info.stored = 1 + sum(1 for n in m.files if data_ref(n) is None)
+        info.refers = sorted({ref[0] for n in m.files if (ref := data_ref(n)) is not None})
     if detail and not info.committed:
         found = storage.walk_info(name)
         info.size = sum(int(i.get("size") or 0) for i in found.values())

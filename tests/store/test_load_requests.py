@@ -187,3 +187,39 @@ def test_an_index_that_does_not_parse_or_is_missing_is_read_past(store, tmp_path
                 Manifest.from_json(st.read_bytes(step_dirname(s), MANIFEST), "").gen
                 for s in m.steps()
             ]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_the_first_save_after_a_load_is_flat(store, tmp_path, request):
+    """The first save of a restarted job (lease taken over, run listed, data collected)
+    makes the same requests with 2 and 50 steps kept: what the load found in the index
+    stands (its steps by their manifests' stamps, the data directories found all live by
+    the steps naming them), so no other manifest is read and no data directory listed."""
+    proxy = None
+    if store == "s3":
+        proxy, bucket, opts = _s3(
+            request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+        )
+    counts = {}
+    try:
+        for n in (2, 50):
+            if proxy is None:
+                url, opts, counter = str(tmp_path / f"run{n}"), {}, _LOCAL
+                _LOCAL.root = url
+            else:
+                url, counter = f"s3://{bucket}/run{n}", ProxyCounter(proxy.control_url)
+            newest = _long_run(url, opts, n)
+            model, opt = _model()
+            with CheckpointManager(url, model=model, optimizer=opt, storage_options=opts) as m:
+                assert m.load() == newest
+                train(model, opt, 1)
+                counter.clear()
+                m.save(newest + 1)
+                counts[n] = counter.read()
+                assert m.steps()[-1] == newest + 1
+    finally:
+        _LOCAL.root = None
+        if proxy is not None:
+            proxy.stop()
+    assert counts[2] == counts[50], counts
