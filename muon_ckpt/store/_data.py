@@ -102,8 +102,8 @@ def collect_data(
     for name in [n for n in clean if n not in dirs]:
         del clean[name]
     for name, is_dir in dirs.items():
-        step = parse_data_dirname(name)
-        if not is_dir or step is None or step in keep or storage.is_link(DATA, name):
+        of = parse_data_dirname(name)
+        if not is_dir or of is None or of in keep or storage.is_link(DATA, name):
             continue
         refs = by.get(name, {})
         if name in clean and clean[name] <= refs.keys():
@@ -134,7 +134,7 @@ def _live(
 ) -> set[str] | None:
     """The files of data directory ``name`` that the manifests in ``refs`` name; None where
     one of them cannot be read now (then nothing there is deleted)."""
-    live = set()
+    live: set[str] = set()
     for step_dir, step in refs.items():
         try:
             m = read(storage, step_dir, step)

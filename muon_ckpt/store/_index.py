@@ -8,9 +8,11 @@ from is still the one there, by the stamp it records (``_memo``: locally device,
 and modification time, from a ``stat``; on object stores entity tag and size, from a listing
 of the step directories). A directory the index does not name, or names with another stamp
 (a step written since, by hand or by an older version), is read as before; an index that
-does not parse is no index. Cost: one PUT by rank 0 after each save (in its job, after
-retention) and a HEAD of the manifest it committed; one GET by a process that finds a step
-directory it knows nothing of.
+does not parse is no index. It also names the data directories found with every file live,
+and the step directories naming their files then (``_data.collect_data``): such a directory
+is not listed again while each of those stands. Cost: one PUT by rank 0 after each save (in
+its job, after retention) and a HEAD of the manifest it committed; one GET by a process that
+finds a step directory it knows nothing of.
 
 Shape::
 
@@ -111,7 +113,7 @@ def _entry(stamp: Stamp, i: StepInfo) -> dict[str, Any]:
 def _parse(d: Any) -> Index:
     if not isinstance(d, dict) or d.get("format") != _FORMAT or d.get("version") != _VERSION:
         raise ValueError("not an index of this version")
-    entries = {}
+    entries: dict[str, tuple[Stamp, StepInfo]] = {}
     for e in d["steps"]:
         stamp, info = _info(e)
         entries[info.dirname] = (stamp, info)
@@ -123,7 +125,7 @@ def _parse(d: Any) -> Index:
     return Index(entries, clean)
 
 
-def _info(e: dict[str, Any]) -> tuple[tuple[int, ...] | None, StepInfo]:
+def _info(e: dict[str, Any]) -> tuple[Stamp, StepInfo]:
     """One entry, checked as a manifest's fields are (``Manifest.from_json``)."""
     name = e["dir"]
     step = parse_step_dirname(name.removeprefix(OVERWRITE)) if isinstance(name, str) else None

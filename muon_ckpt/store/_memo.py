@@ -170,8 +170,8 @@ class ManifestMemo:
         self._leased.discard(name)
         if self._listed is not None:  # (what was listed is no longer there)
             self._listed.pop(name, None)
-        for key in [k for k in self._manifests if k[0] == name]:
-            del self._manifests[key]
+        for key in [k for k in list(self._manifests) if k[0] == name]:
+            self._manifests.pop(key, None)
 
     def handover(self) -> None:
         """An acquire or check found the lease not this process's: what was read stands
@@ -181,8 +181,9 @@ class ManifestMemo:
     def _changed(self, name: str) -> None:
         """Step directory ``name`` holds another commit now (or none): a data directory
         whose files it named may hold dead ones."""
-        for d in [d for d, by in self.clean.items() if name in by]:
-            del self.clean[d]
+        for d, by in list(self.clean.items()):  # (a list: a save's job may add meanwhile)
+            if name in by:
+                self.clean.pop(d, None)
 
 
 def _stamps(st: Storage) -> dict[str, Stamp]:
