@@ -9,6 +9,10 @@ lease, at points where no save of the run is writing (``Catalog.begin``, ``Catal
 ``prune``), so the only data files no manifest names are those of saves that crashed and
 those of deleted steps that no kept step refers to. A crash anywhere in it (or in the step
 deletions before it) leaves every manifest that was there, and so every file they name.
+It reads a manifest only for a data directory that may hold dead files: one no step names
+(all its files are), or one not found all live since the steps naming it last changed
+(``clean``, kept by the catalog and in the run's index: an old data directory never gains
+files, so it stays all live while every step naming it stays).
 
 A step directory deleted by hand takes none of the data with it: the steps that refer to
 its data still load, and ``collect`` deletes what only it named. A data file deleted by hand

@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from muon_ckpt.store._index import read_index, write_index
+from muon_ckpt.store._index import Index, read_index, write_index
 from muon_ckpt.store._layout import MANIFEST, STEP_PREFIX, Manifest
 from muon_ckpt.store._steps import StepInfo, read_manifest, read_step
 from muon_ckpt.store._storage import Storage
@@ -126,17 +126,26 @@ class ManifestMemo:
         missing = {n for n in names if n not in self._infos}
         if missing and (self._indexed is None or not missing <= self._indexed):
             self._indexed = set(names)
-            index = read_index(st)
-            for name, (stamp, info) in ({} if index is None else index.entries).items():
-                if name not in self._infos and name not in self._leased:
-                    self._infos[name] = (stamp, info)
-            for name, by in ({} if index is None else index.clean).items():
-                self.clean.setdefault(name, by)  # (stands while every step of ``by`` does)
+            self._take(read_index(st))
         known = [self._infos[n][1] for n in names if n in self._infos]
         if st.object_store and known:
             objects = sum(i.stored or 2 for i in known) + 2 * (len(names) - len(known))
             if -(-objects // _PAGE) < len(known):  # (a page lists 1,000 objects)
                 self._listed = _stamps(st)
+
+    def _take(self, index: Index | None) -> None:
+        """The index's entries where nothing is remembered of a directory, and its data
+        directories found all live where every step naming them is as the index says (then
+        they stand while those steps do: ``_changed``)."""
+        same = set()
+        for name, (stamp, info) in ({} if index is None else index.entries).items():
+            if name not in self._infos and name not in self._leased:
+                self._infos[name] = (stamp, info)
+            if self._infos.get(name, (None,))[0] == stamp:
+                same.add(name)
+        for name, by in ({} if index is None else index.clean).items():
+            if by <= same:
+                self.clean.setdefault(name, by)
 
     # ------------------------------------------------------------------ writes
     def publish(self, names: list[str]) -> None:
