@@ -9,7 +9,7 @@ metadata, read safely, and filesystem).
 
 from muon_ckpt.store._catalog import Catalog, write_dirname
 from muon_ckpt.store._confirm import check_stored, confirm_files
-from muon_ckpt.store._index import INDEX
+from muon_ckpt.store._run_index import INDEX
 from muon_ckpt.store._layout import (
     DATA,
     MANIFEST,

@@ -1,7 +1,7 @@
 """What a catalog remembers of the manifests it read, so that storage calls do not grow with
 the run: a committed manifest never changes in place but when a save of its step number
 replaces it (an overwrite, a rewind's) or a prune or retention deletes it, so it is read
-once per process, and the run's index (``_index``) spares even that where it stands.
+once per process, and the run's index (``_run_index``) spares even that where it stands.
 
 A remembered manifest, or a step directory's info (what ``read_step`` makes of it, from the
 manifest or the index), stands while its manifest is the same object:
@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from muon_ckpt.store._index import Index, read_index, write_index
+from muon_ckpt.store._run_index import Index, read_index, write_index
 from muon_ckpt.store._layout import MANIFEST, STEP_PREFIX, Manifest
 from muon_ckpt.store._steps import StepInfo, read_manifest, read_step
 from muon_ckpt.store._storage import Storage

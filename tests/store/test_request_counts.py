@@ -23,7 +23,7 @@ from tests.store._requests import LocalCounter, ProxyCounter, synthetic_steps
 _LOCAL = LocalCounter()
 
 # The most requests of each kind one save may make, whatever the run's length (1 rank). One
-# open and one PUT more than before the run's index (``store._index``): what spares a load
+# open and one PUT more than before the run's index (``store._run_index``): what spares a load
 # reading every manifest.
 LOCAL_MAX = {"listdir": 9, "open": 17}
 S3_MAX = {"LIST": 13, "HEAD": 3, "GET": 8, "PUT": 8, "COPY": 1, "multipart": 0, "DELETE": 1}
