@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import uuid
 from collections.abc import Iterator
@@ -23,6 +24,12 @@ import torch
 # start: a reference computed in the test process then sums in the same order as they do,
 # whatever the host's core count (a 16-core host splits reductions differently).
 torch.set_num_threads(1)
+
+# A suite started in the background of a shell without job control (`cmd &` in a script)
+# inherits SIGINT ignored, and so would every child it starts: the tests that interrupt a
+# child would see nothing raised. Each child is to meet Ctrl-C as a user's process does.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # moto needs credentials to exist; they are never sent anywhere but 127.0.0.1.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
