@@ -35,7 +35,9 @@ __all__ = ["LineRecords"]
 
 
 class LineRecords:
-    """The line records of ``storage``'s root as of its catalog's last scan."""
+    """The line records of ``storage``'s root as of its catalog's last scan. Its dicts are
+    replaced, never changed in place: rank 0's admissions and its save job's ``tidy`` (in
+    another thread) both use them."""
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
@@ -51,9 +53,10 @@ class LineRecords:
         """Rank 0, under the lease, as a memory step of ``line`` is admitted by ``plan`` (after
         this catalog's scan): write the line's record unless the url already vouches for it
         (a record of it, a commit of it, or the commit the step is saved after)."""
-        if line in self.gens or line in self._committed or plan.base is not None:
+        gens = self.gens
+        if line in gens or line in self._committed or plan.base is not None:
             return
-        gen = max([plan.gen, *(g + 1 for g in self.gens.values())])
+        gen = max([plan.gen, *(g + 1 for g in gens.values())])
         if parse_record_name(record_name(line, gen)) is None:  # (a line id no record can name)
             return
         doc = {
@@ -65,7 +68,7 @@ class LineRecords:
             "muon_ckpt_version": __version__,
         }
         self.storage.write_bytes(json.dumps(doc, sort_keys=True).encode(), record_name(line, gen))
-        self.gens[line] = gen
+        self.gens = {**gens, line: gen}
 
     def others(self, line: str | None) -> bool:
         """Whether there are records of other lines than ``line`` (a commit of it removes
@@ -83,5 +86,7 @@ class LineRecords:
     def drop(self, lines: list[str]) -> None:
         """Delete the records of ``lines``."""
         for line in lines:
-            self.storage.rm(record_name(line, self.gens[line]))
-            del self.gens[line]
+            gens = self.gens
+            if line in gens:
+                self.storage.rm(record_name(line, gens[line]))
+                self.gens = {k: g for k, g in gens.items() if k != line}

@@ -2,7 +2,8 @@
 (SIGKILL) after its last memory save: ``python -m tests.memory._line_job MODE URL OPTIONS
 MEMDIR STATE`` (OPTIONS: the storage options as JSON).
 
-``fresh``: a first run; it saves steps 1-6 (``STEPS`` in the environment: how many).
+``fresh``: a first run; it saves steps 1-6 (``STEPS`` in the environment: how many; with
+``FIRST=1``, step 0 to the url first).
 ``rewind``: it resumes (step 6, from memory), rewinds to step 2 and saves steps 3 and 4 of
 the new line. ``new-run``: a new run in the same url (``new_run=True``, nothing loaded); it
 saves step 1. Each torch.saves the state of its last step to STATE, prints ``saved`` and
@@ -35,6 +36,8 @@ def main(mode: str, url: str, options: str, memdir: str, state: str) -> None:
     )
     if mode == "fresh":
         assert mgr.load() is None
+        if os.environ.get("FIRST") == "1":
+            assert mgr.save(0, force=True)
         steps = range(1, int(os.environ.get("STEPS", "6")) + 1)
     elif mode == "rewind":
         assert mgr.load() == 6 and mgr.last_load_tier == "memory"

@@ -33,10 +33,10 @@ def run_url(request, tmp_path):
     return f"s3://{bucket}/run", opts
 
 
-def _job(mode, url, opts, tmp_path, steps=6):
+def _job(mode, url, opts, tmp_path, steps=6, first=False):
     """The job of ``tests/memory/_line_job.py`` in ``mode``, killed after its last memory
     save; the state of its last step."""
-    env = {**os.environ, "PYTHONPATH": REPO, "STEPS": str(steps)}
+    env = {**os.environ, "PYTHONPATH": REPO, "STEPS": str(steps), "FIRST": "1" if first else ""}
     state = str(tmp_path / f"{mode}.pt")
     args = [mode, url, json.dumps(opts), str(tmp_path / "mem"), state]
     r = subprocess.run(
@@ -97,6 +97,21 @@ def test_memory_steps_before_the_urls_first_commit_are_restored_after_a_crash(ru
     assert (step, tier) == (2, "memory")
     _assert_same(want, got)
     assert record in _root(url, opts)  # (a load writes nothing)
+
+
+def test_a_first_save_to_the_url_that_the_tier_also_keeps_records_its_line(tmp_path):
+    """Step 0 saved to the url and the tier, then memory steps 1 and 2: the line is recorded
+    by step 0's save (should its write to the url not commit, the tier's copy is restorable)
+    and not again; the restart resumes step 2 from memory, bitwise."""
+    url, opts = str(tmp_path / "run"), {}
+    want = _job("fresh", url, opts, tmp_path, steps=2, first=True)
+    names = _root(url, opts)
+    (record,) = [n for n in names if n.startswith("line-")]
+    assert names == sorted(["data", "lease.json", record, "step-00000000"])
+    assert json.loads((tmp_path / "run" / record).read_bytes())["step"] == 0
+    step, tier, got = _restart(url, opts, tmp_path)
+    assert (step, tier) == (2, "memory")
+    _assert_same(want, got)
 
 
 def test_after_the_url_was_emptied_its_memory_steps_are_not_restored(run_url, tmp_path):
