@@ -267,5 +267,5 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"{', '.join(map(str, res.newer))}"
         )
     if res.lines:
-        print(f"{verb} the records of memory-tier lines with no step left: {', '.join(res.lines)}")
+        print(f"{verb} the records of older memory-tier lines: {', '.join(res.lines)}")
     return 0

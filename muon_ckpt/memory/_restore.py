@@ -2,7 +2,8 @@
 from its own memory, else from a replica on another rank, else the whole load from storage.
 
 1. rank 0 scans the url (every step, of any format, and the line records in the same
-   listing: the load's one scan); every rank lists its tier (nothing where the tier is not this user's own); one all-gather;
+   listing: the load's one scan); every rank lists its tier (nothing where the tier is not
+   this user's own); one all-gather;
 2. every rank computes the same history (``load.History``: ``store.mark_tier`` once): the
    tier's complete steps -- every rank's part somewhere, of one save, at this world size,
    ``node_size`` and layout -- are commits of the run beside the url's, retiring and retired

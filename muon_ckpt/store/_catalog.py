@@ -415,8 +415,8 @@ class Catalog:
         ``keep_last``, never the newest one, ``just_saved`` (the step just committed) nor
         ``verified`` (``(step, gen)``: the newest step known to verify, read back whole by
         this job: ``just_saved`` itself with ``confirm="checksum"``), and the passed-over
-        steps older than every step kept (``_lines.aged_out``); last, the records of lines
-        with no commit left (``_records``). Returns (replaced steps, retention's) deleted."""
+        steps older than every step kept (``_lines.aged_out``); last, the records of other
+        lines than ``just_saved``'s (``_records``). Returns (replaced, retention's) deleted."""
         infos = self.scan()
         gone = [
             i.step

@@ -16,8 +16,8 @@ another run's steps), as the tier's own retention drops them once that step is c
 A commit to the url removes the records of every other line (after it, ``Catalog.tidy``;
 ``prune`` keeps the record of the newest commit's line only): that newer commit abandons the
 memory steps of the lines before it (``mark_tier``), and a line with commits of its own is
-vouched for by them. A url emptied (its folder or prefix deleted) loses its records with its steps, and so
-vouches for none of the memory steps it held: a restart there starts afresh.
+vouched for by them. A url emptied (its folder or prefix deleted) loses its records with its
+steps, and so vouches for none of the memory steps it held: a restart there starts afresh.
 """
 
 from __future__ import annotations

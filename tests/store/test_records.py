@@ -1,7 +1,7 @@
 """The url's records of memory-tier lines (store/_records.py): a line the url does not vouch
 for gets one record at its first memory save, never rewritten at the next ones; a commit to
-the url keeps its own line's record and removes those of lines with no commit left, as
-``prune`` does; ``ls`` shows them, ``verify`` ignores them. Against a local directory,
+the url keeps its own line's record and removes those of the other lines, and ``prune`` all
+but the newest step's line's; ``ls`` shows them, ``verify`` ignores them. Against a local directory,
 memory:// and S3 (moto)."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_one_record_per_line_written_at_its_first_memory_save(storage_url, tmp_p
     r.mgr.close()
 
 
-def test_a_new_lines_commit_removes_the_records_of_lines_with_no_commit(storage_url, tmp_path):
+def test_a_new_lines_commit_removes_the_other_lines_records(storage_url, tmp_path):
     """Run A keeps steps 1-2 in memory only (recorded); run B, new_run=True, commits step 1
     to the url (recorded too: the tier keeps it): A's record goes after the commit, B's
     stays; A's memory steps are never restored there."""
@@ -97,7 +97,7 @@ def test_prune_removes_a_record_no_commit_needs_and_ls_shows_records(tmp_path, c
     assert "line 0123456789abcdef (gen 7) is recorded" in out and own.split("-")[1] in out
     assert main(["verify", url]) == 0
     assert main(["prune", url, "--keep", "1", "--dry-run"]) == 0
-    assert "would delete the records of memory-tier lines" in capsys.readouterr().out
+    assert "would delete the records of older memory-tier lines" in capsys.readouterr().out
     assert len(_records(url, opts)) == 2
     assert main(["prune", url, "--keep", "1"]) == 0
     assert "0123456789abcdef" in capsys.readouterr().out
