@@ -134,7 +134,7 @@ class Saves:
         # its listing and lease come in its job (``Admission.recheck``), after the snapshot.
         # One the memory tier also keeps is admitted here (its job takes the plan as it is).
         cached = background and url and not memory
-        adm = self._admit(step, url=url, overwrite=overwrite, cached=cached)
+        adm = self._admit(step, url=url, memory=memory, overwrite=overwrite, cached=cached)
         t1 = time.perf_counter()
         # A memory save writes in the background: it needs host copies, as an async save.
         snap = self._take(src, step, background or memory, readers=url + memory)
@@ -211,13 +211,9 @@ class Saves:
             self._start_memory(h, owns=True, gate=self.gate, src=src)
         return True
 
-    def _admit(
-        self, step: int, *, url: bool, overwrite: bool = False, cached: bool = False
-    ) -> Admission:
+    def _admit(self, step: int, *, url: bool, memory: bool = False, **kw: Any) -> Admission:
         """The one admission of a save of either tier (``RunLine.admit``)."""
-        return self.line.admit(
-            self.catalog, step, self.calls.group, url=url, overwrite=overwrite, cached=cached
-        )
+        return self.line.admit(self.catalog, step, self.calls.group, url=url, memory=memory, **kw)
 
     def _take(self, src: SaveSources, step: int, background: bool, readers: int) -> Snapshot:
         src.group = self.calls.group

@@ -69,9 +69,16 @@ class History:
     retired: list[tuple[int, int]]
 
     @classmethod
-    def of(cls, scan: list[StepInfo], tier: list[StepInfo] | None = None) -> History:
+    def of(
+        cls,
+        scan: list[StepInfo],
+        tier: list[StepInfo] | None = None,
+        records: dict[str, int] | None = None,
+    ) -> History:
+        """``records``: the url's line records (``Catalog.records``), which vouch for the
+        tier's steps of their lines."""
         tier = list(tier or ())
-        return cls(scan, tier, mark_tier(scan, tier))
+        return cls(scan, tier, mark_tier(scan, tier, records))
 
     def refuse_newer(self, url: str, step: int | None) -> None:
         """The url's steps of a newer format (``refuse_newer``)."""

@@ -115,7 +115,8 @@ def write_and_commit(w: WriteSpec, out: Written) -> None:
     if w.data_dir is not None:
         out.next_base = writer.dedup.next_base((w.step, w.admission.plan.gen), records.files, gens)
     plan = w.admission.plan
-    if coll.rank() == 0 and (w.config.keep_last is not None or plan.retires or plan.drop):
+    tidies = plan.retires or plan.drop or w.catalog.records.others(w.admission.line)
+    if coll.rank() == 0 and (w.config.keep_last is not None or tidies):
         tidy(w)  # (no agreement after it: a slow or failed retention cannot fail the save)
         out.timings["retention"] = time.perf_counter() - t2
     out.timings.update(

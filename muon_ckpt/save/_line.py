@@ -62,18 +62,23 @@ class RunLine:
         group: Any,
         *,
         url: bool,
+        memory: bool = False,
         overwrite: bool = False,
         cached: bool = False,
     ) -> Admission:
         """Every rank, before a save of ``step`` (``url``: to the url; else to the memory tier
-        only): rank 0 readies it (``_ready``) and draws its id; every rank learns them and
-        what the save may refer to (``saving``). ``cached`` (a save to the url): decided from
-        the steps the catalog knows where it knows them (``Catalog.plan_cached``: no storage
-        request), its ``begin`` left to the save's job (``Admission.recheck``)."""
+        only; ``memory``: to the memory tier too): rank 0 readies it (``_ready``; a memory
+        step's line vouched for by the url, ``store._records``) and draws its id; every rank
+        learns them and what the save may refer to (``saving``). ``cached`` (a save to the url
+        alone): decided from the steps the catalog knows where it knows them
+        (``Catalog.plan_cached``: no storage request), its ``begin`` left to the save's job
+        (``Admission.recheck``)."""
         later: list[Any] = [None]  # (rank 0's ``begin``: a closure is not broadcast)
 
         def ready() -> tuple[SavePlan, str, str, bool]:
             plan, line, later[0] = self._ready(catalog, step, url, overwrite, cached)
+            if memory or not url:  # (after the scan that planned it, under the lease)
+                catalog.records.vouch(line, step, plan)
             return plan, line, new_id(), later[0] is not None
 
         plan, line, save_id, deferred = coll.on_rank0(ready, group)
@@ -93,14 +98,6 @@ class RunLine:
             plan = catalog.admit(
                 step, resumed=self.resumed, new_run=self.new_run, abandon=self.abandoned
             )
-            if self.line is None and plan.base is None:  # (a new line the url cannot vouch for)
-                _log.warning(
-                    "%s: memory step %d is restorable only once the url holds a commit of this "
-                    "run (it holds none yet; a restart refuses tier steps of a line the url "
-                    "does not know): save(step, force=True) to the url once at the start",
-                    catalog.storage.url,
-                    step,
-                )
             return plan, self.line or new_id(), None
         kw: dict[str, Any] = dict(
             overwrite=overwrite,

@@ -53,6 +53,7 @@ from muon_ckpt.store._layout import (
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, Lease
 from muon_ckpt.store._lines import SavePlan, aged_out, mark_superseded, plan_save
 from muon_ckpt.store._memo import ManifestMemo
+from muon_ckpt.store._records import LineRecords
 from muon_ckpt.store._steps import (
     CORRUPT,
     NEWER,
@@ -63,18 +64,13 @@ from muon_ckpt.store._steps import (
     pick,
     read_step,
     step_dirs,
+    write_dirname,
 )
 from muon_ckpt.store._storage import Storage
 
 __all__ = ["Catalog", "write_dirname"]
 
 _log = logging.getLogger("muon_ckpt")
-
-
-def write_dirname(step: int, overwrite: bool) -> str:
-    """Where a save of ``step`` writes its files: the step's directory, or beside it for an
-    overwrite (swapped in at the commit)."""
-    return OVERWRITE + step_dirname(step) if overwrite else step_dirname(step)
 
 
 class Catalog:
@@ -85,6 +81,7 @@ class Catalog:
         self.storage = storage
         self.lease = Lease(storage, lease_seconds)
         self.memo = ManifestMemo(storage, lambda: self.lease.ours)  # manifests read once
+        self.records = LineRecords(storage)  # the memory tier's line records, as last scanned
         self.lease.changed_hands = self._forget
         # The steps as of this catalog's last scan under the lease, kept up to date by its
         # commits and deletions: what an asynchronous save is admitted from (``plan_cached``)
@@ -97,7 +94,7 @@ class Catalog:
     def scan(self, *, detail: bool = False) -> list[StepInfo]:
         """Every step, oldest first, with its status (``detail``: also size, file count and
         time of the steps that are not committed, from a listing)."""
-        steps = step_dirs(self.storage)[0]
+        steps, _, _, records = step_dirs(self.storage)
         out = []
         for step, names in sorted(steps.items()):
             info = pick([self._read_step(n, step) for n in names])
@@ -108,6 +105,7 @@ class Catalog:
                     info = read_step(self.storage, info.dirname, step, detail=True)
                 out.append(info)
         mark_superseded(out)
+        self.records.scanned(records, out)
         self.known = list(out) if self.lease.ours else None
         return out
 
@@ -206,7 +204,7 @@ class Catalog:
         kept."""
         self.lease.acquire()
         st = self.storage
-        steps, _, links = step_dirs(st)
+        steps, _, links, _ = step_dirs(st)
         for name in links:  # (another run's step linked along: unlinked, never followed)
             self.memo.drop(name)
             st.rm(name)
@@ -417,8 +415,8 @@ class Catalog:
         ``keep_last``, never the newest one, ``just_saved`` (the step just committed) nor
         ``verified`` (``(step, gen)``: the newest step known to verify, read back whole by
         this job: ``just_saved`` itself with ``confirm="checksum"``), and the passed-over
-        steps older than every step kept (``_lines.aged_out``). Returns (the replaced steps
-        deleted, the steps retention deleted)."""
+        steps older than every step kept (``_lines.aged_out``); last, the records of other
+        lines than ``just_saved``'s (``_records``). Returns (replaced, retention's) deleted."""
         infos = self.scan()
         gone = [
             i.step
@@ -430,6 +428,7 @@ class Catalog:
             self.delete(s)
         if keep_last is None:
             self.collect()
+            self.records.drop(self.records.stale(infos, gone, just_saved))
             return gone, []
         steps = [i.step for i in infos if i.committed]
         keep = set(steps[-keep_last:]) | {just_saved}
@@ -438,6 +437,7 @@ class Catalog:
         for s in victims:
             self.delete(s)
         self.collect()
+        self.records.drop(self.records.stale(infos, gone + victims, just_saved))
         return gone, victims
 
     def collect(self) -> list[str]:
