@@ -51,6 +51,9 @@ _PRELOAD = [
     "torch.distributed.tensor",
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
+    # An optimizer's first __init__ imports torch._dynamo (torch._disable_dynamo): 1.5-2.5 s
+    # in every rank that builds one, when the server has not imported it.
+    "torch._dynamo",
     "muon_ckpt.manager",
     "optim",
     "tests.conftest",
