@@ -10,9 +10,11 @@ only, so multi-process tests use local and S3).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
+import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +39,21 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
+def share_botocore_models() -> None:
+    """One botocore loader per process, as the clients of one botocore session share theirs:
+    s3fs starts a session per filesystem (a manager opens two), and each one parsed the S3
+    service model again, 0.15 s of CPU. What the clients load and send is unchanged."""
+    import botocore.session
+
+    if not hasattr(botocore.session.create_loader, "cache_info"):
+        cached = functools.lru_cache(maxsize=None)(botocore.session.create_loader)
+        botocore.session.create_loader = cached
+
+
+if "botocore.session" in sys.modules:  # (the ranks' forkserver, which preloads s3fs first)
+    share_botocore_models()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,6 +65,7 @@ def s3_server() -> Iterator[str]:
     """Endpoint URL of a moto S3 server running for the whole session."""
     pytest.importorskip("s3fs")
     server_mod = pytest.importorskip("moto.server")
+    share_botocore_models()
     import logging
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
