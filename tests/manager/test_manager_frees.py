@@ -8,6 +8,7 @@ memory (tests/gpu/test_offload_gpu.py saw the previous tests' models still alloc
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from collections.abc import Iterator
@@ -18,9 +19,9 @@ from muon_ckpt import CheckpointManager, MemoryOptions
 from tests.conftest import tiny_run, tiny_train
 
 
-@pytest.fixture
-def no_gc(tmp_path) -> Iterator[None]:
-    """Automatic collection off: only reference counting frees anything meanwhile."""
+@contextlib.contextmanager
+def _refcounting_only(tmp_path) -> Iterator[None]:
+    """Automatic collection off: only reference counting frees anything inside."""
     # A process's first optimizer and save import parts of torch lazily, and an import's
     # traceback keeps the frames of that call (the optimizer among them) in a cycle of its own.
     _saved(str(tmp_path / "warm-up"))
@@ -53,49 +54,52 @@ def _saved(url: str, **kw) -> None:
 @pytest.mark.parametrize("snapshot", [False, True, "deferred"], ids=["sync", "async", "deferred"])
 @pytest.mark.parametrize("use", ["save", "load"])
 def test_a_closed_manager_leaves_the_model_and_optimizer_to_reference_counting(
-    tmp_path, no_gc, snapshot, use
+    tmp_path, snapshot, use
 ):
-    url = str(tmp_path / "run")
-    if use == "load":
-        _saved(url, async_save=snapshot)
-    model, opt = tiny_run(1)
-    tiny_train(model, opt, 1, seed=1)
-    refs = _watch(model, opt)
-    with CheckpointManager(url, model=model, optimizer=opt, async_save=snapshot) as mgr:
+    with _refcounting_only(tmp_path):
+        url = str(tmp_path / "run")
         if use == "load":
-            assert mgr.load() == 1
-        else:
-            assert mgr.save(2)
-        mgr.wait()
-    del model, opt, mgr
-    assert _alive(refs) == [], "held in a reference cycle after the manager was closed"
-
-
-def test_a_manager_with_a_memory_tier_leaves_them_to_reference_counting_too(tmp_path, no_gc):
-    url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
-    kw = dict(interval=2, memory=MemoryOptions(interval=1, dir=mem), async_save=True)
-    model, opt = tiny_run(1)
-    refs = _watch(model, opt)
-    with CheckpointManager(url, model=model, optimizer=opt, **kw) as mgr:
-        for s in (1, 2, 3):
-            tiny_train(model, opt, 1, seed=s)
-            mgr.save(s)
+            _saved(url, async_save=snapshot)
+        model, opt = tiny_run(1)
+        tiny_train(model, opt, 1, seed=1)
+        refs = _watch(model, opt)
+        with CheckpointManager(url, model=model, optimizer=opt, async_save=snapshot) as mgr:
+            if use == "load":
+                assert mgr.load() == 1
+            else:
+                assert mgr.save(2)
             mgr.wait()
-    del model, opt, mgr
-    assert _alive(refs) == [], "held in a reference cycle after the manager was closed"
-    model, opt = tiny_run(2)
-    refs = _watch(model, opt)
-    with CheckpointManager(url, model=model, optimizer=opt, **kw) as mgr:
-        assert mgr.load() == 3
-    del model, opt, mgr
-    assert _alive(refs) == [], "held in a reference cycle after the manager was closed"
+        del model, opt, mgr
+        assert _alive(refs) == [], "held in a reference cycle after the manager was closed"
 
 
-def test_a_manager_dropped_without_close_after_a_load_leaves_them_too(tmp_path, no_gc):
-    url = str(tmp_path / "run")
-    _saved(url)
-    model, opt = tiny_run(1)
-    refs = _watch(model, opt)
-    assert CheckpointManager(url, model=model, optimizer=opt).load() == 1
-    del model, opt
-    assert _alive(refs) == [], "held in a reference cycle by a manager nobody holds"
+def test_a_manager_with_a_memory_tier_leaves_them_to_reference_counting_too(tmp_path):
+    with _refcounting_only(tmp_path):
+        url, mem = str(tmp_path / "run"), str(tmp_path / "mem")
+        kw = dict(interval=2, memory=MemoryOptions(interval=1, dir=mem), async_save=True)
+        model, opt = tiny_run(1)
+        refs = _watch(model, opt)
+        with CheckpointManager(url, model=model, optimizer=opt, **kw) as mgr:
+            for s in (1, 2, 3):
+                tiny_train(model, opt, 1, seed=s)
+                mgr.save(s)
+                mgr.wait()
+        del model, opt, mgr
+        assert _alive(refs) == [], "held in a reference cycle after the manager was closed"
+        model, opt = tiny_run(2)
+        refs = _watch(model, opt)
+        with CheckpointManager(url, model=model, optimizer=opt, **kw) as mgr:
+            assert mgr.load() == 3
+        del model, opt, mgr
+        assert _alive(refs) == [], "held in a reference cycle after the manager was closed"
+
+
+def test_a_manager_dropped_without_close_after_a_load_leaves_them_too(tmp_path):
+    with _refcounting_only(tmp_path):
+        url = str(tmp_path / "run")
+        _saved(url)
+        model, opt = tiny_run(1)
+        refs = _watch(model, opt)
+        assert CheckpointManager(url, model=model, optimizer=opt).load() == 1
+        del model, opt
+        assert _alive(refs) == [], "held in a reference cycle by a manager nobody holds"
