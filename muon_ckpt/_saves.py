@@ -82,7 +82,10 @@ class Saves:
     ) -> None:
         self.catalog, self.config, self.line = catalog, config, line
         self.sources, self.calls = sources, calls
-        calls.busy = self.busy  # (a group a running job holds is destroyed once it ended)
+        # (a group a running job holds is destroyed once it ended); weakly: a cycle here kept
+        # the model and optimizer (their GPU memory) alive until a full garbage collection
+        busy = weakref.WeakMethod(self.busy)
+        calls.busy = lambda: (b := busy()) is not None and b()
         self.url = UrlWriter(catalog, config)
         self.memory = MemoryWriter.of(config, catalog.storage.url_of())
         self._owner = weakref.ref(owner)
