@@ -89,6 +89,7 @@ from muon_ckpt.store import (
     open_storage,
     step_dirname,
 )
+from muon_ckpt.store.dcp import Written
 
 
 # ---------------------------------------------------------------------- phases
@@ -113,7 +114,7 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     from muon_ckpt._gcpause import paused_gc
-    from muon_ckpt.load import SafeLoadPlanner
+    from muon_ckpt.load import Decision, SafeLoadPlanner
     from muon_ckpt.load._reader import VerifyingReader
     from muon_ckpt.save import StagedSavePlanner
     from muon_ckpt.save._writer import FileRecords, StepWriter
@@ -159,6 +160,14 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
         results, files = write_results(final, data_dir)
         del final
         make_files(root, files)
+        # Each rank's writer hands DCP its results, which DCP gathers to rank 0 (pickled)
+        sent = [pickle.dumps(Written.of(r), protocol=pickle.HIGHEST_PROTOCOL) for r in results]
+        sizes["write results sent"] = sum(map(len, sent))
+        del results
+
+        gather = functools.partial(list, map(pickle.loads, sent))  # (as gather_object does)
+        sec["save: write results gathered (rank 0)"], results = timed(gather)
+        del sent
         sec["save: .metadata (rank 0)"], _ = timed(functools.partial(writer.finish, md, results))
         del results, md
         by_rank: dict[int, dict[str, FileEntry]] = {}
@@ -204,13 +213,15 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
                 return catalog.checked_at(STEP)
 
         sec["load: decide (rank 0)"], (name, m, md) = timed(decide)
-        sent = pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
-        sizes["metadata pickled"] = len(sent)
-        del md
+        decision = Decision(False, STEP, n, m.files, md, [], [], name)
+        send = functools.partial(pickle.dumps, decision, protocol=pickle.HIGHEST_PROTOCOL)
+        sec["load: decision sent (rank 0)"], sent = timed(send)
+        sizes["decision sent"] = len(sent)
+        del md, decision
 
-        def receive(sent: bytes) -> Any:
+        def receive(sent: bytes) -> Any:  # (broadcast_object_list unpickles it)
             with paused_gc():
-                return pickle.loads(sent)
+                return pickle.loads(sent).metadata
 
         sec["load: metadata (each rank)"], md = timed(functools.partial(receive, sent))
         del sent

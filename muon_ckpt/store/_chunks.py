@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -55,14 +54,21 @@ def _dims(v: Any) -> tuple[int, ...] | None:
     return out
 
 
-def _all_dims(chunks: list[Any], ndim: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
-    """Every chunk's (offsets, sizes) as ``_dims`` would give them, each of ``ndim`` values,
-    checked for all chunks at once (a tensor of a 2,048-rank save has 2,048 of them); None
-    when one is not, which the caller finds one by one."""
+def _all_dims(chunks: list[Any], ndim: int) -> list[tuple[Sequence[int], Sequence[int]]] | None:
+    """Every chunk's (offsets, sizes) as ``_dims`` would give them (or the ``torch.Size``s
+    themselves: tuples of ints below 2**63), each of ``ndim`` values, checked for all chunks at
+    once (a tensor of a 2,048-rank save has 2,048 of them); None when one is not, which the
+    caller finds one by one."""
     if not all(map(isinstance, chunks, itertools.repeat(ChunkStorageMetadata))):
         return None
-    offsets = [getattr(c, "offsets", None) for c in chunks]
-    sizes = [getattr(c, "sizes", None) for c in chunks]
+    offsets = list(map(getattr, chunks, itertools.repeat("offsets"), _NONES))
+    sizes = list(map(getattr, chunks, itertools.repeat("sizes"), _NONES))
+    if set(map(type, offsets)) | set(map(type, sizes)) == {torch.Size}:
+        shapes = set(sizes)  # (a few: equal sizes are most often one object, store._packed)
+        if set(map(len, offsets)) | set(map(len, shapes)) != {ndim}:
+            return None
+        flat = itertools.chain(itertools.chain.from_iterable(offsets), *shapes)
+        return None if min(flat, default=0) < 0 else list(zip(offsets, sizes))
     dims = offsets + sizes
     if not dims:
         return []
@@ -74,6 +80,9 @@ def _all_dims(chunks: list[Any], ndim: int) -> list[tuple[tuple[int, ...], tuple
     if flat and (set(map(type, flat)) != {int} or min(flat) < 0 or max(flat) >= 1 << 63):
         return None
     return list(zip(map(tuple, offsets), map(tuple, sizes)))
+
+
+_NONES = itertools.repeat(None)
 
 
 def tiling_problem(
@@ -158,7 +167,6 @@ def _slabs_tile(
 
 
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_INDEX_KEY = operator.attrgetter("fqn", "offset")
 
 
 def _corrupt(where: str, key: str, problem: str) -> CheckpointCorruptError:
@@ -174,36 +182,29 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
     storage transform: its expansion has no bound); every stored object has an item. Raises
     CheckpointCorruptError naming the first tensor that is not. (That no two items share
     bytes of a file, and each lies inside its file, is ``check_ranges``'s: it needs the
-    files' sizes.)"""
-    items = md.storage_data
-    if not isinstance(items, dict):
-        raise CheckpointCorruptError(f"{where}: DCP metadata without a storage index")
-    if not all(isinstance(i, MetadataIndex) for i in items):
-        raise CheckpointCorruptError(f"{where}: DCP metadata with a storage index of other keys")
-    try:  # (MetadataIndex's hash and equality: its name and offset, a torch.Size or None)
-        stored = dict(zip(map(_INDEX_KEY, items), items.values()))
-    except TypeError:  # (an offset a crafted file made unhashable)
-        stored = {
-            (i.fqn, None if i.offset is None else tuple(i.offset)): v for i, v in items.items()
-        }
+    files' sizes.) ``md.storage_data`` is a ``StorageIndex`` (``parse_metadata`` makes it)."""
+    index = md.storage_data
+    rows = index.rows()  # (name, offset) -> row, as DCP's dict looks an item up
     for key, meta in md.state_dict_metadata.items():
         if isinstance(meta, BytesStorageMetadata):
-            if (key, None) not in stored:
+            if (key, None) not in rows:
                 raise _corrupt(where, key, "is an object with no stored item")
             continue
         if not isinstance(meta, TensorStorageMetadata):
             raise _corrupt(where, str(key), f"is described by a {type(meta).__name__}")
-        _check_tensor(key, meta, stored, where, tiles)
-    for idx, info in items.items():
-        how = getattr(info, "transform_descriptors", None)
-        if not how:
-            continue
-        ours = isinstance(how, (list, tuple)) and list(how) == [DESCRIPTOR]
-        if ours and isinstance(md.state_dict_metadata.get(idx.fqn), TensorStorageMetadata):
+        _check_tensor(key, meta, index, where, tiles)
+    how = index.how or []
+    for row in itertools.compress(range(len(how)), how):  # (the compressed items)
+        info = index.info(row)
+        ours = isinstance(info.transform_descriptors, (list, tuple))
+        ours = ours and list(info.transform_descriptors) == [DESCRIPTOR]
+        meta = md.state_dict_metadata.get(index.fqns[row])
+        if ours and isinstance(meta, TensorStorageMetadata):
             continue
         raise CheckpointCorruptError(
             f"{where}: an item of {str(info.relative_path)[:200]!r} is stored with the DCP "
-            f"storage transforms {str(how)[:200]}, which muon-ckpt does not read "
+            f"storage transforms {str(info.transform_descriptors)[:200]}, which muon-ckpt "
+            "does not read "
             + (
                 "for a non-tensor value. Load another step (muon-ckpt ls lists them)"
                 if ours
@@ -214,7 +215,7 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
 
 
 def _check_tensor(
-    key: str, meta: TensorStorageMetadata, stored: dict, where: str, tiles: bool
+    key: str, meta: TensorStorageMetadata, index: Any, where: str, tiles: bool
 ) -> None:
     props, size = meta.properties, _dims(meta.size)
     if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
@@ -239,16 +240,18 @@ def _check_tensor(
     if problem is not None:
         raise _corrupt(where, key, problem)
     itemsize = props.dtype.itemsize
-    if _items_hold(key, chunks, stored, itemsize):
+    if _items_hold(key, chunks, index, itemsize):
         return
+    rows = index.rows()
     for offsets, sizes in chunks:  # (one by one, to name the first that is not)
         if not all(sizes):
             continue
-        info = stored.get((key, offsets))
-        if info is None:
+        row = rows.get((key, offsets))
+        if row is None:
             raise _corrupt(where, key, f"has no stored item for its chunk at {list(offsets)}")
+        info = index.info(row)
         nbytes = math.prod(sizes) * itemsize
-        most = MAX_RATIO if getattr(info, "transform_descriptors", None) else 1
+        most = MAX_RATIO if info.transform_descriptors else 1
         if type(info.length) is not int or info.length * most < nbytes:
             raise _corrupt(
                 where,
@@ -263,25 +266,26 @@ def _check_tensor(
 
 
 def _items_hold(
-    key: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], stored: dict, itemsize: int
+    key: str, chunks: list[tuple[Sequence[int], Sequence[int]]], index: Any, itemsize: int
 ) -> bool:
     """Whether every non-empty chunk has a stored item of at least its bytes (``MAX_RATIO``
     times, compressed), for all chunks at once, in C (maps); False for any doubt."""
-    full = list(itertools.compress(chunks, map(all, map(_SECOND, chunks))))
-    infos = list(map(stored.get, zip(itertools.repeat(key), map(_FIRST, full))))
-    if not all(infos):
+    sizes = list(map(_SECOND, chunks))
+    need = {s: math.prod(s) * itemsize for s in set(sizes)}  # (a few sizes: each once)
+    full = list(map(need.__getitem__, sizes))  # (0: an empty chunk, which stores nothing)
+    offsets = itertools.compress(map(_FIRST, chunks), full)
+    rows = list(map(index.rows().get, zip(itertools.repeat(key), offsets)))
+    if None in rows:
         return False
-    lengths = list(map(_LENGTH, infos))
+    lengths = list(map(index.lengths.__getitem__, rows))
     if set(map(type, lengths)) - {int}:
         return False
-    packed = map(bool, map(getattr, infos, itertools.repeat("transform_descriptors"), _NONES))
-    most = map(operator.mul, lengths, map(_RATIO.__getitem__, packed))
-    need = map(operator.mul, map(math.prod, map(_SECOND, full)), itertools.repeat(itemsize))
-    return all(map(operator.ge, most, need))
+    if index.how:
+        packed = map(_RATIO.__getitem__, map(bool, map(index.how.__getitem__, rows)))
+        lengths = list(map(operator.mul, lengths, packed))
+    return all(map(operator.ge, lengths, itertools.compress(full, full)))
 
 
-_LENGTH = operator.attrgetter("length")
-_NONES = itertools.repeat(None)
 _RATIO = {False: 1, True: MAX_RATIO}
 
 
