@@ -158,12 +158,11 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
         )
         del plans  # (each phase's inputs go once used: the peak is one phase's)
         results, files = write_results(final, data_dir)
-        del final
         make_files(root, files)
         # Each rank's writer hands DCP its results, which DCP gathers to rank 0 (pickled)
         sent = [pickle.dumps(Written.of(r), protocol=pickle.HIGHEST_PROTOCOL) for r in results]
         sizes["write results sent"] = sum(map(len, sent))
-        del results
+        del results, final
 
         gather = functools.partial(list, map(pickle.loads, sent))  # (as gather_object does)
         sec["save: write results gathered (rank 0)"], results = timed(gather)

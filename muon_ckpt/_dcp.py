@@ -204,8 +204,8 @@ def global_plan(
         whole = len(plans) > 1  # (one rank alone may save part of a tensor: DCP's rule too)
         for fqn, meta in md.items():
             if isinstance(meta, TensorStorageMetadata) and len(meta.size):
-                chunks = list(zip(map(_OFFSETS, meta.chunks), map(_SIZES, meta.chunks)))
-                problem = tiling_problem(tuple(meta.size), chunks, whole)
+                offsets, sizes = list(map(_OFFSETS, meta.chunks)), list(map(_SIZES, meta.chunks))
+                problem = tiling_problem(tuple(meta.size), offsets, sizes, whole)
                 if problem is not None:
                     raise ValueError(
                         f"Failed to validate global plan: the tensor {fqn!r} of size "

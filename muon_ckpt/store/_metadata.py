@@ -28,8 +28,9 @@ from torch.distributed.checkpoint.metadata import (
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._gcpause import paused_gc
 from muon_ckpt.store._chunks import check_tensors
+from muon_ckpt.store._index import StorageIndex
 from muon_ckpt.store._layout import MANIFEST, METADATA, data_ref, is_file_name
-from muon_ckpt.store._packed import StorageIndex, packed_builtins
+from muon_ckpt.store._packed import packed_builtins
 
 __all__ = [
     "bytes_keys",

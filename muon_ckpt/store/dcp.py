@@ -6,8 +6,9 @@ Storage's)."""
 from muon_ckpt.store._chunks import check_held_chunks, tiling_problem
 from muon_ckpt.store._dcpfs import DelegatingFileSystem, dcp_filesystem
 from muon_ckpt.store._files import check_files
+from muon_ckpt.store._index import StorageIndex, Written
 from muon_ckpt.store._metadata import bytes_keys, parse_metadata, tensor_entries, unpack_metadata
-from muon_ckpt.store._packed import StorageIndex, Written, dump_metadata, metadata_bytes
+from muon_ckpt.store._packed import dump_metadata, metadata_bytes
 
 __all__ = [
     "DelegatingFileSystem",
