@@ -168,7 +168,15 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
         sec["save: write results gathered (rank 0)"], results = timed(gather)
         del sent
         sec["save: .metadata (rank 0)"], _ = timed(functools.partial(writer.finish, md, results))
-        del results, md
+        del results
+        # DCP then broadcasts the metadata to every rank (dcp.save's return value)
+        sec["save: DCP's broadcast of the metadata (rank 0)"], sent = timed(
+            functools.partial(pickle.dumps, md)
+        )
+        sec["save: DCP's broadcast of the metadata (each rank)"], _ = timed(
+            functools.partial(pickle.loads, sent)
+        )
+        del md, sent
         by_rank: dict[int, dict[str, FileEntry]] = {}
         for name, e in files.items():
             r = int(name.rsplit("/", 1)[1][2:].split("_", 1)[0])

@@ -147,6 +147,10 @@ class StepWriter(FileSystemWriter):
             self.fs.rm_file(path)
         self.fs.rename(tmp, path)
         self.compressed = index.how is not None and any(index.how)
+        # DCP then hands this metadata to every rank (dcp.save's return value, which nothing
+        # here reads), pickled an object per chunk: 4 s on rank 0 and 8 s on every other rank
+        # at 512 ranks of an 8B model, each save. The file holds all of it.
+        metadata.state_dict_metadata, metadata.storage_data = {}, {}
         self.ended()
 
     def ended(self) -> None:

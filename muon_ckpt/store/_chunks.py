@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._shards import chunk_of
 from muon_ckpt.store._codec import DESCRIPTOR, MAX_RATIO
+from muon_ckpt.store._index import ChunkList
 
 __all__ = ["check_held_chunks", "check_tensors", "tiling_problem"]
 
@@ -59,10 +60,14 @@ def _all_dims(chunks: list[Any], ndim: int) -> tuple[list[Any], list[Any]] | Non
     ``torch.Size``s themselves: tuples of ints below 2**63), each of ``ndim`` values, checked
     for all chunks at once (a tensor of a 2,048-rank save has 2,048 of them); None when one is
     not, which the caller finds one by one."""
-    if not all(map(isinstance, chunks, itertools.repeat(ChunkStorageMetadata))):
+    cols = chunks.columns() if isinstance(chunks, ChunkList) and chunks.exact else None
+    if cols is not None:  # (a tensor's chunks as the .metadata's columns, store._packed)
+        offsets, sizes = cols
+    elif not all(map(isinstance, chunks, itertools.repeat(ChunkStorageMetadata))):
         return None
-    offsets = list(map(getattr, chunks, itertools.repeat("offsets"), _NONES))
-    sizes = list(map(getattr, chunks, itertools.repeat("sizes"), _NONES))
+    else:
+        offsets = list(map(getattr, chunks, itertools.repeat("offsets"), _NONES))
+        sizes = list(map(getattr, chunks, itertools.repeat("sizes"), _NONES))
     if set(map(type, offsets)) | set(map(type, sizes)) == {torch.Size}:
         shapes = set(sizes)  # (a few: equal sizes are most often one object, store._packed)
         if set(map(len, offsets)) | set(map(len, shapes)) != {ndim}:

@@ -15,6 +15,7 @@ compares by.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import operator
 from collections.abc import Iterable, Iterator, MutableMapping
@@ -23,15 +24,16 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
 
-__all__ = ["Call", "StorageIndex", "Written", "pickled_items"]
+__all__ = ["Call", "ChunkList", "StorageIndex", "Written", "add_chunks", "pickled_items"]
 
 _NONES = itertools.repeat(None)
 _INDEX, _DATA = operator.attrgetter("index"), operator.attrgetter("storage_data")
-_OFFSETS = operator.attrgetter("offsets")
+_OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
 _KEY_FIELDS = ("fqn", "offset", "index")  # MetadataIndex's
 _INFO_FIELDS = ("relative_path", "offset", "length", "transform_descriptors")  # _StorageInfo's
 _FIELDS = tuple(f"index.{f}" for f in _KEY_FIELDS) + tuple(
@@ -141,8 +143,10 @@ class StorageIndex(MutableMapping):
                 end = bisect.bisect_right(keys, i, r)
                 rows = range(r, end) if order is None else order[r:end]
                 got = list(map(self.offsets.__getitem__, rows))
-                if type(meta) is TensorStorageMetadata and type(meta.chunks) is list:
-                    want = list(map(_OFFSETS, meta.chunks))
+                if type(meta) is TensorStorageMetadata and isinstance(meta.chunks, list):
+                    chunks = meta.chunks
+                    cols = chunks.columns() if isinstance(chunks, ChunkList) else None
+                    want = cols[0] if cols else list(map(_OFFSETS, chunks))
                     if got != want or (len(want) > 1 and len(set(want)) != len(want)):
                         return False
                 elif type(meta) is not BytesStorageMetadata or got != [None]:
@@ -279,6 +283,50 @@ def pickled_items(cols: list[list[Any]]) -> tuple[Any, ...]:
     keys = [fqns, offsets] + ([] if _all_none(hints) else [hints])
     infos = [paths, starts, lengths] + ([] if _all_none(how) else [how])
     return (dict, (Call(zip, Call(map, MetadataIndex, *keys), Call(map, _StorageInfo, *infos)),))
+
+
+class ChunkList(list):
+    """A tensor's chunks (DCP's list of ChunkStorageMetadata) with their offsets and sizes as
+    columns beside them, as the global plan adds them (``_dcp``): its checks and the
+    ``.metadata``'s pickle read these instead of a million chunks again (received rank by
+    rank, they lie all over rank 0's memory: a cache miss each). ``add`` a plan's chunks of
+    the tensor; pickled, a plain list."""
+
+    __slots__ = ("exact", "offsets", "sizes")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offsets: list[Any] = []
+        self.sizes: list[Any] = []
+        self.exact = True  # every chunk a ChunkStorageMetadata, not of a class of its own
+
+    def add(self, chunk: Any) -> None:
+        self.append(chunk)
+        self.offsets.append(chunk.offsets)
+        self.sizes.append(chunk.sizes)
+        self.exact = self.exact and type(chunk) is ChunkStorageMetadata
+
+    def columns(self) -> tuple[list[Any], list[Any]] | None:
+        """The chunks' offsets and sizes, while they are those of the chunks in the list."""
+        if not len(self) == len(self.offsets) == len(self.sizes):
+            return None
+        if self and self[-1].offsets is not self.offsets[-1]:
+            return None
+        return self.offsets, self.sizes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (list(self),))
+
+
+def add_chunks(lists: list[ChunkList], chunks: list[Any]) -> None:
+    """``ChunkList.add`` of each chunk to its list (of one plan's: at hand in the caches), in C."""
+    drain = collections.deque(maxlen=0).extend
+    drain(map(list.append, lists, chunks))
+    drain(map(list.append, map(_OFFSETS, lists), map(_OFFSETS, chunks)))
+    drain(map(list.append, map(_SIZES, lists), map(_SIZES, chunks)))
+    if set(map(type, chunks)) - {ChunkStorageMetadata}:
+        for lst, chunk in zip(lists, chunks):
+            lst.exact = lst.exact and type(chunk) is ChunkStorageMetadata
 
 
 class Written:

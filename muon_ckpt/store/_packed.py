@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from muon_ckpt.store._index import Call, StorageIndex, pickled_items
+from muon_ckpt.store._index import Call, ChunkList, StorageIndex, pickled_items
 
 __all__ = ["dump_metadata", "metadata_bytes", "packed_builtins"]
 
@@ -42,13 +42,13 @@ _OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
 
 
 class _Pickler(pickle.Pickler):
-    """DCP's Metadata with its chunks and stored items as columns (the module docstring), the
-    stored items' names the very objects of the state dict's keys, which the pickle stores
-    once. (Equal chunk sizes and offsets are one object already where the global plan made
-    them: ``_dcp.global_plan``.)"""
+    """DCP's Metadata with its chunks and stored items as columns (the module docstring): equal
+    chunk offsets and sizes one object, the stored items' names the very objects of the state
+    dict's keys, which the pickle stores once each."""
 
     def __init__(self, stream: Any) -> None:
         super().__init__(stream, protocol=PROTOCOL)
+        self._same: dict[Any, Any] = {}  # a chunk's offsets and sizes by value: each once
         self.dispatch_table = copyreg.dispatch_table.copy()
         self.dispatch_table.update({Metadata: self._metadata, TensorStorageMetadata: self._tensor})
 
@@ -68,8 +68,15 @@ class _Pickler(pickle.Pickler):
     def _tensor(self, meta: TensorStorageMetadata) -> tuple[Any, ...]:
         state = dict(meta.__dict__)
         chunks = state.get("chunks")
-        if type(chunks) is list and chunks and set(map(type, chunks)) == {ChunkStorageMetadata}:
-            offsets, sizes = list(map(_OFFSETS, chunks)), list(map(_SIZES, chunks))
+        cols = chunks.columns() if isinstance(chunks, ChunkList) and chunks.exact else None
+        listed = cols is None and isinstance(chunks, list)
+        if listed and set(map(type, chunks)) == {ChunkStorageMetadata}:
+            cols = list(map(_OFFSETS, chunks)), list(map(_SIZES, chunks))
+        if cols is not None and chunks:
+            offsets, sizes = cols
+            if set(map(type, offsets)) | set(map(type, sizes)) == {torch.Size}:
+                same = self._same.setdefault  # (a torch.Size equals a tuple of its values)
+                offsets, sizes = list(map(same, offsets, offsets)), list(map(same, sizes, sizes))
             state["chunks"] = Call(list, Call(map, ChunkStorageMetadata, offsets, sizes))
         return (copyreg.__newobj__, (TensorStorageMetadata,), state)
 
@@ -125,6 +132,17 @@ class _Zip:
         return zip(*self.args)
 
 
+def _list(it: Any = ()) -> list[Any]:
+    """``list(map(ChunkStorageMetadata, offsets, sizes))`` as a ``ChunkList`` (its columns
+    kept beside it), any other as ``list`` makes it."""
+    if not (isinstance(it, _Map) and it.of(ChunkStorageMetadata, 2)):
+        return list(it)
+    out = ChunkList()
+    out.extend(it)
+    out.offsets, out.sizes = it.cols
+    return out
+
+
 def _dict(it: Any = ()) -> Any:
     """``dict(zip(map(MetadataIndex, ...), map(_StorageInfo, ...)))`` as a ``StorageIndex``
     (where its columns are of one length: else as DCP would read it), any other as ``dict``
@@ -161,4 +179,4 @@ def _offsets_fine(offsets: list[Any]) -> bool:
 
 def packed_builtins() -> dict[str, Any]:
     """What the metadata's unpickler resolves ``builtins.<name>`` to, for the columns."""
-    return {"map": _Map, "zip": _Zip, "list": list, "dict": _dict}
+    return {"map": _Map, "zip": _Zip, "list": _list, "dict": _dict}
