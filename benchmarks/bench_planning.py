@@ -22,8 +22,12 @@ Phases, each timed where it runs (one rank, or rank 0 over all N):
 - ``save: global plan``: rank 0's ``create_global_plan`` over the N local plans (DCP's dedup
   of replicated items, the metadata, the check that chunks tile each tensor) and the writer's
   ``prepare_global_plan``;
+- ``save: write results gathered``: rank 0 unpickling every rank's write results (what
+  ``StepWriter.write_data`` hands DCP, which gathers them: ``store.Written``);
 - ``save: .metadata``: rank 0's ``StepWriter.finish`` (every rank's write results into
   the metadata, pickled, written and checksummed);
+- ``save: DCP's broadcast of the metadata``: the metadata ``dcp.save`` returns, which DCP
+  broadcasts to every rank after the finish, pickled on rank 0 and unpickled on each rank;
 - ``save: manifest merge``: the N ranks' gathered file records into one, as the commit merges
   them;
 - ``save: commit``: ``Catalog.commit`` (the sizes listed and compared, the manifest written and
@@ -31,6 +35,8 @@ Phases, each timed where it runs (one rank, or rank 0 over all N):
 - ``load: decide``: rank 0's check of the step (``Catalog.checked_at``: the manifest, every
   file's size, the ``.metadata`` checksummed, unpickled and checked: chunks tile every
   tensor, items inside their files);
+- ``load: decision sent``: pickling the decision (its metadata in columns) for
+  ``broadcast_object_list``, on rank 0;
 - ``load: metadata``: unpickling the decision's metadata, what every rank does when rank 0
   broadcasts it;
 - ``load: local plan``: one rank's planning (``SafeLoadPlanner`` and ``VerifyingReader``: its

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import filesystem as dcp_files
 from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
     _split_by_size_and_type,
     _StorageInfo,
@@ -128,11 +128,12 @@ class StepWriter(FileSystemWriter):
         # DCP's finish, the same file, but its stored items kept as columns and the metadata
         # pickled in them (store.dump_metadata): DCP's dict of them and its pickle, an object
         # and a dict per item, took 22 s on rank 0 at 2,048 ranks of an 8B model.
-        metadata.version = CURRENT_DCP_VERSION
+        metadata.version = getattr(dcp_files, "CURRENT_DCP_VERSION", metadata.version)
         with paused_gc():  # (a million results, a million rows: none of them garbage)
             metadata.storage_data = index = StorageIndex.of_results(results)
         metadata.storage_meta = self.storage_meta()
-        name = METADATA if self.use_collectives or self.rank is None else f"__{self.rank}{METADATA}"
+        rank, collective = getattr(self, "rank", None), getattr(self, "use_collectives", True)
+        name = METADATA if collective or rank is None else f"__{rank}{METADATA}"  # (DCP's names)
         tmp = self.fs.concat_path(self.path, f"{name}.tmp")
         with self.fs.create_stream(tmp, "wb") as f:
             with paused_gc():
