@@ -255,7 +255,12 @@ class Storage:
                 found = self.fs.find(base, detail=True)
         except FileNotFoundError:
             return {}
-        return {posixpath.relpath(full, base): info for full, info in found.items()}
+        cut = len(base.rstrip("/")) + 1  # (a path below base: the rest of it, as relpath says)
+        inside = base.rstrip("/") + "/"
+        return {
+            full[cut:] if full.startswith(inside) else posixpath.relpath(full, base): info
+            for full, info in found.items()
+        }
 
     # ------------------------------------------------------------------ reads
     def open(self, *parts: str, ahead: list[tuple[int, int]] | None = None) -> IO[bytes]:
