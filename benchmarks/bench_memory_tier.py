@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._timing import fit_size_gib, room_for, sync
-from tests._pagecache import evict
+from tests._pagecache import evict, step_files
 
 GiB = 1 << 30
 
@@ -119,14 +119,15 @@ def _restore_rank(rank: int, world: int, args: argparse.Namespace, base: str, op
         assert mgr.save(2) and mgr.wait() == 2
     run_dir = glob.glob(os.path.join(mem_root, "run-*"))[0]
     own = os.path.join(run_dir, "step-00000002", f"rank-{rank:05d}")
-    step_files = glob.glob(os.path.join(url, "step-00000002", "*")) if args.url != "moto" else []
+    # (with its data files, which format 3 keeps in <url>/data/: a cold read of the step)
+    url_files = step_files(url, 2) if args.url != "moto" else []
     last_node = rank // args.node_size == (world - 1) // args.node_size and world > args.node_size
 
     def load(memory: bool, cold: bool = False, drop_own: bool = False) -> tuple[float, str]:
         if drop_own and last_node:
             shutil.rmtree(own)
-        if cold and step_files and rank == 0:
-            evict(step_files)
+        if cold and url_files and rank == 0:
+            evict(url_files)
         if dist.is_initialized():
             w = dist.barrier(async_op=True)
             w.wait()

@@ -22,8 +22,12 @@ Phases, each timed where it runs (one rank, or rank 0 over all N):
 - ``save: global plan``: rank 0's ``create_global_plan`` over the N local plans (DCP's dedup
   of replicated items, the metadata, the check that chunks tile each tensor) and the writer's
   ``prepare_global_plan``;
+- ``save: write results gathered``: rank 0 unpickling every rank's write results (what
+  ``StepWriter.write_data`` hands DCP, which gathers them: ``store.Written``);
 - ``save: .metadata``: rank 0's ``StepWriter.finish`` (every rank's write results into
   the metadata, pickled, written and checksummed);
+- ``save: DCP's broadcast of the metadata``: the metadata ``dcp.save`` returns, which DCP
+  broadcasts to every rank after the finish, pickled on rank 0 and unpickled on each rank;
 - ``save: manifest merge``: the N ranks' gathered file records into one, as the commit merges
   them;
 - ``save: commit``: ``Catalog.commit`` (the sizes listed and compared, the manifest written and
@@ -31,6 +35,8 @@ Phases, each timed where it runs (one rank, or rank 0 over all N):
 - ``load: decide``: rank 0's check of the step (``Catalog.checked_at``: the manifest, every
   file's size, the ``.metadata`` checksummed, unpickled and checked: chunks tile every
   tensor, items inside their files);
+- ``load: decision sent``: pickling the decision (its metadata in columns) for
+  ``broadcast_object_list``, on rank 0;
 - ``load: metadata``: unpickling the decision's metadata, what every rank does when rank 0
   broadcasts it;
 - ``load: local plan``: one rank's planning (``SafeLoadPlanner`` and ``VerifyingReader``: its
@@ -89,6 +95,7 @@ from muon_ckpt.store import (
     open_storage,
     step_dirname,
 )
+from muon_ckpt.store.dcp import Written
 
 
 # ---------------------------------------------------------------------- phases
@@ -113,7 +120,7 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     from muon_ckpt._gcpause import paused_gc
-    from muon_ckpt.load import SafeLoadPlanner
+    from muon_ckpt.load import Decision, SafeLoadPlanner
     from muon_ckpt.load._reader import VerifyingReader
     from muon_ckpt.save import StagedSavePlanner
     from muon_ckpt.save._writer import FileRecords, StepWriter
@@ -157,10 +164,25 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
         )
         del plans  # (each phase's inputs go once used: the peak is one phase's)
         results, files = write_results(final, data_dir)
-        del final
         make_files(root, files)
+        # Each rank's writer hands DCP its results, which DCP gathers to rank 0 (pickled)
+        sent = [pickle.dumps(Written.of(r), protocol=pickle.HIGHEST_PROTOCOL) for r in results]
+        sizes["write results sent"] = sum(map(len, sent))
+        del results, final
+
+        gather = functools.partial(list, map(pickle.loads, sent))  # (as gather_object does)
+        sec["save: write results gathered (rank 0)"], results = timed(gather)
+        del sent
         sec["save: .metadata (rank 0)"], _ = timed(functools.partial(writer.finish, md, results))
-        del results, md
+        del results
+        # DCP then broadcasts the metadata to every rank (dcp.save's return value)
+        sec["save: DCP's broadcast of the metadata (rank 0)"], sent = timed(
+            functools.partial(pickle.dumps, md)
+        )
+        sec["save: DCP's broadcast of the metadata (each rank)"], _ = timed(
+            functools.partial(pickle.loads, sent)
+        )
+        del md, sent
         by_rank: dict[int, dict[str, FileEntry]] = {}
         for name, e in files.items():
             r = int(name.rsplit("/", 1)[1][2:].split("_", 1)[0])
@@ -204,13 +226,15 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
                 return catalog.checked_at(STEP)
 
         sec["load: decide (rank 0)"], (name, m, md) = timed(decide)
-        sent = pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
-        sizes["metadata pickled"] = len(sent)
-        del md
+        decision = Decision(False, STEP, n, m.files, md, [], [], name)
+        send = functools.partial(pickle.dumps, decision, protocol=pickle.HIGHEST_PROTOCOL)
+        sec["load: decision sent (rank 0)"], sent = timed(send)
+        sizes["decision sent"] = len(sent)
+        del md, decision
 
-        def receive(sent: bytes) -> Any:
+        def receive(sent: bytes) -> Any:  # (broadcast_object_list unpickles it)
             with paused_gc():
-                return pickle.loads(sent)
+                return pickle.loads(sent).metadata
 
         sec["load: metadata (each rank)"], md = timed(functools.partial(receive, sent))
         del sent

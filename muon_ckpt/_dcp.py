@@ -41,7 +41,7 @@ from muon_ckpt._errors import (
 )
 from muon_ckpt._gcpause import paused_gc
 from muon_ckpt.store import is_storage_failure
-from muon_ckpt.store.dcp import tiling_problem
+from muon_ckpt.store.dcp import ChunkList, add_chunks, tiling_problem
 
 __all__ = ["SavePlanner", "UntrustedItem", "dcp_failure", "failures", "global_plan", "load", "save"]
 
@@ -180,32 +180,16 @@ def global_plan(
     a tensor, minutes a save); here the same checks (inside, no overlap, no gap when several
     ranks save) are ``store``'s tiling check, a sort per tensor. DCP's index hints are left
     as the ranks made them (None): they only speed up finding a ShardedTensor's local shard,
-    and a global position is not one. Equal offsets and sizes of chunks become one object,
-    which the ``.metadata``'s pickle then stores once (its writing and reading: a third
-    faster at 256 ranks)."""
+    and a global position is not one."""
     with paused_gc():  # (millions of items at thousands of ranks, none of them garbage)
         plans = _dedup(all_plans, lowest_rank)
         md: dict[str, Any] = {}
-        get, same, shard = md.get, {}.setdefault, WriteItemType.SHARD
         for plan in plans:
-            items = plan.items
-            for item, fqn, kind, td in zip(
-                items, map(_FQN, items), map(_TYPE, items), map(_TD, items)
-            ):
-                meta = get(fqn)
-                if kind is not shard or type(meta) is not TensorStorageMetadata or td.chunk is None:
-                    meta = _first(md, item)  # (DCP's checks: an object, a tensor once)
-                    if meta is None:
-                        continue  # (an object: no chunk)
-                chunk = td.chunk
-                offsets, sizes = chunk.offsets, chunk.sizes
-                chunk.offsets, chunk.sizes = same(offsets, offsets), same(sizes, sizes)
-                meta.chunks.append(chunk)
+            _add_chunks(md, plan.items)
         whole = len(plans) > 1  # (one rank alone may save part of a tensor: DCP's rule too)
         for fqn, meta in md.items():
             if isinstance(meta, TensorStorageMetadata) and len(meta.size):
-                chunks = list(zip(map(_OFFSETS, meta.chunks), map(_SIZES, meta.chunks)))
-                problem = tiling_problem(tuple(meta.size), chunks, whole)
+                problem = tiling_problem(tuple(meta.size), *meta.chunks.columns(), whole)
                 if problem is not None:
                     raise ValueError(
                         f"Failed to validate global plan: the tensor {fqn!r} of size "
@@ -225,6 +209,31 @@ _FQN, _TYPE, _TD = (operator.attrgetter(a) for a in ("index.fqn", "type", "tenso
 _KEY = operator.attrgetter("index.fqn", "index.offset")  # (MetadataIndex's hash and equality)
 
 
+def _add_chunks(md: dict[str, Any], items: list[Any]) -> None:
+    """One plan's items into the metadata ``md``, in order, as DCP's global plan adds them:
+    one more shard of a tensor already there (most: every rank's own) appends its chunk, all
+    at once in C; any other item, one by one (``_first``), which makes the metadata's keys in
+    DCP's order. (A tensor's chunks keep their order: the others raise, or are its first.)
+    Each chunk's offsets and sizes go beside it (``ChunkList``), read while it is at hand."""
+    metas = list(map(md.get, map(_FQN, items)))
+    chunks = list(map(getattr, map(_TD, items), itertools.repeat("chunk"), _NONES))
+    more = map(operator.is_, map(_TYPE, items), itertools.repeat(WriteItemType.SHARD))
+    more = map(operator.and_, more, map(operator.is_, map(type, metas), _TSM))
+    more = list(map(operator.and_, more, map(operator.is_not, chunks, _NONES)))
+    if not all(more):
+        for item, added in zip(items, more):
+            if not added:
+                meta = _first(md, item)  # (DCP's checks: an object, a tensor once)
+                if meta is not None:
+                    meta.chunks.add(item.tensor_data.chunk)
+    lists = list(map(_CHUNKS, itertools.compress(metas, more)))
+    add_chunks(lists, list(itertools.compress(chunks, more)))
+
+
+_NONES, _TSM = itertools.repeat(None), itertools.repeat(TensorStorageMetadata)
+_CHUNKS = operator.attrgetter("chunks")
+
+
 def _first(md: dict[str, Any], item: Any) -> TensorStorageMetadata | None:
     """The metadata entry of a write item that is not one more shard of a tensor already
     there (None: an object's), with DCP's checks: an object or a whole tensor is saved once,
@@ -237,7 +246,7 @@ def _first(md: dict[str, Any], item: Any) -> TensorStorageMetadata | None:
         return None
     if td is None or td.chunk is None:
         raise AssertionError(f"the tensor {fqn!r} is saved without its chunk")
-    meta = md.setdefault(fqn, TensorStorageMetadata(td.properties, td.size, []))
+    meta = md.setdefault(fqn, TensorStorageMetadata(td.properties, td.size, ChunkList()))
     if not isinstance(meta, TensorStorageMetadata):
         raise AssertionError(f"{fqn!r} is saved as an object and as a tensor")
     return meta
@@ -256,38 +265,43 @@ def _dedup(all_plans: Sequence[SavePlan], lowest_rank: bool) -> list[SavePlan]:
     plans = list(all_plans)
     if len(counts) == sum(map(len, keys)):
         return plans  # (each key once: nothing to drop)
-    shared = {k for k, c in counts.items() if c > 1}
-    held: dict[Any, list[tuple[int, int]]] = {}  # shared key -> (plan, position), in order
+    shared = set(itertools.compress(counts, map((1).__lt__, counts.values())))
+    drain = collections.deque(maxlen=0).extend
+    held = {k: ([], []) for k in shared}  # shared key -> its plans and positions, in order
     for p, ks in enumerate(keys):
-        for i in [i for i, k in enumerate(ks) if k in shared]:
-            held.setdefault(ks[i], []).append((p, i))
+        at = list(itertools.compress(itertools.count(), map(shared.__contains__, ks)))
+        lists = list(map(held.__getitem__, map(ks.__getitem__, at)))
+        drain(map(list.append, map(_FIRST, lists), itertools.repeat(p, len(at))))
+        drain(map(list.append, map(_SECOND, lists), at))
     given = [0] * len(plans)  # the bytes of the shared items each plan was given
     dropped: list[list[int]] = [[] for _ in plans]
     own, at, before = -1, 0, 0  # a first holder, how far its items were added up, their bytes
-    for (p, i), key in sorted((where[0], key) for key, where in held.items()):
+    for p, i, key in sorted((qs[0], js[0], key) for key, (qs, js) in held.items()):
         if p != own:
             own, at, before = p, 0, 0
         for k, item in zip(keys[p][at:i], plans[p].items[at:i]):
             if k not in shared:  # (a shared one counts where it was given)
                 before += item.tensor_storage_size() or 1
         at = i
-        holders = {q for q, _ in held[key]}  # (a set, as DCP's, so that ties fall as there)
-        pick = (
-            min(holders)
-            if lowest_rank
-            else min(holders, key=lambda q: given[q] + (before if q == own else 0))
-        )
-        q, j = held[key][-1]  # (the bytes DCP counts: its last holder's item)
-        given[pick] += plans[q].items[j].tensor_storage_size() or 1
-        for q, j in held[key]:
-            if q != pick:
-                dropped[q].append(j)
+        qs, js = held[key]
+        holders = list(set(qs))  # (a set, as DCP's, so that ties fall as there: the first)
+        if lowest_rank:
+            pick = min(holders)
+        else:
+            bytes_ = list(map(given.__getitem__, holders))
+            if own in holders:
+                bytes_[holders.index(own)] += before
+            pick = holders[bytes_.index(min(bytes_))]
+        given[pick] += plans[qs[-1]].items[js[-1]].tensor_storage_size() or 1  # (DCP's: the last)
+        drain(map(list.append, map(dropped.__getitem__, qs), js))
+        for _ in range(qs.count(pick)):  # (the pick keeps its own)
+            dropped[pick].pop()
     for q, drop in enumerate(dropped):
         if drop:
-            keep, at = [], 0
-            for i in sorted(drop):
-                keep += plans[q].items[at:i]
-                at = i + 1
-            keep += plans[q].items[at:]
-            plans[q] = dataclasses.replace(plans[q], items=keep)
+            items = plans[q].items
+            keep = sorted(set(range(len(items))) - set(drop))
+            plans[q] = dataclasses.replace(plans[q], items=list(map(items.__getitem__, keep)))
     return plans
+
+
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)

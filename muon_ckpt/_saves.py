@@ -82,7 +82,10 @@ class Saves:
     ) -> None:
         self.catalog, self.config, self.line = catalog, config, line
         self.sources, self.calls = sources, calls
-        calls.busy = self.busy  # (a group a running job holds is destroyed once it ended)
+        # (a group a running job holds is destroyed once it ended); weakly: a cycle here kept
+        # the model and optimizer (their GPU memory) alive until a full garbage collection
+        busy = weakref.WeakMethod(self.busy)
+        calls.busy = lambda: (b := busy()) is not None and b()
         self.url = UrlWriter(catalog, config)
         self.memory = MemoryWriter.of(config, catalog.storage.url_of())
         self._owner = weakref.ref(owner)
@@ -134,7 +137,7 @@ class Saves:
         # from the steps the catalog knows: its listing and lease come in its job
         # (``Admission.recheck``), after the snapshot. One to both is admitted here.
         cached = (background and url and not memory) or (memory and not url)
-        adm = self._admit(step, url=url, overwrite=overwrite, cached=cached)
+        adm = self._admit(step, url=url, memory=memory, overwrite=overwrite, cached=cached)
         t1 = time.perf_counter()
         # A memory save writes in the background: it needs host copies, as an async save.
         snap = self._take(src, step, background or memory, readers=url + memory)
@@ -211,13 +214,9 @@ class Saves:
             self._start_memory(h, owns=True, gate=self.gate, src=src)
         return True
 
-    def _admit(
-        self, step: int, *, url: bool, overwrite: bool = False, cached: bool = False
-    ) -> Admission:
+    def _admit(self, step: int, *, url: bool, memory: bool = False, **kw: Any) -> Admission:
         """The one admission of a save of either tier (``RunLine.admit``)."""
-        return self.line.admit(
-            self.catalog, step, self.calls.group, url=url, overwrite=overwrite, cached=cached
-        )
+        return self.line.admit(self.catalog, step, self.calls.group, url=url, memory=memory, **kw)
 
     def _take(self, src: SaveSources, step: int, background: bool, readers: int) -> Snapshot:
         src.group = self.calls.group

@@ -99,7 +99,7 @@ class CheckpointManager:
         self._sources = SaveSources(*state, None, limit, warned, deferred)
         self._saves = Saves(self._catalog, c, line, self._sources, self._calls, self)
         self._stop_saves = self._saves.stop  # (Ctrl-C at exit, from the signal handler: _exit)
-        self._hook = hook_step(optimizer, lambda: self._saves.deferred) if deferred else None
+        self._hook = hook_step(optimizer, self._saves) if deferred else None
         self._targets = LoadTargets(*state, config=c, group=None, hosts=1, warned=warned)
         self._closed = False
         # This rank's seconds per phase of the last load (docs/internals.md), what it left

@@ -15,6 +15,9 @@ request (``kind_of``): ``LIST``, ``GET``, ``HEAD``, ``PUT``, ``COPY``, ``CREATE`
 * ``"reset"``: the connection is closed without a response (RST);
 * ``"stall"``: no response for ``stall_s`` seconds, then the connection is closed;
 * ``"delay"``: the request is forwarded after ``delay_s`` seconds (a slow store, no error);
+* ``"hold"`` (never drawn at random): the request is forwarded once ``release()`` (or
+  ``clear()``) is called, which also ends the holding rules: a store slower than whatever
+  the test waits out first, without a time to outlast (``hold_s``: a bound, never reached);
 * ``"slow"`` (never drawn at random): the response body sent in pieces of ``SLOW_PIECE``
   bytes, ``slow_s`` seconds apart (a live link slower than the request's budget);
 * ``"corrupt_request"``: one byte of the request body flipped, the request's checksum
@@ -132,6 +135,8 @@ class FaultProxy:
         self._stopped = threading.Event()
         self.delay_s = delay_s
         self.slow_s = 0.05  # seconds between the pieces of a "slow" body
+        self.hold_s = 180.0  # the longest a "hold" waits for release() (a test that hangs)
+        self._released = threading.Event()  # set by release(): what held requests wait for
         # [method, path, body, fault, times left, kind, rank, at]
         self.rules: list[list[Any]] = []
         self.rate = 0.0
@@ -150,6 +155,9 @@ class FaultProxy:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # The headers and the body go out in two writes: with Nagle's algorithm the body
+            # waited for the client's delayed ACK, 40 ms on every GET and LIST.
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -186,6 +194,7 @@ class FaultProxy:
 
     def stop(self) -> None:
         self._stopped.set()
+        self.release()
         for s in self._servers:
             s.shutdown()
             s.server_close()
@@ -217,6 +226,14 @@ class FaultProxy:
         with self._lock:
             self.rules.clear()
             self.rate = 0.0
+        self.release()
+
+    def release(self) -> None:
+        """Forward every held request, and hold no more (the "hold" rules end)."""
+        with self._lock:
+            self.rules = [r for r in self.rules if r[3] != "hold"]
+            released, self._released = self._released, threading.Event()
+        released.set()
 
     def count(self, kind: str | None = None, rank: int | None = None) -> int:
         """Requests seen so far of ``kind`` (None: any) that came to ``rank``'s port (None:
@@ -240,6 +257,9 @@ class FaultProxy:
         elif what == "clear":
             self.clear()
             out = None
+        elif what == "release":
+            self.release()
+            out = None
         elif what == "seen":
             with self._lock:
                 out = [[r, k, n] for (r, k), n in self.seen.items()]
@@ -257,7 +277,10 @@ class FaultProxy:
         h.wfile.write(data)
 
     # ------------------------------------------------------------------ one request
-    def _pick(self, rank: int, method: str, kind: str, path: str, body: bytes) -> str | None:
+    def _pick(
+        self, rank: int, method: str, kind: str, path: str, body: bytes
+    ) -> tuple[str | None, threading.Event]:
+        """The fault of this request (``fault:salt``) and the event a "hold" waits for."""
         with self._lock:
             fault, at = None, None
             for r in self.rules:
@@ -280,12 +303,13 @@ class FaultProxy:
             self.seen[rank, kind] = self.seen.get((rank, kind), 0) + 1
             self.log.append((rank, kind, method, path, fault))
             flip = self.rng.randrange(1 << 30)
-        return None if fault is None else f"{fault}:{flip if at is None else at}"
+            released = self._released
+        return None if fault is None else f"{fault}:{flip if at is None else at}", released
 
     def _handle(self, h: BaseHTTPRequestHandler, rank: int) -> None:
         body = _read_body(h)
         kind = kind_of(h.command, h.path, h.headers)
-        picked = self._pick(rank, h.command, kind, h.path, body)
+        picked, released = self._pick(rank, h.command, kind, h.path, body)
         fault, _, salt = (picked or "").partition(":")
         if fault in ("500", "503"):
             return _s3_error(h, fault)
@@ -301,6 +325,8 @@ class FaultProxy:
             return _reset(h)
         if fault == "delay":
             time.sleep(self.delay_s)
+        if fault == "hold":
+            released.wait(self.hold_s)
         headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
         if fault in _BODY_FAULTS and body:
             if fault != "flip_request":
@@ -364,6 +390,9 @@ class FaultControl:
 
     def clear(self) -> None:
         self._post("clear")
+
+    def release(self) -> None:
+        self._post("release")
 
     def seen(self) -> dict[tuple[int, str], int]:
         return {(r, k): n for r, k, n in self._post("seen")}

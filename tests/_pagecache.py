@@ -56,6 +56,12 @@ def evict(paths: list[str]) -> None:
         )
 
 
-def step_files(step_dir: str) -> list[str]:
-    """Every file of a local step directory."""
-    return [os.path.join(step_dir, n) for n in sorted(os.listdir(step_dir))]
+def step_files(url: str, step: int) -> list[str]:
+    """Every file a local step reads: its directory's, and the data files its manifest names
+    (format 3 keeps them in the run's ``data/``, outside the step directory)."""
+    from muon_ckpt.store import Storage, step_dirname
+    from tests._ckpt import data_files
+
+    st, name = Storage(url), step_dirname(step)
+    own = [st.path(name, n) for n in sorted(os.listdir(st.path(name)))]
+    return own + sorted({st.path(name, n) for n in data_files(st, step)} - set(own))

@@ -51,12 +51,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     cat = Catalog(_open_run(args, "ls"))
     steps, ignored = cat.scan(detail=True), cat.ignored()
+    lines = sorted(cat.records.gens.items(), key=lambda lg: lg[1])
     if args.json:
         doc = {"url": args.url, "steps": [s.as_dict() for s in steps], "ignored": ignored}
+        doc["lines"] = [{"line": line, "gen": gen} for line, gen in lines]
         print(json_doc(doc))
         return 0
     for name in ignored:
         print(f"ignored: {printable(name)} (not a step directory name: step- and exactly 8 digits)")
+    for line, gen in lines:  # (the memory tier's: store._records)
+        print(
+            f"line {printable(line)} (gen {gen}) is recorded: its memory-tier steps are "
+            "restorable on the nodes that hold them"
+        )
     if not steps:
         print(f"no step directories at {printable(args.url)}")
         return 0
@@ -259,4 +266,6 @@ def cmd_prune(args: argparse.Namespace) -> int:
             "steps of a newer muon-ckpt (not touched; upgrade to manage them): "
             f"{', '.join(map(str, res.newer))}"
         )
+    if res.lines:
+        print(f"{verb} the records of older memory-tier lines: {', '.join(res.lines)}")
     return 0

@@ -86,6 +86,32 @@ class Edges:
         return self._fetch(lo, hi)
 
 
+class _Pread:
+    """``pread`` of all of ``mv`` from ``offset`` of ``fd``: the bytes counted, the time added to
+    the reading thread's ``io`` phase, a file that ends early reported as truncated. Its own
+    object, not a ``FileLoad`` method: the ``SpanReader`` and ``Edges`` a ``FileLoad`` holds
+    keep it, and a bound method would make a cycle that keeps the load's planner (and through
+    it the optimizer) alive until a full garbage collection."""
+
+    def __init__(self, where: str, bufs: ReadBuffers) -> None:
+        self._where, self._bufs = where, bufs
+        self.count = 0
+
+    def __call__(self, fd: int, mv: memoryview, offset: int) -> None:
+        done, t0 = 0, time.perf_counter()
+        while done < len(mv):
+            got = os.preadv(fd, [mv[done:]], offset + done)
+            if got == 0:
+                raise CheckpointCorruptError(
+                    f"{self._where}: file is truncated: it ends at byte {offset + done}, "
+                    f"the checkpoint's metadata has data up to byte {offset + len(mv)}. "
+                    "Load another step (muon-ckpt ls lists them) or restore this file"
+                )
+            done += got
+            self.count += got
+        self._bufs.phases["io"] += time.perf_counter() - t0
+
+
 def item_layout(edges: Edges) -> Layout | None:
     """The layout of the dense tensor stored in an item of a local file (``_item_zip``), or
     None (torch.load's turn)."""
@@ -128,30 +154,16 @@ class FileLoad:
         self._sum, self._verify = checksum, checksum is not None
         self._window = window
         self._pos = window[0] if window is not None else 0
-        self._counted = [0]
-        self._spans = SpanReader(where, entry, self._pread)
         self._own_bufs = buffers is None
         self._bufs = buffers if buffers is not None else ReadBuffers()
+        self._pread = _Pread(where, self._bufs)
+        self._spans = SpanReader(where, entry, self._pread)
         self.file_size = -1
 
     # ------------------------------------------------------------------ reading
-    def _pread(self, fd: int, mv: memoryview, offset: int) -> None:
-        done, t0 = 0, time.perf_counter()
-        while done < len(mv):
-            got = os.preadv(fd, [mv[done:]], offset + done)
-            if got == 0:
-                raise CheckpointCorruptError(
-                    f"{self._where}: file is truncated: it ends at byte {offset + done}, "
-                    f"the checkpoint's metadata has data up to byte {offset + len(mv)}. "
-                    "Load another step (muon-ckpt ls lists them) or restore this file"
-                )
-            done += got
-            self._counted[0] += got
-        self._bufs.phases["io"] += time.perf_counter() - t0
-
     @property
     def bytes_read(self) -> int:
-        return self._counted[0]
+        return self._pread.count
 
     def _take(self, fd: int, mv: memoryview, offset: int) -> None:
         """Read ``mv`` from ``offset``; checksum it when verifying (offsets come in order)."""

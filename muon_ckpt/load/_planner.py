@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from muon_ckpt._shards import chunk_of, has_strided
+from muon_ckpt.load._overlap import narrowed, restored
 from muon_ckpt.state import load_value
 
 __all__ = ["SafeLoadPlanner", "load_value"]
@@ -38,7 +39,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self._before_write = before_write
 
     def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
+        full = self.metadata
+        # DCP's planner sweeps only the saved chunks each shard can overlap (_overlap)
+        self.metadata, runs = narrowed(self.state_dict, full) if full else (full, {})
+        try:
+            plan = restored(super().create_local_plan(), runs)
+        finally:
+            self.metadata = full
         boxed = {k: v for k, v in self.state_dict.items() if has_strided(v)}
         if not boxed:
             return plan

@@ -1,8 +1,9 @@
 """A load from the memory tier: the newest step of the run across tiers, each rank's part
 from its own memory, else from a replica on another rank, else the whole load from storage.
 
-1. rank 0 scans the url (every step, of any format: the load's one scan); every rank lists
-   its tier (nothing where the tier is not this user's own); one all-gather;
+1. rank 0 scans the url (every step, of any format, and the line records in the same
+   listing: the load's one scan); every rank lists its tier (nothing where the tier is not
+   this user's own); one all-gather;
 2. every rank computes the same history (``load.History``: ``store.mark_tier`` once): the
    tier's complete steps -- every rank's part somewhere, of one save, at this world size,
    ``node_size`` and layout -- are commits of the run beside the url's, retiring and retired
@@ -125,7 +126,7 @@ def restore_from_memory(
     t0 = time.perf_counter()
     since = handled()  # (an interrupt is never a reason to take the next source)
     group, rank, world = t.group, coll.rank(), coll.world_size()
-    scan = coll.on_rank0(catalog.scan, group)
+    scan, records = coll.on_rank0(lambda: (catalog.scan(), catalog.records.gens), group)
     why_not = tier.readable()
     # Its own part and the replicas it holds (ranks of a node may share a directory: the
     # other ranks' own parts there are theirs to report).
@@ -163,7 +164,7 @@ def restore_from_memory(
     sees_model = t.model is not None and "model" in parts
     other = _complete(gathered, world, node, tier.url, other=True) if sees_model else {}
     others = [_commit(k, gathered) for k in other]
-    history = History.of(scan, [*commits.values(), *others])
+    history = History.of(scan, [*commits.values(), *others], records)
     history.refuse_newer(catalog.storage.url, step)
     choice = _choose(scan, commits, step)
     if strict:

@@ -129,7 +129,8 @@ def tidy(w: WriteSpec) -> bool:
     """Rank 0, after the commit: retention and the retired steps deleted (a failure is a
     WARNING: the step is committed); whether there was any to apply."""
     step, plan, keep_last = w.step, w.admission.plan, w.config.keep_last
-    if keep_last is None and not plan.retires and not plan.drop:
+    others = w.catalog.records.others(w.admission.line)  # (records a commit removes)
+    if keep_last is None and not plan.retires and not plan.drop and not others:
         return False
     _retain(w, step, plan.gen, keep_last, plan.drop)
     return True

@@ -19,7 +19,7 @@ Writes through ``.data`` bypass the version counter and are not detected.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import weakref
 from typing import Any
 
 import torch
@@ -74,11 +74,11 @@ class DeferredCopies:
             return self._changed
 
 
-def hook_step(
-    optimizer: torch.optim.Optimizer | None, pending: Callable[[], DeferredCopies | None]
-) -> Any:
-    """Make ``optimizer.step()`` wait for the deferred copies of the save ``pending()`` names
-    (a step pre-hook, which every ``torch.optim.Optimizer`` runs); its removable handle."""
+def hook_step(optimizer: torch.optim.Optimizer | None, saves: Any) -> Any:
+    """Make ``optimizer.step()`` wait for the deferred copies of the save ``saves.deferred``
+    names (a step pre-hook, which every ``torch.optim.Optimizer`` runs); its removable handle.
+    ``saves`` is held weakly: the optimizer's hook must not keep the saves (and through them
+    the model and optimizer) alive in a cycle once the manager is dropped."""
     if optimizer is None:
         raise ValueError(
             "async_save='deferred' needs the optimizer: its next step() waits for the copies "
@@ -86,8 +86,10 @@ def hook_step(
             "or use async_save=True"
         )
 
+    held = weakref.ref(saves)
+
     def before_step(*_: Any) -> None:
-        deferred = pending()
+        deferred = getattr(held(), "deferred", None)
         if deferred is not None:
             deferred.before_step()
 

@@ -62,24 +62,35 @@ class RunLine:
         group: Any,
         *,
         url: bool,
+        memory: bool = False,
         overwrite: bool = False,
         cached: bool = False,
     ) -> Admission:
         """Every rank, before a save of ``step`` (``url``: to the url; else to the memory tier
-        only): rank 0 readies it (``_ready``) and draws its id; every rank learns them and
-        what the save may refer to (``saving``). ``cached`` (a save to the url): decided from
-        the steps the catalog knows where it knows them (``Catalog.plan_cached``: no storage
-        request), its ``begin`` left to the save's job (``Admission.recheck``); to the memory
-        tier only, likewise, its ``Catalog.admit`` left to the memory job."""
+        only; ``memory``: to the memory tier too): rank 0 readies it (``_ready``; a memory
+        step's line vouched for by the url, ``store._records``) and draws its id; every rank
+        learns them and what the save may refer to (``saving``). ``cached``: decided from the
+        steps the catalog knows where it knows them (``Catalog.plan_cached``: no storage
+        request), the url's ``begin`` (a save to the url alone) or ``admit`` and the line's
+        record (to the memory tier alone) left to the save's job (``Admission.recheck``)."""
         later: list[Any] = [None]  # (rank 0's ``begin``: a closure is not broadcast)
 
         def ready() -> tuple[SavePlan, str, str, bool]:
             plan, line, later[0] = self._ready(catalog, step, url, overwrite, cached)
+            if later[0] is None and (memory or not url):  # (after the scan that planned it,
+                catalog.records.vouch(line, step, plan)  # under the lease)
             return plan, line, new_id(), later[0] is not None
 
+        def recheck() -> SavePlan:  # (rank 0, in the save's job)
+            checked = later[0]()
+            if not url:  # (a memory save admitted from the cache: its record comes here)
+                catalog.records.vouch(line, step, checked)
+            return checked
+
         plan, line, save_id, deferred = coll.on_rank0(ready, group)
-        recheck = (lambda: later[0]()) if deferred else None  # (called on rank 0 only)
-        return Admission(plan, line, save_id, self.saving(plan, line, url=url), recheck)
+        return Admission(
+            plan, line, save_id, self.saving(plan, line, url=url), recheck if deferred else None
+        )
 
     def _ready(
         self, catalog: Catalog, step: int, url: bool, overwrite: bool, cached: bool
@@ -96,16 +107,7 @@ class RunLine:
             )
             got = catalog.plan_cached(step, overwrite=True, **kw) if cached else None
             later = None if got is None else functools.partial(catalog.admit, step, **kw)
-            plan = got or catalog.admit(step, **kw)
-            if self.line is None and plan.base is None:  # (a new line the url cannot vouch for)
-                _log.warning(
-                    "%s: memory step %d is restorable only once the url holds a commit of this "
-                    "run (it holds none yet; a restart refuses tier steps of a line the url "
-                    "does not know): save(step, force=True) to the url once at the start",
-                    catalog.storage.url,
-                    step,
-                )
-            return plan, self.line or new_id(), later
+            return got or catalog.admit(step, **kw), self.line or new_id(), later
         kw = dict(
             overwrite=overwrite,
             resumed=self.resumed,

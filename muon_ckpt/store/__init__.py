@@ -9,7 +9,6 @@ metadata, read safely, and filesystem).
 
 from muon_ckpt.store._catalog import Catalog, write_dirname
 from muon_ckpt.store._confirm import check_stored, confirm_files
-from muon_ckpt.store._run_index import INDEX
 from muon_ckpt.store._layout import (
     DATA,
     MANIFEST,
@@ -31,6 +30,7 @@ from muon_ckpt.store._lines import SavePlan, mark_tier
 from muon_ckpt.store._local import open_regular
 from muon_ckpt.store._probe import check_run_root, open_run, open_storage
 from muon_ckpt.store._resolve import Resolved, VerifyResult, prune, resolve, verify
+from muon_ckpt.store._run_index import INDEX
 from muon_ckpt.store._steps import Status, StepInfo, layout_of
 from muon_ckpt.store._storage import Storage, is_storage_failure
 

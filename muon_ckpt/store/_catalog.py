@@ -40,6 +40,7 @@ from muon_ckpt.store._layout import MANIFEST, FileEntry, Manifest, step_dirname
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, Lease
 from muon_ckpt.store._lines import SavePlan, aged_out, mark_superseded, plan_save
 from muon_ckpt.store._memo import ManifestMemo
+from muon_ckpt.store._records import LineRecords
 from muon_ckpt.store._steps import (
     CORRUPT,
     NEWER,
@@ -51,18 +52,13 @@ from muon_ckpt.store._steps import (
     pick,
     read_step,
     step_dirs,
+    write_dirname,
 )
 from muon_ckpt.store._storage import Storage
 
 __all__ = ["Catalog", "write_dirname"]
 
 _log = logging.getLogger("muon_ckpt")
-
-
-def write_dirname(step: int, overwrite: bool) -> str:
-    """Where a save of ``step`` writes its files: the step's directory, or beside it for an
-    overwrite (swapped in at the commit)."""
-    return OVERWRITE + step_dirname(step) if overwrite else step_dirname(step)
 
 
 class Catalog:
@@ -73,6 +69,7 @@ class Catalog:
         self.storage = storage
         self.lease = Lease(storage, lease_seconds)
         self.memo = ManifestMemo(storage, lambda: self.lease.ours)  # read once, or never
+        self.records = LineRecords(storage)  # the memory tier's line records, as last scanned
         self.lease.changed_hands = self._handover
         # The steps as of this catalog's last scan under the lease, kept up to date by its
         # commits and deletions: what an asynchronous save is admitted from (``plan_cached``)
@@ -88,7 +85,7 @@ class Catalog:
     def scan(self, *, detail: bool = False) -> list[StepInfo]:
         """Every step, oldest first, with its status (``detail``: also size, file count and
         time of the steps that are not committed, from a listing)."""
-        steps = step_dirs(self.storage)[0]
+        steps, _, _, records = step_dirs(self.storage)
         self._present = {n for names in steps.values() for n in names}
         self.memo.check(sorted(self._present))
         out = []
@@ -101,6 +98,7 @@ class Catalog:
                     info = read_step(self.storage, info.dirname, step, detail=True)
                 out.append(info)
         mark_superseded(out)
+        self.records.scanned(records, out)
         self.known = list(out) if self.lease.ours else None
         return out
 
@@ -204,7 +202,7 @@ class Catalog:
         kept."""
         self.lease.acquire()
         st = self.storage
-        steps, _, links = step_dirs(st)
+        steps, _, links, _ = step_dirs(st)
         for name in links:  # (another run's step linked along: unlinked, never followed)
             self._gone(name)
             st.rm(name)
@@ -409,8 +407,8 @@ class Catalog:
         ``keep_last``, never the newest one, ``just_saved`` (the step just committed) nor
         ``verified`` (``(step, gen)``: the newest step known to verify, read back whole by
         this job: ``just_saved`` itself with ``confirm="checksum"``), and the passed-over
-        steps older than every step kept (``_lines.aged_out``). Returns (the replaced steps
-        deleted, the steps retention deleted)."""
+        steps older than every step kept (``_lines.aged_out``); last, the records of other
+        lines than ``just_saved``'s (``_records``). Returns (replaced, retention's) deleted."""
         infos = self.scan()
         gone = [
             i.step
@@ -422,6 +420,7 @@ class Catalog:
             self.delete(s)
         if keep_last is None:
             self.collect()
+            self.records.drop(self.records.stale(infos, gone, just_saved))
             return gone, []
         steps = [i.step for i in infos if i.committed]
         keep = set(steps[-keep_last:]) | {just_saved}
@@ -430,6 +429,7 @@ class Catalog:
         for s in victims:
             self.delete(s)
         self.collect()
+        self.records.drop(self.records.stale(infos, gone + victims, just_saved))
         return gone, victims
 
     def publish(self) -> None:

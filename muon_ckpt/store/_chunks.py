@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._shards import chunk_of
 from muon_ckpt.store._codec import DESCRIPTOR, MAX_RATIO
+from muon_ckpt.store._index import ChunkList
 
 __all__ = ["check_held_chunks", "check_tensors", "tiling_problem"]
 
@@ -55,17 +55,28 @@ def _dims(v: Any) -> tuple[int, ...] | None:
     return out
 
 
-def _all_dims(chunks: list[Any], ndim: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
-    """Every chunk's (offsets, sizes) as ``_dims`` would give them, each of ``ndim`` values,
-    checked for all chunks at once (a tensor of a 2,048-rank save has 2,048 of them); None
-    when one is not, which the caller finds one by one."""
-    if not all(map(isinstance, chunks, itertools.repeat(ChunkStorageMetadata))):
+def _all_dims(chunks: list[Any], ndim: int) -> tuple[list[Any], list[Any]] | None:
+    """Every chunk's offsets and sizes (two lists) as ``_dims`` would give them (or the
+    ``torch.Size``s themselves: tuples of ints below 2**63), each of ``ndim`` values, checked
+    for all chunks at once (a tensor of a 2,048-rank save has 2,048 of them); None when one is
+    not, which the caller finds one by one."""
+    cols = chunks.columns() if isinstance(chunks, ChunkList) and chunks.exact else None
+    if cols is not None:  # (a tensor's chunks as the .metadata's columns, store._packed)
+        offsets, sizes = cols
+    elif not all(map(isinstance, chunks, itertools.repeat(ChunkStorageMetadata))):
         return None
-    offsets = [getattr(c, "offsets", None) for c in chunks]
-    sizes = [getattr(c, "sizes", None) for c in chunks]
+    else:
+        offsets = list(map(getattr, chunks, itertools.repeat("offsets"), _NONES))
+        sizes = list(map(getattr, chunks, itertools.repeat("sizes"), _NONES))
+    if set(map(type, offsets)) | set(map(type, sizes)) == {torch.Size}:
+        shapes = set(sizes)  # (a few: equal sizes are most often one object, store._packed)
+        if set(map(len, offsets)) | set(map(len, shapes)) != {ndim}:
+            return None
+        flat = itertools.chain(itertools.chain.from_iterable(offsets), *shapes)
+        return None if min(flat, default=0) < 0 else (offsets, sizes)
     dims = offsets + sizes
     if not dims:
-        return []
+        return [], []
     if not all(issubclass(t, (tuple, list)) for t in set(map(type, dims))):
         return None
     if set(map(len, dims)) != {ndim}:
@@ -73,26 +84,32 @@ def _all_dims(chunks: list[Any], ndim: int) -> list[tuple[tuple[int, ...], tuple
     flat = list(itertools.chain.from_iterable(dims))
     if flat and (set(map(type, flat)) != {int} or min(flat) < 0 or max(flat) >= 1 << 63):
         return None
-    return list(zip(map(tuple, offsets), map(tuple, sizes)))
+    return list(map(tuple, offsets)), list(map(tuple, sizes))
+
+
+_NONES = itertools.repeat(None)
 
 
 def tiling_problem(
     size: Sequence[int],
-    chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+    offsets: Sequence[Sequence[int]],
+    sizes: Sequence[Sequence[int]],
     whole: bool = True,
 ) -> str | None:
-    """None when ``chunks`` ((offsets, sizes) each, of ``len(size)`` plain non-negative ints)
-    tile a tensor of ``size`` exactly, else what is wrong, for an error message. Without
-    ``whole`` they may leave gaps (a memory-tier part holds one rank's shards)."""
-    if _slabs_tile(size, chunks, whole):
+    """None when the chunks (their ``offsets`` and ``sizes``, each of ``len(size)`` plain
+    non-negative ints) tile a tensor of ``size`` exactly, else what is wrong, for an error
+    message. Without ``whole`` they may leave gaps (a memory-tier part holds one rank's
+    shards)."""
+    if _slabs_tile(size, offsets, sizes, whole):
         return None
-    for offsets, sizes in chunks:
-        if any(o + n > s for o, n, s in zip(offsets, sizes, size)):
-            return f"has a chunk at {list(offsets)} of {list(sizes)}, outside its size {list(size)}"
+    chunks = list(zip(offsets, sizes))
+    for o, k in chunks:
+        if any(a + n > s for a, n, s in zip(o, k, size)):
+            return f"has a chunk at {list(o)} of {list(k)}, outside its size {list(size)}"
     boxes = [(o, n) for o, n in chunks if all(n)]  # an empty chunk stores nothing
     if not math.prod(size):
         return None
-    if len(boxes) == 1 and not any(boxes[0][0]) and boxes[0][1] == tuple(size):
+    if len(boxes) == 1 and not any(boxes[0][0]) and tuple(boxes[0][1]) == tuple(size):
         return None  # the common case: one chunk, all of it
     # Cut every dimension where a chunk starts or ends: each chunk covers whole pieces of
     # the grid these cuts make; the chunks tile the tensor when each piece is covered once.
@@ -109,8 +126,8 @@ def tiling_problem(
     at = [{v: i for i, v in enumerate(c)} for c in cuts]
     step = [math.prod(len(c) - 1 for c in cuts[d + 1 :]) for d in range(len(size))]
     seen = bytearray(pieces)
-    for offsets, sizes in boxes:
-        spans = [range(at[d][o], at[d][o + n]) for d, (o, n) in enumerate(zip(offsets, sizes))]
+    for o, k in boxes:
+        spans = [range(at[d][a], at[d][a + n]) for d, (a, n) in enumerate(zip(o, k))]
         for piece in itertools.product(*spans):
             i = sum(p * s for p, s in zip(piece, step))
             if seen[i]:
@@ -125,19 +142,18 @@ def tiling_problem(
 
 
 def _slabs_tile(
-    size: Sequence[int], chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], whole: bool
+    size: Sequence[int], offsets: Sequence[Any], sizes: Sequence[Any], whole: bool
 ) -> bool:
     """True when every chunk spans the tensor but along one dimension, the same for all (the
     shards of a ``Shard(d)`` save: FSDP's rows), and in order along it each begins where the
-    one before ends (``whole``: from 0 to the end; else it may also begin later). One sort
-    and a few passes in C (maps, sets), where the general check's grid costs a step in Python
-    per chunk; False also for anything wrong, which the general check then names."""
+    one before ends (``whole``: from 0 to the end; else it may also begin later). A few passes
+    in C (maps, sets; a sort only where they are out of order), where the general check's
+    grid costs a step in Python per chunk; False also for anything wrong, which the general
+    check then names."""
     size = tuple(size)
-    if not size or not chunks or not all(size):
+    if not size or not offsets or not all(size):
         return False
-    d = next((i for i, (k, n) in enumerate(zip(chunks[0][1], size)) if k != n), 0)
-    offsets = list(map(_FIRST, chunks))
-    sizes = list(map(_SECOND, chunks))
+    d = next((i for i, (k, n) in enumerate(zip(sizes[0], size)) if k != n), 0)
     shapes = set(sizes)  # (a few: the shards' own, the last's, the empty one)
     for j in range(len(size)):  # every other dimension: all of it
         at = operator.itemgetter(j)
@@ -147,18 +163,17 @@ def _slabs_tile(
     starts, lengths = list(map(along, offsets)), list(map(along, sizes))
     if max(starts) > size[d]:  # (an empty chunk stores nothing: inside is all it must be)
         return False
-    spans = sorted(zip(itertools.compress(starts, lengths), itertools.compress(lengths, lengths)))
-    if not spans:
+    if 0 in lengths:
+        starts = list(itertools.compress(starts, lengths))
+        lengths = list(itertools.compress(lengths, lengths))
+    if not starts:
         return not whole
-    starts = list(map(_FIRST, spans))
-    ends = list(itertools.starmap(operator.add, spans))
+    if not all(map(operator.lt, starts, starts[1:])):
+        starts, lengths = map(list, zip(*sorted(zip(starts, lengths))))
+    ends = list(map(operator.add, starts, lengths))
     if whole:
         return starts[0] == 0 and starts[1:] == ends[:-1] and ends[-1] == size[d]
     return all(map(operator.le, ends[:-1], starts[1:])) and ends[-1] <= size[d]
-
-
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_INDEX_KEY = operator.attrgetter("fqn", "offset")
 
 
 def _corrupt(where: str, key: str, problem: str) -> CheckpointCorruptError:
@@ -174,36 +189,32 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
     storage transform: its expansion has no bound); every stored object has an item. Raises
     CheckpointCorruptError naming the first tensor that is not. (That no two items share
     bytes of a file, and each lies inside its file, is ``check_ranges``'s: it needs the
-    files' sizes.)"""
-    items = md.storage_data
-    if not isinstance(items, dict):
-        raise CheckpointCorruptError(f"{where}: DCP metadata without a storage index")
-    if not all(isinstance(i, MetadataIndex) for i in items):
-        raise CheckpointCorruptError(f"{where}: DCP metadata with a storage index of other keys")
-    try:  # (MetadataIndex's hash and equality: its name and offset, a torch.Size or None)
-        stored = dict(zip(map(_INDEX_KEY, items), items.values()))
-    except TypeError:  # (an offset a crafted file made unhashable)
-        stored = {
-            (i.fqn, None if i.offset is None else tuple(i.offset)): v for i, v in items.items()
-        }
+    files' sizes.) ``md.storage_data`` is a ``StorageIndex`` (``parse_metadata`` makes it):
+    where its rows are in the metadata's order (``align``), a tensor's items are its rows in
+    turn; else each is looked up, as DCP's dict would find it."""
+    index: Any = md.storage_data
+    if not index.align(md.state_dict_metadata):
+        index.unique()  # (each index once, as in DCP's dict)
     for key, meta in md.state_dict_metadata.items():
         if isinstance(meta, BytesStorageMetadata):
-            if (key, None) not in stored:
+            if index.row(key, None) is None:
                 raise _corrupt(where, key, "is an object with no stored item")
             continue
         if not isinstance(meta, TensorStorageMetadata):
             raise _corrupt(where, str(key), f"is described by a {type(meta).__name__}")
-        _check_tensor(key, meta, stored, where, tiles)
-    for idx, info in items.items():
-        how = getattr(info, "transform_descriptors", None)
-        if not how:
-            continue
-        ours = isinstance(how, (list, tuple)) and list(how) == [DESCRIPTOR]
-        if ours and isinstance(md.state_dict_metadata.get(idx.fqn), TensorStorageMetadata):
+        _check_tensor(key, meta, index, where, tiles)
+    how = index.how or []
+    for row in itertools.compress(range(len(how)), how):  # (the compressed items)
+        info = index.info(row)
+        ours = isinstance(info.transform_descriptors, (list, tuple))
+        ours = ours and list(info.transform_descriptors) == [DESCRIPTOR]
+        meta = md.state_dict_metadata.get(index.fqns[row])
+        if ours and isinstance(meta, TensorStorageMetadata):
             continue
         raise CheckpointCorruptError(
             f"{where}: an item of {str(info.relative_path)[:200]!r} is stored with the DCP "
-            f"storage transforms {str(how)[:200]}, which muon-ckpt does not read "
+            f"storage transforms {str(info.transform_descriptors)[:200]}, which muon-ckpt "
+            "does not read "
             + (
                 "for a non-tensor value. Load another step (muon-ckpt ls lists them)"
                 if ours
@@ -214,7 +225,7 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
 
 
 def _check_tensor(
-    key: str, meta: TensorStorageMetadata, stored: dict, where: str, tiles: bool
+    key: str, meta: TensorStorageMetadata, index: Any, where: str, tiles: bool
 ) -> None:
     props, size = meta.properties, _dims(meta.size)
     if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
@@ -223,8 +234,8 @@ def _check_tensor(
         raise _corrupt(where, key, f"has the size {str(meta.size)[:200]}")
     if not isinstance(meta.chunks, list):
         raise _corrupt(where, key, "has no list of chunks")
-    chunks = _all_dims(meta.chunks, len(size))
-    if chunks is None:  # (one by one, to name the first bad chunk)
+    cols = _all_dims(meta.chunks, len(size))
+    if cols is None:  # (one by one, to name the first bad chunk)
         for c in meta.chunks:
             offsets = (
                 _dims(getattr(c, "offsets", None)) if isinstance(c, ChunkStorageMetadata) else None
@@ -235,20 +246,21 @@ def _check_tensor(
                     where, key, f"of {len(size)} dimensions has the chunk {str(c)[:200]}"
                 )
         raise AssertionError("unreachable: every chunk checked out one by one")
-    problem = tiling_problem(size, chunks, whole=tiles)
+    problem = tiling_problem(size, *cols, whole=tiles)
     if problem is not None:
         raise _corrupt(where, key, problem)
     itemsize = props.dtype.itemsize
-    if _items_hold(key, chunks, stored, itemsize):
+    if _items_hold(key, *cols, index, itemsize):
         return
-    for offsets, sizes in chunks:  # (one by one, to name the first that is not)
+    for offsets, sizes in zip(*cols):  # (one by one, to name the first that is not)
         if not all(sizes):
             continue
-        info = stored.get((key, offsets))
-        if info is None:
+        row = index.row(key, offsets)
+        if row is None:
             raise _corrupt(where, key, f"has no stored item for its chunk at {list(offsets)}")
+        info = index.info(row)
         nbytes = math.prod(sizes) * itemsize
-        most = MAX_RATIO if getattr(info, "transform_descriptors", None) else 1
+        most = MAX_RATIO if info.transform_descriptors else 1
         if type(info.length) is not int or info.length * most < nbytes:
             raise _corrupt(
                 where,
@@ -262,26 +274,28 @@ def _check_tensor(
             )
 
 
-def _items_hold(
-    key: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], stored: dict, itemsize: int
-) -> bool:
+def _items_hold(key: str, offsets: list[Any], sizes: list[Any], index: Any, itemsize: int) -> bool:
     """Whether every non-empty chunk has a stored item of at least its bytes (``MAX_RATIO``
-    times, compressed), for all chunks at once, in C (maps); False for any doubt."""
-    full = list(itertools.compress(chunks, map(all, map(_SECOND, chunks))))
-    infos = list(map(stored.get, zip(itertools.repeat(key), map(_FIRST, full))))
-    if not all(infos):
-        return False
-    lengths = list(map(_LENGTH, infos))
+    times, compressed), for all chunks at once, in C (maps); False for any doubt. Where the
+    rows are aligned (``StorageIndex.align``), the tensor's rows are its chunks' in turn."""
+    need = {s: math.prod(s) * itemsize for s in set(sizes)}  # (a few sizes: each once)
+    full = list(map(need.__getitem__, sizes))  # (0: an empty chunk, which stores nothing)
+    rows = index.group(key)  # (its chunks' rows, in order: align checked their offsets)
+    if rows is None:
+        offsets = itertools.compress(offsets, full)
+        full = list(itertools.compress(full, full))
+        rows = list(map(index.rows().get, zip(itertools.repeat(key), offsets)))
+        if None in rows:
+            return False
+    lengths = list(map(index.lengths.__getitem__, rows))
     if set(map(type, lengths)) - {int}:
         return False
-    packed = map(bool, map(getattr, infos, itertools.repeat("transform_descriptors"), _NONES))
-    most = map(operator.mul, lengths, map(_RATIO.__getitem__, packed))
-    need = map(operator.mul, map(math.prod, map(_SECOND, full)), itertools.repeat(itemsize))
-    return all(map(operator.ge, most, need))
+    if index.how:
+        packed = map(bool, map(index.how.__getitem__, rows))
+        lengths = list(map(operator.mul, lengths, map(_RATIO.__getitem__, packed)))
+    return all(map(operator.ge, lengths, full))
 
 
-_LENGTH = operator.attrgetter("length")
-_NONES = itertools.repeat(None)
 _RATIO = {False: 1, True: MAX_RATIO}
 
 

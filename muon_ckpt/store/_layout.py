@@ -13,6 +13,8 @@ Layout::
         __0_0.distcp ...            (``.metadata`` names them ``../data/<dir>/<file>``);
                                     later steps refer to the tensors in them that did not
                                     change, and a file goes once no step refers to it
+    <url>/line-<line>-<gen>.json    a memory-tier line's record: the url vouches for the
+                                    memory steps of that line (``_records``)
 
 Keys (DCP state-dict keys, by parameter FQN, never by position)::
 
@@ -70,6 +72,7 @@ def check_step(step: Any) -> int:
 MAX_MANIFEST_BYTES = 1 << 30
 
 _STEP_RE = re.compile(r"^step-(\d{8})$")
+_RECORD_RE = re.compile(r"^line-([A-Za-z0-9]{1,64})-(\d{1,18})\.json$")
 # A file of a step: one plain name inside the step directory (DCP writes no subdirectories).
 _FILE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 _HEX_RE = re.compile(r"(?:[0-9a-f]{8})+")
@@ -89,6 +92,17 @@ def parse_step_dirname(name: str) -> int | None:
     None: ``step-000000009`` is not step 9."""
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def record_name(line: str, gen: int) -> str:
+    """The name of ``line``'s record in the run's root (``_records``), ordered by ``gen``."""
+    return f"line-{line}-{gen}.json"
+
+
+def parse_record_name(name: str) -> tuple[str, int] | None:
+    """(line, gen) of a line record's name, else None (not a record: ignored)."""
+    m = _RECORD_RE.match(name)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def is_file_name(name: str) -> bool:

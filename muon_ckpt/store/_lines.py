@@ -230,19 +230,25 @@ def _foreign(url: str, step: int, live: list[StepInfo]) -> str:
     )
 
 
-def mark_tier(infos: list[StepInfo], tier: list[StepInfo]) -> list[tuple[int, int]]:
+def mark_tier(
+    infos: list[StepInfo], tier: list[StepInfo], records: dict[str, int] | None = None
+) -> list[tuple[int, int]]:
     """One history over the url's steps ``infos`` and the memory tier's complete steps
     ``tier`` (COMMITTED, with their parts' ``gen``, ``line``, ``retires`` and ``base``): a
     memory step is a commit of the run, so commits of either retire commits of either. A
     memory step is also SUPERSEDED where the url does not vouch for it -- no commit of its
-    line, nor the commit it was saved after (``base``): another run's tier, or a url emptied
-    since -- or where a live url commit of another line is not older than it (a later line
-    abandoned it). Returns the url's commits that only the tier retires (``(step, gen)``):
-    the next save retires them in the url too."""
+    line, no record of it (``records``: line -> the gen of its record, ``_records``), nor the
+    commit it was saved after (``base``): another run's tier, or a url emptied since --
+    where a live url commit of another line is not older than it (a later line abandoned
+    it), or where its line's record is older than that of another line with a live memory
+    step (a rewind's line, or a new run, that the memory tier alone holds). Returns the
+    url's commits that only the tier retires (``(step, gen)``): the next save retires them
+    in the url too."""
+    records = records or {}
     was = {(i.step, i.gen or 0) for i in infos if i.status == COMMITTED}
     mark_superseded([*infos, *tier])
     commits = [i for i in infos if i.status in (COMMITTED, SUPERSEDED)]
-    lines = {i.line for i in commits}
+    lines = {i.line for i in commits} | set(records)
     bases = {(i.step, i.gen or 0, i.line) for i in commits}
     live_url = [i for i in infos if i.status == COMMITTED]
     for t in tier:
@@ -254,4 +260,10 @@ def mark_tier(infos: list[StepInfo], tier: list[StepInfo]) -> list[tuple[int, in
         elif later:
             t.status = SUPERSEDED
             t.problem = f"abandoned by the line of step {later[-1]} of the url"
+    recorded = [(records[t.line], t) for t in tier if t.committed and t.line in records]
+    top = max(recorded, key=lambda gt: (gt[0], gt[1].step), default=None)
+    for g, t in recorded:
+        if top is not None and g < top[0]:
+            t.status = SUPERSEDED
+            t.problem = f"abandoned by the line of step {top[1].step} of the memory tier"
     return sorted(was - {(i.step, i.gen or 0) for i in infos if i.status == COMMITTED})

@@ -30,8 +30,8 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from muon_ckpt.store._run_index import Index, read_index, write_index
 from muon_ckpt.store._layout import MANIFEST, STEP_PREFIX, Manifest
+from muon_ckpt.store._run_index import Index, read_index, write_index
 from muon_ckpt.store._steps import StepInfo, read_manifest, read_step
 from muon_ckpt.store._storage import Storage
 

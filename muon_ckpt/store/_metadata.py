@@ -21,19 +21,30 @@ import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
+    MetadataIndex,
     TensorStorageMetadata,
 )
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._gcpause import paused_gc
 from muon_ckpt.store._chunks import check_tensors
+from muon_ckpt.store._index import StorageIndex
 from muon_ckpt.store._layout import MANIFEST, METADATA, data_ref, is_file_name
+from muon_ckpt.store._packed import packed_builtins
 
-__all__ = ["bytes_keys", "check_paths", "check_ranges", "parse_metadata", "tensor_entries"]
+__all__ = [
+    "bytes_keys",
+    "check_paths",
+    "check_ranges",
+    "parse_metadata",
+    "tensor_entries",
+    "unpack_metadata",
+]
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}
-_BUILTINS = {"set": set, "frozenset": frozenset, "slice": slice}
+# (map, zip, list and dict: the columns of store._packed, calls of the classes above)
+_BUILTINS = {"set": set, "frozenset": frozenset, "slice": slice, **packed_builtins()}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -69,17 +80,34 @@ def parse_metadata(data: bytes, where: str, tiles: bool = True) -> Metadata:
     # Millions of objects at thousands of ranks, none of them garbage: each collection of
     # the collector would walk them all, while they are built and while they are checked
     with paused_gc():
+        md = unpack_metadata(data, where)
+        if not isinstance(md.state_dict_metadata, dict):
+            raise CheckpointCorruptError(f"{where}: DCP metadata without a state dict index")
+        items = md.storage_data
+        if isinstance(items, dict):  # (DCP's own pickle: its stored items as columns too)
+            if not all(isinstance(i, MetadataIndex) for i in items):
+                raise CheckpointCorruptError(
+                    f"{where}: DCP metadata with a storage index of other keys"
+                )
+            md.storage_data = StorageIndex.of_items(list(items), list(items.values()))
+        elif not isinstance(items, StorageIndex):
+            raise CheckpointCorruptError(f"{where}: DCP metadata without a storage index")
+        check_tensors(md, where, tiles)
+    return md
+
+
+def unpack_metadata(data: bytes, where: str) -> Metadata:
+    """DCP metadata from its bytes, unchecked (``parse_metadata`` checks it): for a copy of
+    what was checked (a load's decision, sent by rank 0)."""
+    with paused_gc():
         try:
             md = _MetadataUnpickler(io.BytesIO(data)).load()
         except Exception as e:
             raise CheckpointCorruptError(
                 f"{where}: DCP metadata is unreadable ({type(e).__name__}: {e})"
             ) from e
-        if not isinstance(md, Metadata):
-            raise CheckpointCorruptError(f"{where}: not DCP metadata (found {type(md).__name__})")
-        if not isinstance(md.state_dict_metadata, dict):
-            raise CheckpointCorruptError(f"{where}: DCP metadata without a state dict index")
-        check_tensors(md, where, tiles)
+    if not isinstance(md, Metadata):
+        raise CheckpointCorruptError(f"{where}: not DCP metadata (found {type(md).__name__})")
     return md
 
 
@@ -89,13 +117,9 @@ def check_paths(md: Metadata, allowed: set[str] | None, where: str) -> None:
     and, with a manifest, one it lists (``allowed``): a crafted ``.metadata`` must not send a
     load, export or import to ``../x``, ``/other/bucket/x`` or an unlisted, unchecksummed
     file."""
-    seen: set[str] = set()
-    for info in (md.storage_data or {}).values():
-        name = getattr(info, "relative_path", None)
-        if type(name) is str:  # each file once: a file holds many items
-            if name in seen:
-                continue
-            seen.add(name)
+    paths = md.storage_data.paths
+    names = dict.fromkeys(paths) if set(map(type, paths)) <= {str} else paths  # (each once)
+    for name in names:
         plain = is_file_name(name) and name not in (MANIFEST, METADATA)
         ok = plain or (allowed is not None and data_ref(name) is not None)
         if ok and allowed is not None and name not in allowed:
@@ -116,11 +140,11 @@ def check_ranges(md: Metadata, sizes: dict[str, int], where: str) -> None:
     manifest's), and no two items share a byte: a crafted ``.metadata`` must not make a reader
     allocate or seek past a file (a length of a terabyte is a MemoryError, not a corrupt step,
     otherwise), nor read (and expand) the same bytes as many items."""
-    if _ranges_fine(list((md.storage_data or {}).values()), sizes):
+    index: StorageIndex = md.storage_data
+    if _ranges_fine(index, sizes):
         return
     by_file: dict[str, list[tuple[int, int]]] = {}  # (one by one, to name the first bad one)
-    for info in (md.storage_data or {}).values():
-        name, off, n = info.relative_path, info.offset, info.length
+    for name, off, n in zip(index.paths, index.starts, index.lengths):
         size = sizes.get(name, 0)
         if not (type(off) is int and type(n) is int and off >= 0 and n >= 0 and off + n <= size):
             raise CheckpointCorruptError(
@@ -139,30 +163,31 @@ def check_ranges(md: Metadata, sizes: dict[str, int], where: str) -> None:
                 )
 
 
-def _ranges_fine(infos: list[Any], sizes: dict[str, int]) -> bool:
-    """``check_ranges`` for all items at once, in C (maps and one sort): the million items
-    of a 2,048-rank step. False for anything wrong or odd, which the loop then names."""
-    try:
-        names = list(map(_PATH, infos))
-        offsets, lengths = list(map(_OFFSET, infos)), list(map(_LENGTH, infos))
-        if not infos:
-            return True
-        if set(map(type, offsets)) | set(map(type, lengths)) != {int}:
-            return False
-        if min(offsets) < 0 or min(lengths) < 0:
-            return False
-        ends = list(map(operator.add, offsets, lengths))
-        if not all(map(operator.le, ends, map(sizes.get, names, itertools.repeat(0)))):
-            return False
-        spans = sorted(zip(names, offsets, ends))
-        names, offsets, ends = (list(map(operator.itemgetter(k), spans)) for k in range(3))
-        same = map(operator.eq, names, names[1:])
-        return not any(map(operator.and_, same, map(operator.lt, offsets[1:], ends)))
-    except (TypeError, AttributeError):
+def _ranges_fine(index: StorageIndex, sizes: dict[str, int]) -> bool:
+    """``check_ranges`` for all items at once, in C (maps and one sort of integers): the
+    million items of a 2,048-rank step. False for anything wrong or odd, which the loop then
+    names."""
+    names, offsets, lengths = index.paths, index.starts, index.lengths
+    if not names:
+        return True
+    if set(map(type, offsets)) | set(map(type, lengths)) != {int}:
         return False
-
-
-_PATH, _OFFSET, _LENGTH = (operator.attrgetter(a) for a in ("relative_path", "offset", "length"))
+    if set(map(type, names)) != {str} or min(offsets) < 0 or min(lengths) < 0:
+        return False
+    ends = list(map(operator.add, offsets, lengths))
+    if not all(map(operator.le, ends, map(sizes.get, names, itertools.repeat(0)))):
+        return False
+    # Each file's items, in one line of integers: file k's offsets plus k * 2**64 (an item's
+    # end is below 2**64: inside a file of at most 2**63 bytes), by where they start (as a
+    # save lists them, file by file in the order of their bytes: then no sort).
+    base = {name: k << 64 for k, name in enumerate(dict.fromkeys(names))}
+    at = list(map(base.__getitem__, names))
+    starts = list(map(operator.add, at, offsets))
+    ends = list(map(operator.add, at, ends))
+    if not all(map(operator.le, starts, starts[1:])):
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        starts, ends = list(map(starts.__getitem__, order)), list(map(ends.__getitem__, order))
+    return all(map(operator.le, ends[:-1], starts[1:]))
 
 
 def tensor_entries(md: Metadata) -> dict[str, TensorStorageMetadata]:

@@ -33,7 +33,6 @@ from muon_ckpt.store._steps import (
     NEWER,
     SUPERSEDED,
     UNCOMMITTED,
-    StepInfo,
     read_manifest,
 )
 from muon_ckpt.store._storage import Storage
@@ -246,6 +245,7 @@ class PruneResult:
     leftovers: list[int]  # step dirs without a manifest: reported, never deleted here
     corrupt: list[int]  # step dirs with an invalid manifest: reported, never deleted here
     newer: list[int] = field(default_factory=list)  # a newer format's: never touched here
+    lines: list[str] = field(default_factory=list)  # memory-tier line records deleted
 
 
 def prune(storage: Storage, keep: int, *, dry_run: bool = False) -> PruneResult:
@@ -257,28 +257,31 @@ def prune(storage: Storage, keep: int, *, dry_run: bool = False) -> PruneResult:
             f"keep must be an int >= 1 (the newest step is never pruned), got {keep!r}"
         )
     cat = Catalog(storage)
-    plan = _plan(cat.scan(), keep)
-    if dry_run or not plan.deleted:
+    plan = _plan(cat, keep)
+    if dry_run or not (plan.deleted or plan.lines):
         return plan  # nothing to delete: no lease taken, nothing written
     lease = Lease(storage, PRUNE_LEASE_SECONDS, purpose=PRUNE)
     lease.acquire("pruning (nothing was deleted)")
     try:
-        plan = _plan(cat.scan(), keep)  # again, under the lease: a save may have run meanwhile
+        plan = _plan(cat, keep)  # again, under the lease: a save may have run meanwhile
         for k, s in enumerate(plan.deleted):
             done = ", ".join(map(str, plan.deleted[:k])) or "none"
             lease.acquire(f"pruning (steps deleted so far: {done})")  # renewed, still ours
             cat.delete(s)
         lease.acquire(f"pruning (steps deleted: {', '.join(map(str, plan.deleted))})")
         cat.collect()  # the data only the deleted steps referred to
+        cat.records.drop(plan.lines)
     finally:
         lease.release()
     return plan
 
 
-def _plan(infos: list[StepInfo], keep: int) -> PruneResult:
+def _plan(cat: Catalog, keep: int) -> PruneResult:
     """Committed steps but the newest ``keep`` go, with the superseded ones (a replaced line's,
     which no load reads; one a load passed over once every step kept is newer, as retention
-    does); the others are reported."""
+    does), and the records of lines with no commit left but the newest (``_records``); the
+    others are reported."""
+    infos = cat.scan()
     committed = [s.step for s in infos if s.committed]
     by = {
         status: [s.step for s in infos if s.status == status and s.passed_over is None]
@@ -286,4 +289,5 @@ def _plan(infos: list[StepInfo], keep: int) -> PruneResult:
     }
     aged = aged_out(infos, set(committed[-keep:]))
     doomed = sorted(committed[:-keep] + by[SUPERSEDED] + aged)
-    return PruneResult(doomed, committed[-keep:], by[UNCOMMITTED], by[CORRUPT], by[NEWER])
+    lines = cat.records.stale(infos, doomed, None)
+    return PruneResult(doomed, committed[-keep:], by[UNCOMMITTED], by[CORRUPT], by[NEWER], lines)

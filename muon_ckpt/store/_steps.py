@@ -38,7 +38,9 @@ from muon_ckpt.store._layout import (
     STEP_PREFIX,
     Manifest,
     data_ref,
+    parse_record_name,
     parse_step_dirname,
+    step_dirname,
 )
 from muon_ckpt.store._storage import Storage
 
@@ -56,9 +58,16 @@ __all__ = [
     "read_manifest",
     "read_step",
     "step_dirs",
+    "write_dirname",
 ]
 
 OVERWRITE = "overwrite-"  # prefix of the directory an overwrite is written to
+
+
+def write_dirname(step: int, overwrite: bool) -> str:
+    """Where a save of ``step`` writes its files: the step's directory, or beside it for an
+    overwrite (swapped in at the commit)."""
+    return OVERWRITE + step_dirname(step) if overwrite else step_dirname(step)
 
 
 class Status(str, enum.Enum):
@@ -201,13 +210,20 @@ def _mtime(info: dict[str, Any]) -> float | None:
     return None
 
 
-def step_dirs(storage: Storage) -> tuple[dict[int, list[str]], list[str], list[str]]:
+def step_dirs(
+    storage: Storage,
+) -> tuple[dict[int, list[str]], list[str], list[str], dict[str, int]]:
     """step -> its directories (its own first, then an overwrite's); the names that look like
-    steps but are not directories with canonical names (``Catalog.ignored``); and the
-    ``overwrite-`` entries that are symbolic links (no version of a step: leftovers)."""
+    steps but are not directories with canonical names (``Catalog.ignored``); the
+    ``overwrite-`` entries that are symbolic links (no version of a step: leftovers); and,
+    from the same listing, the memory tier's line records (line -> gen, ``_records``)."""
     steps: dict[int, list[str]] = {}
     junk, links = [], []
+    records: dict[str, int] = {}
     for name, is_dir in storage.list_dirs().items():
+        record = None if is_dir else parse_record_name(name)
+        if record is not None:
+            records[record[0]] = max(record[1], records.get(record[0], 0))
         base = name.removeprefix(OVERWRITE)
         if not base.startswith(STEP_PREFIX):
             continue
@@ -219,7 +235,7 @@ def step_dirs(storage: Storage) -> tuple[dict[int, list[str]], list[str], list[s
         else:
             dirs = steps.setdefault(step, [])
             dirs.insert(len(dirs) if name.startswith(OVERWRITE) else 0, name)
-    return steps, junk, links
+    return steps, junk, links, records
 
 
 def pick(infos: list[StepInfo]) -> StepInfo | None:

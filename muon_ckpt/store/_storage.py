@@ -239,7 +239,12 @@ class Storage:
                 found = self.fs.find(base, detail=True, **kw)
         except FileNotFoundError:
             return {}
-        return {posixpath.relpath(full, base): info for full, info in found.items()}
+        cut = len(base.rstrip("/")) + 1  # (a path below base: the rest of it, as relpath says)
+        inside = base.rstrip("/") + "/"
+        return {
+            full[cut:] if full.startswith(inside) else posixpath.relpath(full, base): info
+            for full, info in found.items()
+        }
 
     def info(self, *parts: str) -> dict[str, Any]:
         """fsspec's info of one file (on an object store, a HEAD)."""

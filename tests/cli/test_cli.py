@@ -333,6 +333,7 @@ def test_export_refuses_nothing_to_export_and_ambiguous_outputs(tmp_path, capsys
         "leftovers": [],
         "corrupt": [],
         "newer": [],
+        "lines": [],  # (the memory-tier line records it deleted)
     }
 
 

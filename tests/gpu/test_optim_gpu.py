@@ -169,9 +169,11 @@ def test_cuda_gram_newton_schulz_is_as_close_to_float64_as_the_standard_iteratio
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def test_auto_ns_method_is_gram_on_a_gpu():
+def test_auto_ns_method_on_a_gpu_is_standard_in_bf16_and_gram_in_fp32():
+    """bf16's Gram iteration (in float16) was slower than the standard one on an H100's
+    GPT-like set; fp32's stays Gram (docs/benchmarks.md)."""
     from optim import Muon
 
     w, v = (torch.nn.Parameter(torch.zeros(4, 4, device="cuda")) for _ in range(2))
     groups = [{"params": [w], "ns_dtype": "bf16"}, {"params": [v], "ns_dtype": "fp32"}]
-    assert [g["ns_method"] for g in Muon(groups).param_groups] == ["gram", "gram"]
+    assert [g["ns_method"] for g in Muon(groups).param_groups] == ["standard", "gram"]

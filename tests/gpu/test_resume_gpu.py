@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from muon_ckpt import CheckpointManager
-from muon_ckpt.store import step_dirname
 from tests._pagecache import evict, resident_bytes, step_files
 from tests.gpu.test_async_gpu import _build, _host_state, _step
 
@@ -36,7 +35,9 @@ def test_verified_load_into_cuda_tensors_is_bitwise_hot_and_cold(tmp_path, cache
         assert mgr.save(2)
     want = _host_state(model, opt)
     del model, opt
-    paths = step_files(os.path.join(url, step_dirname(2)))
+    paths = step_files(url, 2)  # (its data files too, which format 3 keeps in <url>/data/)
+    held = sum(v.numel() * v.element_size() for v in want.values())
+    assert sum(os.path.getsize(p) for p in paths) >= held, paths
     if cache == "cold":
         try:
             evict(paths)

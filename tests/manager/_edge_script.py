@@ -7,6 +7,12 @@ It trains ``tiny_run`` (one thread: the same bits in every process), saves with 
 and writes, for every step it saved, a snapshot of the state at the ``save()`` call to
 ``<out>/state-<step>.pt``, and progress lines (``pending N``, ``saved N``, ``done``) to
 ``<out>/progress-<rank>``.
+
+With ``gate``, each background write waits at the manager's test gate, opened by an event,
+never a time: the next save opens the one before it; the last one is opened by the exit's
+"before exiting" line (or, ``end`` "destroy"/"steal", by the script after it); with
+``preempt``, the pending one is opened once ``<out>/signalled`` exists (the parent wrote it
+after its SIGTERM), just before the save that takes the signal.
 """
 
 from __future__ import annotations
@@ -78,6 +84,25 @@ def in_zip(signals: _Signals) -> None:
     _streams._CrcStream.write = write  # type: ignore[method-assign]
 
 
+class _OpenAtExit(logging.Handler):
+    """Opens ``gate`` when the manager logs that the exit waits for the pending save."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate: threading.Event | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "before exiting" in record.getMessage() and self.gate is not None:
+            self.gate.set()
+
+
+def _until_signalled(out: str) -> None:
+    deadline = time.monotonic() + 120  # (a loaded host: generous, and never waited out)
+    while not os.path.exists(os.path.join(out, "signalled")):
+        assert time.monotonic() < deadline, "no SIGTERM from the parent"
+        time.sleep(0.005)
+
+
 class _Pickled:
     def __init__(self, owner: _Signals) -> None:
         self.owner = owner
@@ -116,8 +141,10 @@ def main(cfg: dict[str, Any]) -> None:
         mgr.watch_preemption()
     start = mgr.load() or 0
     gate = last_gate = None
-    if cfg.get("gate_seconds"):
+    at_exit = _OpenAtExit()
+    if cfg.get("gate"):
         gate = mgr._saves.gate = threading.Event()  # a background write waits for its gate
+        logging.getLogger("muon_ckpt").addHandler(at_exit)
     for step in range(start + 1, cfg["steps"] + 1):
         tiny_train(model, opt, 1, seed=step)
         if rank == 0:
@@ -136,13 +163,14 @@ def main(cfg: dict[str, Any]) -> None:
                 progress.write(f"saved again {step}: steps {mgr.steps()}\n")
                 return
             continue
+        if last_gate is not None and not last_gate.is_set():
+            if cfg.get("preempt"):  # the signal came while it was pending
+                _until_signalled(out)
+            last_gate.set()
         saved = mgr.save(step)
         if saved and gate is not None:
             progress.write(f"pending {step}\n")
-            last_gate = gate
-            opener = threading.Timer(cfg["gate_seconds"], last_gate.set)
-            opener.daemon = True  # never holds the exit up
-            opener.start()
+            last_gate = at_exit.gate = gate
             gate = mgr._saves.gate = threading.Event()
         elif saved:
             progress.write(f"saved {step}\n")

@@ -124,8 +124,8 @@ def test_a_pending_save_is_committed_when_the_script_ends(end, ranks, kind, tmp_
     url, opts = _where(kind, tmp_path, request)
     out = str(tmp_path / "out")
     os.makedirs(out)
-    # Each background write waits 1 s at its gate: the script ends with step 3 pending.
-    cfg = {"url": url, "opts": opts, "out": out, "steps": 3, "gate_seconds": 1.0, "end": end}
+    # Each background write waits at its gate, step 3's until the exit waits for it.
+    cfg = {"url": url, "opts": opts, "out": out, "steps": 3, "gate": True, "end": end}
     procs = _launch(cfg, ranks)
     if end == "sigint":
         _wait_for(out, "done", procs, ranks)
@@ -150,7 +150,7 @@ def test_a_save_that_cannot_finish_at_exit_is_logged_and_left_uncommitted(tmp_pa
     uncommitted (never half-committed) and each rank logs the failure at ERROR, naming it."""
     url, out = str(tmp_path / "run"), str(tmp_path / "out")
     os.makedirs(out)
-    cfg = {"url": url, "out": out, "steps": 2, "gate_seconds": 5.0, "end": "destroy"}
+    cfg = {"url": url, "out": out, "steps": 2, "gate": True, "end": "destroy"}
     for rc, err in _finish(_launch(cfg, 2)):
         assert rc == 0, err
         line = next((ln for ln in err.splitlines() if "ERROR" in ln or "at exit" in ln), err)
@@ -166,7 +166,7 @@ def test_a_background_failure_after_the_last_save_is_logged_at_exit(tmp_path):
     ERROR, naming the step."""
     url, out = str(tmp_path / "run"), str(tmp_path / "out")
     os.makedirs(out)
-    cfg = {"url": url, "out": out, "steps": 2, "gate_seconds": 5.0, "end": "steal"}
+    cfg = {"url": url, "out": out, "steps": 2, "gate": True, "end": "steal"}
     [(rc, err)] = _finish(_launch(cfg, 1))
     assert rc == 0, err
     errors = [ln for ln in err.splitlines() if ln.startswith("ERROR")]
@@ -390,14 +390,15 @@ def test_sigterm_saves_the_current_step_on_every_rank_and_exits_0(
     out = str(tmp_path / "out")
     os.makedirs(out)
     cfg = {"url": url, "opts": opts, "out": out, "steps": 10_000, "interval": 4, "preempt": True}
-    if mid_save:  # step 4's write waits 3 s: the signal comes while it is pending
-        cfg.update(gate_seconds=3.0, slow=0.05)
+    if mid_save:  # step 4's write waits until the signal came: it comes while step 4 is pending
+        cfg.update(gate=True, slow=0.05)
     else:
         cfg.update(slow=0.02)
     procs = _launch(cfg, 2)
     _wait_for(out, "pending 4" if mid_save else "saved 8", procs, 2)
     for p in procs:
         p.send_signal(signal.SIGTERM)
+    open(os.path.join(out, "signalled"), "w").close()  # (sent: the scripts' gates may open)
     results = _finish(procs)
     for rc, err in results:
         assert rc == 0, err

@@ -362,7 +362,7 @@ def body_load_once(rank, world_size, url, root):
 def test_sigkills_while_writing_and_replicating_never_load_a_torn_step(tmp_path):
     url, root = str(tmp_path / "run"), str(tmp_path / "mem")
     progress = str(tmp_path / "progress")
-    # Step 0 in the url: memory steps load only on a line the url has committed.
+    # Step 0 in the url: the run's line is committed there before the memory steps.
     model, opt = _fresh()
     opt.init_state()
     with torch.no_grad():

@@ -9,6 +9,9 @@ the moto server."""
 from __future__ import annotations
 
 import logging
+import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -52,9 +55,30 @@ class _Warnings(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _settling() -> bool:
+    """Whether a thread of this process decides a save's outcome from the storage (its
+    broadcast timed out: ``settle``)."""
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code.co_name == "settle" and frame.f_code.co_filename.endswith("_commit.py"):
+                return True
+            frame = frame.f_back
+    return False
+
+
+def _release_when(faults: FaultControl, saved: threading.Event) -> None:
+    """Rank 1: rank 0's held request answers once this rank waited past collective_timeout
+    for it and decides the outcome from the storage (or its save ended: the test fails)."""
+    deadline = time.monotonic() + 120  # (never reached: the test fails first)
+    while not (saved.is_set() or _settling()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    faults.release()
+
+
 def _slow_rank0_save(rank, world, url, urls, control, rule, keep_last, async_save):
-    """Save step 1; with ``rule`` set (rank 0's request delayed past collective_timeout), save
-    step 2; then, the fault cleared, list the steps and load the newest."""
+    """Save step 1; with ``rule`` set (rank 0's request delayed, or held until rank 1 waited
+    past collective_timeout for it), save step 2; then, the fault cleared, list the steps and
+    load the newest."""
     faults = FaultControl(control)
     seen = _Warnings()
     logging.getLogger("muon_ckpt").addHandler(seen)
@@ -74,13 +98,17 @@ def _slow_rank0_save(rank, world, url, urls, control, rule, keep_last, async_sav
         faults.rule(**rule)
     dist.barrier()
     _fill(model, 2.0)
+    saved = threading.Event()
+    if rank == 1 and rule["fault"] == "hold":
+        threading.Thread(target=_release_when, args=(faults, saved), daemon=True).start()
     try:
         mgr.save(2)
         mgr.wait()
         raised = None
     except CheckpointError as e:
         raised = f"{type(e).__name__}: {e}"
-    dist.barrier()  # (rank 0 is past its delayed request: it is in this save)
+    saved.set()
+    dist.barrier()  # (rank 0 is past its held request: it is in this save)
     if rank == 0:
         faults.clear()
     dist.barrier()
@@ -108,7 +136,7 @@ def test_a_commit_whose_outcome_broadcast_times_out_is_reported_committed(
     rule = {
         "method": "PUT",
         "path": r"step-00000002/manifest\.json",
-        "fault": "delay",
+        "fault": "hold",
         "rank": 0,
     }
     out = run_on_ranks(

@@ -248,3 +248,21 @@ def test_a_manifest_no_reader_would_accept_is_not_committed():
     assert Manifest.from_json(data, "here") == m
     with pytest.raises(CheckpointError, match=r"manifest would have \d+ bytes.*not committed"):
         m.to_json(limit=len(data) - 1)
+
+
+def test_the_metadata_dcp_returns_after_a_save_carries_no_chunks(tmp_path):
+    """DCP broadcasts the metadata dcp.save returns to every rank once the files are written:
+    an object per chunk, seconds at thousands of ranks, and nothing here reads it. The
+    ``.metadata`` holds all of it."""
+    import torch.distributed.checkpoint as dcp
+
+    from muon_ckpt.save._streams import FileRecords
+    from muon_ckpt.save._writer import StepWriter
+
+    st = Storage(str(tmp_path))
+    sd = {"w": torch.randn(4, 3), "lr": 0.1}
+    writer = StepWriter(st, step_dirname(1), FileRecords(), 1)
+    returned = dcp.save(sd, storage_writer=writer, planner=SavePlanner(), no_dist=True)
+    assert returned.state_dict_metadata == {} and not returned.storage_data
+    md = parse_metadata(st.read_bytes(step_dirname(1), ".metadata"), "here")
+    assert set(md.state_dict_metadata) == {"w", "lr"} and len(md.storage_data) == 2

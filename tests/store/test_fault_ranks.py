@@ -91,6 +91,7 @@ def _faulted_save(rank, world, url, urls, control, rule, timeouts):
     except CheckpointError as e:
         raised = (type(e).__name__, str(e))
     took = time.monotonic() - t0
+    faults.release()  # a held request answers once a rank is past the save it made fail
     dist.barrier()
     if rank == 0:
         faults.clear()
@@ -138,12 +139,12 @@ def test_a_rank_whose_puts_fail_ends_the_save_on_every_rank_with_its_error(proxy
 
 
 def test_a_slow_rank_is_named_with_the_timeout_and_the_manager_recovers(proxy, s3_bucket):
-    """Rank 1's storage answers 7 s late (no error) with collective_timeout=5: every rank
-    raises the same CheckpointCollectiveError naming rank 1 and the timeout (rank 0 gave raw
-    gloo text, rank 1 a plain CheckpointError); the same manager then saves and loads."""
+    """Rank 1's storage answers late (no error), once rank 0 gave up waiting for it after
+    collective_timeout=5: every rank raises the same CheckpointCollectiveError naming rank 1
+    and the timeout (rank 0 gave raw gloo text, rank 1 a plain CheckpointError); the same
+    manager then saves and loads."""
     bucket, _ = s3_bucket
-    proxy.delay_s = 7.0
-    rule = {"method": "*", "path": ".", "fault": "delay", "rank": 1}
+    rule = {"method": "*", "path": ".", "fault": "hold", "rank": 1}
     out = run_on_ranks(
         _faulted_save,
         2,
@@ -162,12 +163,12 @@ def test_a_slow_rank_is_named_with_the_timeout_and_the_manager_recovers(proxy, s
 
 
 def test_a_slow_metadata_write_on_rank_0_is_named_as_rank_0(proxy, s3_bucket):
-    """Rank 0's PUT of the step's .metadata (DCP's finish) answers after collective_timeout:
-    every rank raises the same CheckpointCollectiveError naming rank 0 (rank 1, waiting for it,
-    was named, with raw gloo text); the same manager then saves and loads."""
+    """Rank 0's PUT of the step's .metadata (DCP's finish) answers after collective_timeout
+    (once rank 1 gave up waiting for it): every rank raises the same CheckpointCollectiveError
+    naming rank 0 (rank 1, waiting for it, was named, with raw gloo text); the same manager
+    then saves and loads."""
     bucket, _ = s3_bucket
-    proxy.delay_s = 9.0
-    rule = {"method": "PUT", "path": r"\.metadata", "fault": "delay", "rank": 0}
+    rule = {"method": "PUT", "path": r"\.metadata", "fault": "hold", "rank": 0}
     out = run_on_ranks(
         _faulted_save,
         2,
@@ -186,8 +187,9 @@ def test_a_slow_metadata_write_on_rank_0_is_named_as_rank_0(proxy, s3_bucket):
 
 
 def _regroups(rank, world, url, urls, control, rounds):
-    """``rounds`` times: a save that times out (rank 1's PUTs late), then one that commits
-    (the groups made again); this process's open files and OS threads after each."""
+    """``rounds`` times: a save that times out (rank 1's PUTs held until rank 0 gave up), then
+    one that commits (the groups made again); this process's open files and OS threads after
+    each."""
     faults = FaultControl(control)
     mgr = CheckpointManager(
         url,
@@ -199,10 +201,11 @@ def _regroups(rank, world, url, urls, control, rounds):
     counts = []
     for i in range(rounds):
         if rank == 0:
-            faults.rule("PUT", ".", "delay", kind="PUT", rank=1)
+            faults.rule("PUT", ".", "hold", kind="PUT", rank=1)
         dist.barrier()
         with pytest.raises(CheckpointCollectiveError):
             mgr.save(2 * i + 1)
+        faults.release()
         dist.barrier()
         if rank == 0:
             faults.clear()
@@ -218,7 +221,6 @@ def test_groups_made_again_after_timeouts_do_not_leak(proxy, s3_bucket):
     old ones are destroyed (each left about 4 sockets and 3 threads per rank behind), so the
     open files and threads of a rank stay flat over repeated timeouts."""
     bucket, _ = s3_bucket
-    proxy.delay_s = 3.0
     rounds = 4
     out = run_on_ranks(
         _regroups, 2, _url(bucket), proxy.urls, proxy.control_url, rounds, timeout=240

@@ -3,7 +3,8 @@ without having loaded is refused where another run's steps are, unless ``new_run
 rewind or a new run retires the old steps in its first commit and deletes them only after
 it, so a save that fails deletes nothing, and a process that dies between the commit and
 the deletions restarts on the new line. Steps of a newer format are never loaded past,
-deleted or written beside. Against a local directory, memory:// and S3 (moto)."""
+deleted or written beside. Against a local directory, memory:// and S3 (moto); and which
+memory-tier steps the url vouches for (``mark_tier``: a commit of their line, or its record)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from muon_ckpt import (
     CheckpointVersionError,
 )
 from muon_ckpt.cli import main
-from muon_ckpt.store import MANIFEST, Catalog, Storage, step_dirname
+from muon_ckpt.store import MANIFEST, Catalog, Status, StepInfo, Storage, mark_tier, step_dirname
 from tests.conftest import assert_same, tiny_run, tiny_snapshot, tiny_train
 
 
@@ -281,3 +282,32 @@ def test_the_line_of_a_resumed_run_is_kept_and_a_rewind_starts_a_new_one(tmp_pat
     infos = {i.step: i for i in Catalog(Storage(url)).scan()}
     assert sorted(infos) == [1, 2, 3]
     assert infos[3].line != infos[2].line and infos[3].gen == 4
+
+
+def _tier_step(step, line, gen):
+    """A complete memory-tier step, as a load sees it (a commit of the run)."""
+    return StepInfo(step, f"memory:{step}", Status.COMMITTED, gen=gen, line=line)
+
+
+def test_a_memory_step_of_a_line_the_url_holds_nothing_of_is_vouched_for_by_its_record():
+    """A memory step of a line with no commit in the url: another run's (or of a url emptied
+    since), unless the url holds the line's record."""
+    tier = [_tier_step(2, "a", 1)]
+    mark_tier([], tier)
+    assert tier[0].status == Status.SUPERSEDED
+    tier = [_tier_step(2, "a", 1)]
+    mark_tier([], tier, {"a": 1})
+    assert tier[0].committed
+
+
+def test_a_later_recorded_lines_memory_step_abandons_the_earlier_lines():
+    """Two recorded lines in the memory tier only (a run killed, then a new one in its url):
+    the later record's step is the run's, though older; a url commit of another line that is
+    not older abandons both."""
+    tier = [_tier_step(6, "a", 1), _tier_step(1, "b", 1)]
+    mark_tier([], tier, {"a": 1, "b": 2})
+    assert [t.status for t in tier] == [Status.SUPERSEDED, Status.COMMITTED]
+    url = [StepInfo(1, step_dirname(1), Status.COMMITTED, gen=1, line="c")]
+    tier = [_tier_step(6, "a", 1), _tier_step(1, "b", 1)]
+    mark_tier(url, tier, {"a": 1, "b": 2})
+    assert [t.status for t in tier] == [Status.SUPERSEDED, Status.SUPERSEDED]
