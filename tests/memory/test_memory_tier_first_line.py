@@ -107,7 +107,7 @@ def test_a_first_save_to_the_url_that_the_tier_also_keeps_records_its_line(tmp_p
     want = _job("fresh", url, opts, tmp_path, steps=2, first=True)
     names = _root(url, opts)
     (record,) = [n for n in names if n.startswith("line-")]
-    assert names == sorted(["data", "lease.json", record, "step-00000000"])
+    assert names == sorted(["data", "index.json", "lease.json", record, "step-00000000"])
     assert json.loads((tmp_path / "run" / record).read_bytes())["step"] == 0
     step, tier, got = _restart(url, opts, tmp_path)
     assert (step, tier) == (2, "memory")
