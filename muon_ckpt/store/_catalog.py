@@ -220,6 +220,7 @@ class Catalog:
             abandon=list(abandon or ()),
             refer_to=refer_to,
             pass_over=pass_over,
+            records=self.records.gens,
         )
         for s in infos:
             if s.status == UNCOMMITTED:
@@ -234,15 +235,10 @@ class Catalog:
         if self.known is None or not self.lease.ours:
             return None
         infos = [i for i in self.known if i.status != UNCOMMITTED]
-        return plan_save(infos, self.storage.url, step, **kw)
+        return plan_save(infos, self.storage.url, step, records=self.records.gens, **kw)
 
     def admit(
-        self,
-        step: int,
-        *,
-        resumed: bool,
-        new_run: bool,
-        abandon: list[tuple[int, int | None]],
+        self, step: int, *, resumed: bool, new_run: bool, abandon: list[tuple[int, int | None]]
     ) -> SavePlan:
         """Ready a save of ``step`` that writes nothing here (a memory-tier step): the same
         lease and the same refusals as ``begin`` (another job holds the lease, another run's
@@ -257,6 +253,7 @@ class Catalog:
             resumed=resumed,
             new_run=new_run,
             abandon=list(abandon),
+            records=self.records.gens,
         )
 
     def _finish_or_drop(self, name: str, step: int) -> None:

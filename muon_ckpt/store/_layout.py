@@ -72,7 +72,8 @@ def check_step(step: Any) -> int:
 MAX_MANIFEST_BYTES = 1 << 30
 
 _STEP_RE = re.compile(r"^step-(\d{8})$")
-_RECORD_RE = re.compile(r"^line-([A-Za-z0-9]{1,64})-(\d{1,18})\.json$")
+# A line record: any gen (its name is kept as listed, and deleted by that name).
+_RECORD_RE = re.compile(r"^line-([A-Za-z0-9]{1,64})-(\d+)\.json$")
 # A file of a step: one plain name inside the step directory (DCP writes no subdirectories).
 _FILE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 _HEX_RE = re.compile(r"(?:[0-9a-f]{8})+")

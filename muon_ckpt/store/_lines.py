@@ -134,14 +134,16 @@ def plan_save(
     abandon: list[tuple[int, int | None]],
     refer_to: tuple[int, int] | None = None,
     pass_over: list[tuple[int, int | None, str]] | None = None,
+    records: dict[str, int] | None = None,
 ) -> SavePlan:
     """Decide a save of ``step`` over the scan ``infos`` of ``url``. ``resumed``: the
     manager loaded (or found nothing to load) or saved before; ``abandon``: the steps newer
     than the one it loaded (``(step, gen)``, gen None for a CORRUPT one), which this save
     retires; ``pass_over``: those of them the load passed over (``(step, gen, why)``), which
     are kept; ``refer_to``: the commit ``(step, gen)`` whose data the save may refer to, kept
-    in the plan while it is committed and not retired. Raises CheckpointVersionError or
-    CheckpointExistsError, writing nothing."""
+    in the plan while it is committed and not retired; ``records``: the url's memory-tier line
+    records (line -> gen, ``_records``), another run's where nothing was loaded. Raises
+    CheckpointVersionError or CheckpointExistsError, writing nothing."""
     newer = [i.step for i in infos if i.status == NEWER]
     if newer:
         raise CheckpointVersionError(
@@ -155,6 +157,8 @@ def plan_save(
     carried = [(i.step, i.gen or 0) for i in infos if i.status == SUPERSEDED]
     retires: list[tuple[int, int]] = []
     drop: list[int] = []
+    if not resumed and not new_run and records and not live:  # (a line the tier alone holds)
+        raise CheckpointExistsError(_recorded(url, step, records))
     if not resumed and live:
         if not new_run:
             raise CheckpointExistsError(_foreign(url, step, live))
@@ -227,6 +231,18 @@ def _foreign(url: str, step: int, live: list[StepInfo]) -> str:
         "other's steps). Call load() first to resume that run, give this run another url, "
         "or pass new_run=True to start a new run here (the steps there are deleted once this "
         "run's first step is committed). Nothing was written"
+    )
+
+
+def _recorded(url: str, step: int, records: dict[str, int]) -> str:
+    line = max(records, key=lambda k: records[k])
+    return (
+        f"{url}: holds the record of memory-tier line {line} of another run (its steps may be "
+        f"in the memory tier only, restorable after a crash: line-{line}-*.json), and this "
+        f"manager saves step {step} without having loaded anything: two runs would mix in "
+        "one url (a restart would resume this run's step instead of that run's newest). Call "
+        "load() first to resume that run, give this run another url, or pass new_run=True to "
+        "start a new run here. Nothing was written"
     )
 
 

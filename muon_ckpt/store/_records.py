@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 
 from muon_ckpt._version import __version__
 from muon_ckpt.store._layout import parse_record_name, record_name
@@ -33,6 +34,8 @@ from muon_ckpt.store._storage import Storage
 
 __all__ = ["LineRecords"]
 
+_log = logging.getLogger(__name__)
+
 
 class LineRecords:
     """The line records of ``storage``'s root as of its catalog's last scan. Its dicts are
@@ -41,12 +44,19 @@ class LineRecords:
 
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
-        self.gens: dict[str, int] = {}  # line -> its record's gen
+        self.gens: dict[str, int] = {}  # line -> its newest record's gen
+        self.names: dict[str, list[str]] = {}  # line -> its records' names, as listed
         self._committed: set[str | None] = set()  # the lines of the url's commits
 
-    def scanned(self, gens: dict[str, int], infos: list[StepInfo]) -> None:
-        """What a scan found: the records (``_steps.step_dirs``) and the steps."""
-        self.gens = dict(gens)
+    def scanned(self, names: list[str], infos: list[StepInfo]) -> None:
+        """What a scan found: the records' names (``_steps.step_dirs``) and the steps."""
+        by_line: dict[str, list[str]] = {}
+        gens: dict[str, int] = {}
+        for name in names:
+            line, gen = parse_record_name(name) or ("", 0)
+            by_line.setdefault(line, []).append(name)
+            gens[line] = max(gen, gens.get(line, gen))
+        self.names, self.gens = by_line, gens
         self._committed = {i.line for i in infos if i.status in (COMMITTED, SUPERSEDED)}
 
     def vouch(self, line: str, step: int, plan: SavePlan) -> None:
@@ -57,7 +67,16 @@ class LineRecords:
         if line in gens or line in self._committed or plan.base is not None:
             return
         gen = max([plan.gen, *(g + 1 for g in gens.values())])
-        if parse_record_name(record_name(line, gen)) is None:  # (a line id no record can name)
+        name = record_name(line, gen)
+        if parse_record_name(name) is None:  # (a line id no record can name: never silent)
+            _log.warning(
+                "%s: memory step %d of line %r is not recorded (no record name holds that line "
+                "id): should this job die before the url's first commit of it, a restart "
+                "does not restore its memory steps",
+                self.storage.url,
+                step,
+                line,
+            )
             return
         doc = {
             "format": "muon-ckpt-line",
@@ -67,8 +86,8 @@ class LineRecords:
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "muon_ckpt_version": __version__,
         }
-        self.storage.write_bytes(json.dumps(doc, sort_keys=True).encode(), record_name(line, gen))
-        self.gens = {**gens, line: gen}
+        self.storage.write_bytes(json.dumps(doc, sort_keys=True).encode(), name)
+        self.gens, self.names = {**gens, line: gen}, {**self.names, line: [name]}
 
     def others(self, line: str | None) -> bool:
         """Whether there are records of other lines than ``line`` (a commit of it removes
@@ -83,10 +102,16 @@ class LineRecords:
         live = [i for i in infos if i.committed and i.step not in gone and step in (None, i.step)]
         return sorted(line for line in self.gens if live and line != live[-1].line)
 
-    def drop(self, lines: list[str]) -> None:
-        """Delete the records of ``lines``."""
+    def drop(self, lines: list[str]) -> list[str]:
+        """Delete every record of ``lines`` by the names the scan listed (two of one line, a
+        gen written with leading zeros). Returns the lines whose records went."""
+        out = []
         for line in lines:
-            gens = self.gens
-            if line in gens:
-                self.storage.rm(record_name(line, gens[line]))
-                self.gens = {k: g for k, g in gens.items() if k != line}
+            names = self.names.get(line, [])
+            for name in names:
+                self.storage.rm(name)
+            if names:
+                out.append(line)
+            self.gens = {k: g for k, g in self.gens.items() if k != line}
+            self.names = {k: n for k, n in self.names.items() if k != line}
+        return out

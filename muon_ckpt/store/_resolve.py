@@ -270,7 +270,7 @@ def prune(storage: Storage, keep: int, *, dry_run: bool = False) -> PruneResult:
             cat.delete(s)
         lease.acquire(f"pruning (steps deleted: {', '.join(map(str, plan.deleted))})")
         cat.collect()  # the data only the deleted steps referred to
-        cat.records.drop(plan.lines)
+        plan.lines = cat.records.drop(plan.lines)  # (those whose records went)
     finally:
         lease.release()
     return plan

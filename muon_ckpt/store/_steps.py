@@ -212,18 +212,16 @@ def _mtime(info: dict[str, Any]) -> float | None:
 
 def step_dirs(
     storage: Storage,
-) -> tuple[dict[int, list[str]], list[str], list[str], dict[str, int]]:
+) -> tuple[dict[int, list[str]], list[str], list[str], list[str]]:
     """step -> its directories (its own first, then an overwrite's); the names that look like
     steps but are not directories with canonical names (``Catalog.ignored``); the
     ``overwrite-`` entries that are symbolic links (no version of a step: leftovers); and,
-    from the same listing, the memory tier's line records (line -> gen, ``_records``)."""
+    from the same listing, the names of the memory tier's line records (``_records``)."""
     steps: dict[int, list[str]] = {}
-    junk, links = [], []
-    records: dict[str, int] = {}
+    junk, links, records = [], [], []
     for name, is_dir in storage.list_dirs().items():
-        record = None if is_dir else parse_record_name(name)
-        if record is not None:
-            records[record[0]] = max(record[1], records.get(record[0], 0))
+        if not is_dir and parse_record_name(name) is not None:
+            records.append(name)
         base = name.removeprefix(OVERWRITE)
         if not base.startswith(STEP_PREFIX):
             continue

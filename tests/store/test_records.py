@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 
-from muon_ckpt import CheckpointManager, MemoryOptions
+import pytest
+
+from muon_ckpt import CheckpointExistsError, CheckpointManager, MemoryOptions
 from muon_ckpt.cli import main
 from muon_ckpt.store import Storage
 from tests.conftest import tiny_run, tiny_train
@@ -101,4 +103,66 @@ def test_prune_removes_a_record_no_commit_needs_and_ls_shows_records(tmp_path, c
     assert len(_records(url, opts)) == 2
     assert main(["prune", url, "--keep", "1"]) == 0
     assert "0123456789abcdef" in capsys.readouterr().out
+    assert list(_records(url, opts)) == [own]
+
+
+def test_a_first_save_without_load_beside_a_recorded_line_is_refused(tmp_path):
+    """Run A keeps steps 1-2 in memory only (recorded, no commit); a manager that loaded
+    nothing (no new_run) saving step 1, to the memory tier or to the url, is refused as
+    beside another run's commits, writing nothing: a restart still resumes A's step 2."""
+    url, opts = str(tmp_path / "run"), {}
+    a = _Run(url, opts, tmp_path)
+    assert a.mgr.load() is None
+    a.save([1, 2])
+    a.mgr.close()
+    before = sorted(Storage(url).list_dirs())
+    for force in (False, True):
+        b = _Run(url, opts, tmp_path)
+        with pytest.raises(CheckpointExistsError, match=r"memory-tier line .* new_run=True"):
+            b.save([1], force=force)
+        b.mgr.close()
+        assert sorted(Storage(url).list_dirs()) == before
+    c = _Run(url, opts, tmp_path)
+    assert c.mgr.load() == 2 and c.mgr.last_load_tier == "memory"
+    c.mgr.close()
+
+
+def test_a_record_of_any_gen_still_lets_a_new_line_be_recorded(tmp_path):
+    """A record whose gen has 18 digits (hand-made, or foreign): the run's own line is
+    recorded with a gen above it, and its memory steps saved before the url's first commit
+    are restored."""
+    url, opts = str(tmp_path / "run"), {}
+    Storage(url).write_bytes(b"{}", "line-feedface-999999999999999999.json")
+    r = _Run(url, opts, tmp_path)
+    assert r.mgr.load() is None
+    r.save([1, 2])
+    r.mgr.close()
+    gens = [doc.get("gen") for doc in _records(url, opts).values()]
+    assert [g for g in gens if g is not None] == [10**18]
+    c = _Run(url, opts, tmp_path)
+    assert c.mgr.load() == 2 and c.mgr.last_load_tier == "memory"
+    c.mgr.close()
+
+
+def test_records_are_deleted_by_the_names_listed(tmp_path, capsys):
+    """Two records of one line and a gen written with a leading zero: ``prune`` deletes each
+    by its listed name and reports those lines; so does a commit's clean-up."""
+    url, opts = str(tmp_path / "run"), {}
+    r = _Run(url, opts, tmp_path)
+    assert r.mgr.load() is None
+    r.save([1], force=True)
+    r.mgr.close()
+    (own,) = _records(url, opts)
+    odd = ["line-abc-07.json", "line-dup-3.json", "line-dup-5.json"]
+    for name in odd:
+        Storage(url).write_bytes(b"{}", name)
+    assert main(["prune", url, "--keep", "1"]) == 0
+    assert "deleted the records of older memory-tier lines: abc, dup" in capsys.readouterr().out
+    assert list(_records(url, opts)) == [own]
+    for name in odd:
+        Storage(url).write_bytes(b"{}", name)
+    r = _Run(url, opts, tmp_path)
+    assert r.mgr.load() == 1
+    r.save([2], force=True)
+    r.mgr.close()
     assert list(_records(url, opts)) == [own]
