@@ -37,7 +37,7 @@ from muon_ckpt.store._storage import Storage
 
 __all__ = ["ManifestMemo"]
 
-Stamp = tuple  # (dev, inode, size, mtime_ns) locally; (entity tag, size) on object stores
+Stamp = tuple  # (dev, inode, size, mtime_ns, ctime_ns) locally; (entity tag, size) on object stores
 _PAGE = 1000  # objects a listing returns per request (S3's and GCS's most)
 
 
@@ -62,7 +62,8 @@ class ManifestMemo:
                 s = os.stat(st.path(name, MANIFEST))
             except OSError:
                 return None
-            return (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns)
+            # (ctime too: os.utime can set a rewritten file's mtime back, never its ctime)
+            return (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
         return None if self._listed is None else self._listed.get(name)
 
     def _stands(self, name: str, stamp: Stamp | None) -> bool:

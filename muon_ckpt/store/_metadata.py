@@ -15,6 +15,7 @@ import itertools
 import operator
 import pathlib
 import pickle
+import types
 from typing import Any
 
 import torch
@@ -48,9 +49,39 @@ _BUILTINS = {"set": set, "frozenset": frozenset, "slice": slice, **packed_builti
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only what a DCP ``.metadata`` file is made of; anything else is refused."""
+    """Resolves only what a DCP ``.metadata`` file is made of; anything else is refused.
+    Pickle's BUILD sets attributes on whatever it is given, a class included: the classes
+    and functions handed out are kept as they were (``undo``), and a function is handed out
+    as a wrapper of its own, so a crafted file cannot change them for the process."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.handed: dict[type, dict[str, Any]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        obj = self._resolve(module, name)
+        if isinstance(obj, type):
+            self.handed.setdefault(obj, dict(vars(obj)))
+        elif isinstance(obj, types.FunctionType):
+            return lambda *a, **k: obj(*a, **k)
+        return obj
+
+    def undo(self) -> list[str]:
+        """Put back what BUILD changed on a class handed out; their names."""
+        changed = []
+        for cls, was in self.handed.items():
+            now = dict(vars(cls))
+            if now.keys() == was.keys() and all(now[k] is v for k, v in was.items()):
+                continue
+            changed.append(cls.__name__)
+            for k in now.keys() - was.keys():
+                delattr(cls, k)
+            for k, v in was.items():
+                if now.get(k) is not v:
+                    setattr(cls, k, v)
+        return changed
+
+    def _resolve(self, module: str, name: str) -> Any:
         if module in _DCP_MODULES:
             obj = getattr(__import__(module, fromlist=[name]), name, None)
             if isinstance(obj, type) and (
@@ -100,12 +131,20 @@ def unpack_metadata(data: bytes, where: str) -> Metadata:
     """DCP metadata from its bytes, unchecked (``parse_metadata`` checks it): for a copy of
     what was checked (a load's decision, sent by rank 0)."""
     with paused_gc():
+        unpickler = _MetadataUnpickler(io.BytesIO(data))
         try:
-            md = _MetadataUnpickler(io.BytesIO(data)).load()
+            md = unpickler.load()
         except Exception as e:
             raise CheckpointCorruptError(
                 f"{where}: DCP metadata is unreadable ({type(e).__name__}: {e})"
             ) from e
+        finally:
+            changed = unpickler.undo()
+    if changed:
+        raise CheckpointCorruptError(
+            f"{where}: DCP metadata that sets attributes of {', '.join(changed)} (a crafted "
+            "file; they were put back): load another step or restore this file"
+        )
     if not isinstance(md, Metadata):
         raise CheckpointCorruptError(f"{where}: not DCP metadata (found {type(md).__name__})")
     return md

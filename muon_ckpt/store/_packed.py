@@ -116,7 +116,10 @@ class _Map:
         self.fn, self.cols = fn, cols
 
     def __iter__(self) -> Iterator[Any]:
-        return map(self.fn, *self.cols)
+        # Used up by one pass, as the builtin is: a file that refers to one map many times
+        # must not make it again each time (a few KB would allocate gigabytes)
+        cols, self.cols = self.cols, ()
+        return map(self.fn, *cols) if cols else iter(())
 
     def of(self, fn: Any, *arity: int) -> bool:
         return self.fn is fn and len(self.cols) in arity and all(type(c) is list for c in self.cols)
@@ -129,7 +132,8 @@ class _Zip:
         self.args = args
 
     def __iter__(self) -> Iterator[Any]:
-        return zip(*self.args)
+        args, self.args = self.args, ()  # (one pass, as _Map)
+        return zip(*args) if args else iter(())
 
 
 def _list(it: Any = ()) -> list[Any]:
@@ -137,9 +141,10 @@ def _list(it: Any = ()) -> list[Any]:
     kept beside it), any other as ``list`` makes it."""
     if not (isinstance(it, _Map) and it.of(ChunkStorageMetadata, 2)):
         return list(it)
+    cols = it.cols  # (before the pass that uses them up)
     out = ChunkList()
     out.extend(it)
-    out.offsets, out.sizes = it.cols
+    out.offsets, out.sizes = cols
     return out
 
 
