@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from muon_ckpt.cli import main
-from tests._dist import run_script
+from tests._dist import run_module, run_script
 
 EVERY, STEPS = 3, 10  # as in tests/integrations/_hf_job.py
 
@@ -29,7 +29,7 @@ def hf():
 
 
 def _job(url, out, *args):
-    r = run_script(["-m", "tests.integrations._hf_job", str(url), str(out), *args], timeout=240)
+    r = run_module(["-m", "tests.integrations._hf_job", str(url), str(out), *args], timeout=240)
     return r, (torch.load(out, weights_only=False) if r.returncode == 0 else None)
 
 
