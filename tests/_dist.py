@@ -291,7 +291,9 @@ def run_script(args: list[str], timeout: float = 300.0, env: dict | None = None)
     )
 
 
-def run_module(args: list[str], timeout: float = 300.0):
+def run_module(
+    args: list[str], timeout: float = 300.0, env: dict | None = None, cwd: str | None = None
+):
     """``run_script(["-m", module, *argv])``'s result, the module run as ``__main__`` in a
     process of its own forked from the ranks' forkserver, not in a fresh interpreter: torch,
     torch._dynamo and the packages are imported already (3-5 s of CPU a fresh one spends, with
@@ -299,13 +301,15 @@ def run_module(args: list[str], timeout: float = 300.0):
     ends as an interpreter does: the threads joined, the atexit hooks run; a signal that kills
     it is its returncode (negative). Not for what a fresh interpreter is the point of (what a
     process imports, its memory, its hash seed) nor for a launcher that starts the module
-    again by name (torchrun, Lightning's DDP)."""
+    again by name (torchrun, Lightning's DDP). ``env``: set in its environment (not what
+    was imported already read)."""
     import subprocess
 
     assert args[0] == "-m", args
     tmp = tempfile.mkdtemp(prefix="muon_ckpt_module_")
     out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-    p = _context().Process(target=_module_child, args=(args[1], args[2:], os.getcwd(), out, err))
+    where = (cwd or os.getcwd(), out, err, env or {})
+    p = _context().Process(target=_module_child, args=(args[1], args[2:], *where))
     p.start()
     p.join(timeout)
     try:
@@ -321,7 +325,7 @@ def run_module(args: list[str], timeout: float = 300.0):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _module_child(module: str, argv: list[str], cwd: str, out: str, err: str) -> None:
+def _module_child(module: str, argv: list[str], cwd: str, out: str, err: str, env: dict) -> None:
     """``python -m module *argv`` in this forked process, its output to the files ``out`` and
     ``err`` (what C code writes too)."""
     import atexit
@@ -332,6 +336,7 @@ def _module_child(module: str, argv: list[str], cwd: str, out: str, err: str) ->
         os.dup2(f, fd)
         os.close(f)
     os.chdir(cwd)
+    os.environ.update(env)
     sys.argv = [module, *argv]
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
