@@ -39,6 +39,32 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
+# The slowest test files, slowest first (a worker's seconds on 2 idle cores): the suite starts
+# with them, and README's `-n 2` hands out the rest (--dist worksteal, pyproject.toml) while
+# they run, so that one worker is not left alone with a long module at the end. A module
+# stays whole on one worker but for a steal (its module-scoped fixtures run once).
+SLOWEST_FIRST = (
+    "store/test_fault_matrix.py",
+    "manager/test_run_edges.py",
+    "store/test_fault_ranks.py",
+    "store/test_faults.py",
+    "integrations/test_integration_transformers.py",
+    "integrations/test_integration_lightning.py",
+    "benchmarks/test_benchmarks_cpu.py",
+    "manager/test_interrupt_storm.py",
+    "integrations/test_integration_meshes.py",
+    "manager/test_manager_errors.py",
+    "memory/test_memory_tier.py",
+    "save/test_async_save.py",
+    "store/test_lines.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first = {f"tests/{name}": i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
+
+
 def share_botocore_models() -> None:
     """One botocore loader per process, as the clients of one botocore session share theirs:
     s3fs starts a session per filesystem (a manager opens two), and each one parsed the S3
