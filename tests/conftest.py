@@ -68,12 +68,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def share_botocore_models() -> None:
     """One botocore loader per process, as the clients of one botocore session share theirs:
     s3fs starts a session per filesystem (a manager opens two), and each one parsed the S3
-    service model again, 0.15 s of CPU. What the clients load and send is unchanged."""
+    service model again, 0.15 s of CPU. What the clients load and send is unchanged. The
+    models are read here, once: in the ranks' forkserver, for every rank it forks."""
     import botocore.session
 
     if not hasattr(botocore.session.create_loader, "cache_info"):
         cached = functools.lru_cache(maxsize=None)(botocore.session.create_loader)
         botocore.session.create_loader = cached
+        # (a client makes no connection, nor thread, before its first request)
+        botocore.session.get_session().create_client(
+            "s3", region_name="us-east-1", aws_access_key_id="-", aws_secret_access_key="-"
+        )
 
 
 if "botocore.session" in sys.modules:  # (the ranks' forkserver, which preloads s3fs first)
