@@ -298,11 +298,12 @@ def run_module(
     process of its own forked from the ranks' forkserver, not in a fresh interpreter: torch,
     torch._dynamo and the packages are imported already (3-5 s of CPU a fresh one spends, with
     the collections at its exit), and torch runs one intra-op thread, as in the ranks. It
-    ends as an interpreter does: the threads joined, the atexit hooks run; a signal that kills
-    it is its returncode (negative). Not for what a fresh interpreter is the point of (what a
-    process imports, its memory, its hash seed) nor for a launcher that starts the module
-    again by name (torchrun, Lightning's DDP). ``env``: set in its environment (not what
-    was imported already read)."""
+    ends as an interpreter does, the threads joined and the atexit hooks run, but leaves
+    with ``os._exit`` (no module teardown); a signal that kills it is its returncode
+    (negative). Not for what a fresh interpreter is the point of (how it exits or handles a
+    signal, what it imports, its memory, its hash seed) nor for a launcher that starts the
+    module again by name (torchrun, Lightning's DDP). ``env``: set in its environment (not
+    what was imported already read)."""
     import subprocess
 
     assert args[0] == "-m", args
