@@ -44,17 +44,17 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 # they run, so that one worker is not left alone with a long module at the end. A module
 # stays whole on one worker but for a steal (its module-scoped fixtures run once).
 SLOWEST_FIRST = (
-    "store/test_fault_matrix.py",
+    "store/test_fault_matrix.py",  # (two tests of 40 s)
+    "manager/test_interrupt_storm.py",  # (one of 20 s, one of 50 s on S3)
     "manager/test_run_edges.py",
-    "store/test_fault_ranks.py",
     "store/test_faults.py",
+    "store/test_fault_ranks.py",
+    "integrations/test_integration_meshes.py",
     "integrations/test_integration_transformers.py",
     "integrations/test_integration_lightning.py",
     "benchmarks/test_benchmarks_cpu.py",
-    "manager/test_interrupt_storm.py",
-    "integrations/test_integration_meshes.py",
-    "manager/test_manager_errors.py",
     "memory/test_memory_tier.py",
+    "manager/test_manager_errors.py",
     "save/test_async_save.py",
     "store/test_lines.py",
 )
