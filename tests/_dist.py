@@ -22,6 +22,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -246,8 +247,6 @@ def run_then_kill(
 
 def _child_then_wait(fn, rank, world_size, port, args, results, stack_file, timeout):
     """``_child``, but a rank that is done reports and waits to be killed (``run_then_kill``)."""
-    import threading
-
     _rank_env(rank, world_size, port)
     with open(stack_file, "w") as stacks:
         faulthandler.dump_traceback_later(max(timeout - 5, 1), file=stacks, exit=False)
@@ -290,3 +289,60 @@ def run_script(args: list[str], timeout: float = 300.0, env: dict | None = None)
     return subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=full_env
     )
+
+
+def run_module(
+    args: list[str], timeout: float = 300.0, env: dict | None = None, cwd: str | None = None
+):
+    """``run_script(["-m", module, *argv])``'s result, the module run as ``__main__`` in a
+    process of its own forked from the ranks' forkserver, not in a fresh interpreter: torch,
+    torch._dynamo and the packages are imported already (3-5 s of CPU a fresh one spends, with
+    the collections at its exit), and torch runs one intra-op thread, as in the ranks. It
+    ends as an interpreter does, the threads joined and the atexit hooks run, but leaves
+    with ``os._exit`` (no module teardown); a signal that kills it is its returncode
+    (negative). Not for what a fresh interpreter is the point of (how it exits or handles a
+    signal, what it imports, its memory, its hash seed) nor for a launcher that starts the
+    module again by name (torchrun, Lightning's DDP). ``env``: set in its environment (not
+    what was imported already read)."""
+    import subprocess
+
+    assert args[0] == "-m", args
+    tmp = tempfile.mkdtemp(prefix="muon_ckpt_module_")
+    out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+    where = (cwd or os.getcwd(), out, err, env or {})
+    p = _context().Process(target=_module_child, args=(args[1], args[2:], *where))
+    p.start()
+    p.join(timeout)
+    try:
+        if p.is_alive():
+            p.kill()
+            p.join()
+            raise subprocess.TimeoutExpired([sys.executable, *args], timeout)
+        with open(out) as f, open(err) as g:
+            return subprocess.CompletedProcess(
+                [sys.executable, *args], p.exitcode, f.read(), g.read()
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _module_child(module: str, argv: list[str], cwd: str, out: str, err: str, env: dict) -> None:
+    """``python -m module *argv`` in this forked process, its output to the files ``out`` and
+    ``err`` (what C code writes too)."""
+    import atexit
+    import runpy
+
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    os.chdir(cwd)
+    os.environ.update(env)
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:  # (an interpreter's exit: threads first, then the atexit hooks)
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()

@@ -4,8 +4,10 @@ PID namespace of its own, through ``unshare``) by the lease tests.
 ``hold URL READY DONE``: save step 1, touch READY, wait for DONE, then exit without close()
 (the lease stays behind, as after a crash). ``hold-memory URL MEMDIR READY DONE STATE``: the
 same with a memory tier, after steps 1-3 (url: 2; memory: 1-3), its state torch.saved to
-STATE. ``save URL STEP``: try to save STEP and print one
-JSON line: ``{"saved": true, "pid": ...}`` or ``{"saved": false, "error": ..., "pid": ...}``.
+STATE. ``save URL``: a job that, for each STEP its stdin gives (a line), tries again as a
+resuming job does (a new manager: load, then save STEP) and prints one JSON line:
+``{"saved": true, "pid": ...}`` or ``{"saved": false, "error": ..., "pid": ...}``; at the
+end of its stdin it exits without close() (a lease it took stays, as a running job's does).
 """
 
 from __future__ import annotations
@@ -51,15 +53,16 @@ def _hold_memory(url: str, memdir: str, ready: str, done: str, state: str) -> No
     os._exit(0)
 
 
-def _save(url: str, step: int) -> None:
-    mgr = CheckpointManager(url, model=nn.Linear(8, 8))
-    try:
-        mgr.load()  # a job resuming the run: only the lease may stop it
-        mgr.save(step)
-    except CheckpointError as e:
-        print(json.dumps({"saved": False, "error": str(e), "pid": os.getpid()}), flush=True)
-        os._exit(0)
-    print(json.dumps({"saved": True, "pid": os.getpid()}), flush=True)
+def _save(url: str) -> None:
+    for line in sys.stdin:
+        mgr = CheckpointManager(url, model=nn.Linear(8, 8))
+        try:
+            mgr.load()  # a job resuming the run: only the lease may stop it
+            mgr.save(int(line))
+        except CheckpointError as e:
+            print(json.dumps({"saved": False, "error": str(e), "pid": os.getpid()}), flush=True)
+            continue
+        print(json.dumps({"saved": True, "pid": os.getpid()}), flush=True)
     os._exit(0)  # keep the lease, as a running job does
 
 
@@ -70,4 +73,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "hold-memory":
         _hold_memory(*sys.argv[2:7])
     else:
-        _save(sys.argv[2], int(sys.argv[3]))
+        _save(sys.argv[2])

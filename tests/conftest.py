@@ -39,15 +39,46 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
+# The slowest test files, slowest first (a worker's seconds on 2 idle cores): the suite starts
+# with them, and README's `-n 2` hands out the rest (--dist worksteal, pyproject.toml) while
+# they run, so that one worker is not left alone with a long module at the end. A module
+# stays whole on one worker but for a steal (its module-scoped fixtures run once).
+SLOWEST_FIRST = (
+    "store/test_fault_matrix.py",  # (two tests of 40 s)
+    "manager/test_interrupt_storm.py",  # (one of 20 s, one of 50 s on S3)
+    "manager/test_run_edges.py",
+    "store/test_faults.py",
+    "store/test_fault_ranks.py",
+    "integrations/test_integration_meshes.py",
+    "integrations/test_integration_transformers.py",
+    "integrations/test_integration_lightning.py",
+    "benchmarks/test_benchmarks_cpu.py",
+    "memory/test_memory_tier.py",
+    "manager/test_manager_errors.py",
+    "save/test_async_save.py",
+    "store/test_lines.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    first = {f"tests/{name}": i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
+
+
 def share_botocore_models() -> None:
     """One botocore loader per process, as the clients of one botocore session share theirs:
     s3fs starts a session per filesystem (a manager opens two), and each one parsed the S3
-    service model again, 0.15 s of CPU. What the clients load and send is unchanged."""
+    service model again, 0.15 s of CPU. What the clients load and send is unchanged. The
+    models are read here, once: in the ranks' forkserver, for every rank it forks."""
     import botocore.session
 
     if not hasattr(botocore.session.create_loader, "cache_info"):
         cached = functools.lru_cache(maxsize=None)(botocore.session.create_loader)
         botocore.session.create_loader = cached
+        # (a client makes no connection, nor thread, before its first request)
+        botocore.session.get_session().create_client(
+            "s3", region_name="us-east-1", aws_access_key_id="-", aws_secret_access_key="-"
+        )
 
 
 if "botocore.session" in sys.modules:  # (the ranks' forkserver, which preloads s3fs first)
@@ -68,6 +99,11 @@ def s3_server() -> Iterator[str]:
     share_botocore_models()
     import logging
 
+    import moto.backends
+
+    # It lists the folders of its own package to route each request (1 ms a request).
+    listed = tuple(moto.backends.list_of_moto_modules())
+    moto.backends.list_of_moto_modules = lambda: listed
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     port = _free_port()
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

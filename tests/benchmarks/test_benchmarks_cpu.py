@@ -1,16 +1,14 @@
 """The benchmarks behind docs/benchmarks.md run: each one's CPU mode at tiny sizes, in a process
-of its own, ends with its report (the figures themselves are measured on a GPU; see
-docs/gpu.md). Nothing here is timed: a line of the report is what each waits for."""
+of its own (forked from the ranks' forkserver: tests/_dist.py, run_module), ends with its
+report (the figures themselves are measured on a GPU; see docs/gpu.md). Nothing here is
+timed: a line of the report is what each waits for."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 
 from tests import REPO
+from tests._dist import run_module
 
 # name -> (arguments of `python -m benchmarks.<module>`, a line of its report)
 RUNS = {
@@ -68,15 +66,9 @@ RUNS = {
 @pytest.mark.parametrize("name", list(RUNS))
 def test_the_cpu_mode_of_the_benchmark_runs_to_its_report(name):
     args, line = RUNS[name]
-    env = {**os.environ, "PYTHONPATH": REPO, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{args[0]}", *args[1:]],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,  # (a hang stops the suite, never a slow machine)
-        check=False,
+    env = {"PYTHONPATH": REPO, "CUDA_VISIBLE_DEVICES": ""}
+    done = run_module(  # (a hang stops the suite, never a slow machine)
+        ["-m", f"benchmarks.{args[0]}", *args[1:]], timeout=1800, env=env, cwd=REPO
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from muon_ckpt import MemoryOptions
-from tests._dist import run_script
+from tests._dist import run_module, run_script
 
 # As in the job, _lightning_job.py beside this file (imported by the tests that need it).
 EVERY, STEPS = 3, 12
@@ -26,9 +26,9 @@ def pl():
 
 
 def _job(url, out, *args):
-    r = run_script(
-        ["-m", "tests.integrations._lightning_job", str(url), str(out), *args], timeout=240
-    )
+    # (DDP on 2 devices: Lightning starts the script again by name, from a fresh interpreter)
+    run = run_script if "--devices" in args else run_module
+    r = run(["-m", "tests.integrations._lightning_job", str(url), str(out), *args], timeout=240)
     return r, (torch.load(out, weights_only=False) if r.returncode == 0 else None)
 
 

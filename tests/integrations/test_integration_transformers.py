@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from muon_ckpt.cli import main
-from tests._dist import run_script
+from tests._dist import run_module, run_script
 
 EVERY, STEPS = 3, 10  # as in tests/integrations/_hf_job.py
 
@@ -29,7 +29,7 @@ def hf():
 
 
 def _job(url, out, *args):
-    r = run_script(["-m", "tests.integrations._hf_job", str(url), str(out), *args], timeout=240)
+    r = run_module(["-m", "tests.integrations._hf_job", str(url), str(out), *args], timeout=240)
     return r, (torch.load(out, weights_only=False) if r.returncode == 0 else None)
 
 
@@ -40,6 +40,29 @@ def ref(tmp_path_factory):
     r, out = _job(tmp / "run", tmp / "ref.pt")
     assert r.returncode == 0, r.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """``killed(memory)``: the url (and memory tier) of a run SIGKILLed once step 8 was trained
+    (``--kill-at 8``; ``memory``: with a memory tier), killed once per module and handed to
+    each test as a fresh copy at the same paths (the tier knows its run by its url): the
+    tests differ in what they damage and how they resume, not in the run."""
+    base = tmp_path_factory.mktemp("killed")
+
+    def get(memory: bool) -> tuple:
+        work = base / ("memory" if memory else "plain")
+        url, mem, template = work / "run", work / "mem", base / f"{work.name}.killed"
+        if not template.exists():
+            more = ["--memory", str(mem)] if memory else []
+            r, _ = _job(url, base / "killed.pt", "--kill-at", "8", *more)
+            assert r.returncode == -signal.SIGKILL, r.stderr
+            shutil.copytree(work, template, symlinks=True)
+        shutil.rmtree(work)
+        shutil.copytree(template, work, symlinks=True)
+        return url, str(mem)
+
+    return get
 
 
 def _same_end(got, ref, resumed):
@@ -57,10 +80,8 @@ def _same_end(got, ref, resumed):
             assert torch.equal(got["states"][name][k], v), (name, k)
 
 
-def test_train_killed_after_a_save_resumes_bitwise(tmp_path, ref):
-    url = tmp_path / "run"
-    r, _ = _job(url, tmp_path / "killed.pt", "--kill-at", "8")
-    assert r.returncode == -signal.SIGKILL, r.stderr
+def test_train_killed_after_a_save_resumes_bitwise(tmp_path, ref, killed):
+    url, _ = killed(memory=False)
     assert sorted(p.name for p in url.glob("step-*")) == ["step-00000003", "step-00000006"]
     r, got = _job(url, tmp_path / "resumed.pt")
     assert r.returncode == 0, r.stderr
@@ -79,10 +100,8 @@ def _flip_a_byte(url, step):
     path.write_bytes(bytes(raw))
 
 
-def test_a_damaged_newest_step_resumes_the_one_before_and_trains_on(tmp_path, ref):
-    url = tmp_path / "run"
-    r, _ = _job(url, tmp_path / "killed.pt", "--kill-at", "8")
-    assert r.returncode == -signal.SIGKILL, r.stderr
+def test_a_damaged_newest_step_resumes_the_one_before_and_trains_on(tmp_path, ref, killed):
+    url, _ = killed(memory=False)
     _flip_a_byte(url, 6)
     # Every requeued restart used to raise "resume that step explicitly"; now the load falls
     # back to step 3 and the Trainer resumes from step 3's TrainerState.
@@ -95,10 +114,8 @@ def test_a_damaged_newest_step_resumes_the_one_before_and_trains_on(tmp_path, re
 
 
 @pytest.mark.parametrize("named", [False, True])
-def test_a_memory_step_newer_than_the_urls_resumes_from_memory(tmp_path, ref, named):
-    url, mem = tmp_path / "run", str(tmp_path / "mem")
-    r, _ = _job(url, tmp_path / "killed.pt", "--kill-at", "8", "--memory", mem)
-    assert r.returncode == -signal.SIGKILL, r.stderr
+def test_a_memory_step_newer_than_the_urls_resumes_from_memory(tmp_path, ref, killed, named):
+    url, mem = killed(memory=True)
     # A crash while step 6 was written to the url: the tier has it, the url does not.
     shutil.rmtree(url / "step-00000006")
     more = ["--resume", "6"] if named else []  # (the url has no step 6 to read its state from)

@@ -59,9 +59,10 @@ def body_train(rank, world_size, url, root, offload, node_size=NODE):
         train(model, range(s, s + 1), opt)
         assert mgr.save(s)
         assert mgr.wait() == s  # complete in every tier (a faster loop skips: tested apart)
-        states[s] = _state(model, opt)
+        if s in (5, 7):  # (the steps the tests load; a snapshot gathers every DTensor)
+            states[s] = _state(model, opt)
     assert mgr.durable_step == 5
-    return {s: states[s] for s in (5, 7)}
+    return states
 
 
 def body_train_past_a_slow_tier(rank, world_size, url, root):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,7 @@ def _job(*args: str, namespace: bool) -> subprocess.Popen:
         [*(_PREFIX or []), *cmd] if namespace else cmd,
         cwd=REPO,
         env=env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -67,11 +69,29 @@ def _hold(url: str, tmp_path, *, namespace: bool) -> tuple[subprocess.Popen, str
     return holder, done
 
 
-def _try_save(url: str, step: int, *, namespace: bool) -> dict:
-    p = _job("save", url, str(step), namespace=namespace)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 0, err
-    return json.loads(out.strip().splitlines()[-1])
+class _Contender:
+    """A second job of ``url`` in a PID namespace of its own; ``save(step)``: it tries again,
+    as a resuming job does (a new manager: load, then save), and says what came of it."""
+
+    def __init__(self, url: str) -> None:
+        self.proc = _job("save", url, namespace=True)
+
+    def save(self, step: int) -> dict:
+        self.proc.stdin.write(f"{step}\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
+        line = self.proc.stdout.readline() if ready else ""
+        assert line, f"no answer (exit {self.proc.poll()}): {self._stderr()}"
+        return json.loads(line)
+
+    def _stderr(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.communicate(timeout=60)[1][-3000:]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=120) == 0, self._stderr()
 
 
 @needs_unshare
@@ -82,24 +102,28 @@ def test_a_job_in_another_pid_namespace_does_not_take_a_live_lease(holder_ns, tm
     another namespace). Either way the holder is alive: the lease is refused."""
     url = str(tmp_path / "run")
     holder, done = _hold(url, tmp_path, namespace=holder_ns)
+    contender = _Contender(url)
     try:
-        got = _try_save(url, 2, namespace=True)
-        assert got["pid"] == 1
-        assert got["saved"] is False, "the second job took the lease of a live job"
-        assert "another job holds this run's write lease" in got["error"]
-        assert "another PID namespace" in got["error"]
-        assert not Storage(url).exists(step_dirname(2))
+        try:
+            got = contender.save(2)
+            assert got["pid"] == 1
+            assert got["saved"] is False, "the second job took the lease of a live job"
+            assert "another job holds this run's write lease" in got["error"]
+            assert "another PID namespace" in got["error"]
+            assert not Storage(url).exists(step_dirname(2))
+        finally:
+            open(done, "w").close()
+            holder.communicate(timeout=60)
+        # Gone, but in another namespace: it cannot be checked from here, so the lease holds
+        # until it expires (the old record is still there, naming pid 1 or the holder's pid).
+        if holder_ns:
+            assert contender.save(2)["saved"] is False
+        rec = json.loads(Storage(url).read_bytes(LEASE))
+        rec["expires"] = time.time() - 1
+        Storage(url).write_bytes(json.dumps(rec).encode(), LEASE)
+        assert contender.save(2)["saved"] is True
     finally:
-        open(done, "w").close()
-        holder.communicate(timeout=60)
-    # Gone, but in another namespace: it cannot be checked from here, so the lease holds until
-    # it expires (the old record is still there, naming pid 1 or the holder's pid).
-    if holder_ns:
-        assert _try_save(url, 2, namespace=True)["saved"] is False
-    rec = json.loads(Storage(url).read_bytes(LEASE))
-    rec["expires"] = time.time() - 1
-    Storage(url).write_bytes(json.dumps(rec).encode(), LEASE)
-    assert _try_save(url, 2, namespace=True)["saved"] is True
+        contender.close()
 
 
 # ------------------------------------------------------------------ the rule, on records

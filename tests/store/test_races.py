@@ -195,6 +195,7 @@ def test_a_step_deleted_or_replaced_while_verified_is_deleted_not_damaged(tmp_pa
 def child_delete_step(url: str, opts: dict, go: str, out: str) -> None:
     from muon_ckpt.store import Catalog
 
+    open(out + ".ready", "w").close()
     while not os.path.exists(go):
         time.sleep(0.001)
     try:
@@ -225,7 +226,10 @@ def test_two_processes_deleting_one_step_both_succeed(tmp_path):
     ]
     for p in procs:
         p.start()
-    time.sleep(1.0)  # both waiting for the start
+    deadline = time.monotonic() + 120
+    while not all(os.path.exists(out + ".ready") for out in outs):  # both waiting for the start
+        assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "no start"
+        time.sleep(0.005)
     open(go, "w").close()
     for p in procs:
         p.join(120)
