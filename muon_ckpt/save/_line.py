@@ -103,7 +103,10 @@ class RunLine:
         its commit carries (this run's, or new) and the check left to the job."""
         if not url:
             kw: dict[str, Any] = dict(
-                resumed=self.resumed, new_run=self.new_run, abandon=list(self.abandoned)
+                resumed=self.resumed,
+                new_run=self.new_run,
+                abandon=list(self.abandoned),
+                line=self.line,  # (its own record is no other run's)
             )
             got = catalog.plan_cached(step, overwrite=True, **kw) if cached else None
             later = None if got is None else functools.partial(catalog.admit, step, **kw)
@@ -115,6 +118,7 @@ class RunLine:
             abandon=list(self.abandoned),
             refer_to=None if self.base is None else self.base.key,
             pass_over=list(self.passed),
+            line=self.line,
         )
         got = catalog.plan_cached(step, **kw) if cached else None
         later = None if got is None else functools.partial(catalog.begin, step, **kw)

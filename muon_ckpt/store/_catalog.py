@@ -191,6 +191,7 @@ class Catalog:
         abandon: list[tuple[int, int | None]] | None = None,
         refer_to: tuple[int, int] | None = None,
         pass_over: list[tuple[int, int | None, str]] | None = None,
+        line: str | None = None,
     ) -> SavePlan:
         """Ready a save of ``step``: take the write lease; finish or remove the leftovers of
         crashed saves (an overwrite that was committed but not swapped in is finished first);
@@ -221,6 +222,7 @@ class Catalog:
             refer_to=refer_to,
             pass_over=pass_over,
             records=self.records.gens,
+            line=line,
         )
         for s in infos:
             if s.status == UNCOMMITTED:
@@ -237,24 +239,16 @@ class Catalog:
         infos = [i for i in self.known if i.status != UNCOMMITTED]
         return plan_save(infos, self.storage.url, step, records=self.records.gens, **kw)
 
-    def admit(
-        self, step: int, *, resumed: bool, new_run: bool, abandon: list[tuple[int, int | None]]
-    ) -> SavePlan:
+    def admit(self, step: int, **kw: Any) -> SavePlan:
         """Ready a save of ``step`` that writes nothing here (a memory-tier step): the same
         lease and the same refusals as ``begin`` (another job holds the lease, another run's
-        steps, a newer format), nothing removed (a save to this url may be in flight). The
-        plan's generation and retired commits go into the memory step's parts."""
+        steps, a newer format), nothing removed (a save to this url may be in flight). ``kw``:
+        ``plan_save``'s (resumed, new_run, abandon, line). The plan's generation and retired
+        commits go into the memory step's parts."""
         self.lease.acquire()
-        return plan_save(
-            self.scan(),
-            self.storage.url,
-            step,
-            overwrite=True,  # (a memory step replaces nothing here)
-            resumed=resumed,
-            new_run=new_run,
-            abandon=list(abandon),
-            records=self.records.gens,
-        )
+        # (overwrite: a memory step replaces nothing here)
+        infos, url = self.scan(), self.storage.url
+        return plan_save(infos, url, step, overwrite=True, records=self.records.gens, **kw)
 
     def _finish_or_drop(self, name: str, step: int) -> None:
         """An ``overwrite-`` directory left by a crash: finish the move when it holds the

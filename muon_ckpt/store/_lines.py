@@ -135,6 +135,7 @@ def plan_save(
     refer_to: tuple[int, int] | None = None,
     pass_over: list[tuple[int, int | None, str]] | None = None,
     records: dict[str, int] | None = None,
+    line: str | None = None,
 ) -> SavePlan:
     """Decide a save of ``step`` over the scan ``infos`` of ``url``. ``resumed``: the
     manager loaded (or found nothing to load) or saved before; ``abandon``: the steps newer
@@ -142,7 +143,8 @@ def plan_save(
     retires; ``pass_over``: those of them the load passed over (``(step, gen, why)``), which
     are kept; ``refer_to``: the commit ``(step, gen)`` whose data the save may refer to, kept
     in the plan while it is committed and not retired; ``records``: the url's memory-tier line
-    records (line -> gen, ``_records``), another run's where nothing was loaded. Raises
+    records (line -> gen, ``_records``), another run's where nothing was loaded but ``line``'s
+    (this run's, once a memory save recorded it). Raises
     CheckpointVersionError or CheckpointExistsError, writing nothing."""
     newer = [i.step for i in infos if i.status == NEWER]
     if newer:
@@ -157,8 +159,9 @@ def plan_save(
     carried = [(i.step, i.gen or 0) for i in infos if i.status == SUPERSEDED]
     retires: list[tuple[int, int]] = []
     drop: list[int] = []
-    if not resumed and not new_run and records and not live:  # (a line the tier alone holds)
-        raise CheckpointExistsError(_recorded(url, step, records))
+    others = {k: g for k, g in (records or {}).items() if k != line}
+    if not resumed and not new_run and others and not live:  # (a line the tier alone holds)
+        raise CheckpointExistsError(_recorded(url, step, others))
     if not resumed and live:
         if not new_run:
             raise CheckpointExistsError(_foreign(url, step, live))

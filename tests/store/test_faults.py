@@ -177,8 +177,10 @@ def test_a_stalled_upload_is_cut_by_the_timeout_and_retried(faulty):
     proxy.rule("PUT", r"\.distcp", "stall", times=2)
     t0 = time.monotonic()
     assert mgr.save(3)
-    # Each stalled attempt is cut at a third of the budget (_retry), then tried again.
-    assert time.monotonic() - t0 >= 2 * TIMEOUT / 3
+    # Each stalled attempt is cut at a third of the budget (_retry), then tried again. The
+    # two stalls may be two files' uploads running side by side (io threads) or one file's
+    # two attempts: the save took at least one cut, whichever it was.
+    assert time.monotonic() - t0 >= TIMEOUT / 3
     assert proxy.injected == {"stall": 2}
     _loads_whole(f, 3)
 
