@@ -82,6 +82,7 @@ from benchmarks._planning_state import (
     model_8b,
     model_tiny,
     same_items,
+    same_reads,
     shard,
     write_results,
 )
@@ -258,6 +259,25 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
                 it = got[k]
                 assert tuple(it.storage_index.offset) == tuple(off), (k, it)
                 assert tuple(it.lengths) == tuple(size), (k, it)
+            same_reads(layout.rank_load_plan(n, last), lplan)
+        del lplan
+        sent = [pickle.dumps(layout.rank_load_plan(n, r)) for r in range(n)]
+        sizes["load plans gathered"] = sum(map(len, sent))
+        # DCP's gather_object to rank 0, then its scatter_object_list of rank 0's global plan
+        # (``create_global_plan`` and the reader's ``prepare_global_plan``), with the
+        # collector running as it does there
+        sec["load: DCP's plans gathered (rank 0)"], got = timed(
+            functools.partial(list, map(pickle.loads, sent))
+        )
+        del sent
+
+        def scatter(got: list) -> list[bytes]:
+            lp = SafeLoadPlanner()
+            reader = VerifyingReader(storage.child(name), m.files, metadata=md)
+            return list(map(pickle.dumps, reader.prepare_global_plan(lp.create_global_plan(got))))
+
+        sec["load: DCP's plans scattered (rank 0)"], sent = timed(functools.partial(scatter, got))
+        del got, sent
     finally:
         ranks.close()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
