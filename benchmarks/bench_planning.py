@@ -40,7 +40,12 @@ Phases, each timed where it runs (one rank, or rank 0 over all N):
 - ``load: metadata``: unpickling the decision's metadata, what every rank does when rank 0
   broadcasts it;
 - ``load: local plan``: one rank's planning (``SafeLoadPlanner`` and ``VerifyingReader``: its
-  read items against the metadata).
+  read items against the metadata);
+- ``load: DCP's plans gathered``: rank 0 unpickling every rank's local load plan as it
+  travels (a key: ``load._planner.KeyedPlan``; the other ranks' as from other processes),
+  what DCP's ``gather_object`` does inside ``dcp.load``, the collector running as there;
+- ``load: DCP's plans scattered``: rank 0's global step on them and each plan pickled for
+  DCP's ``scatter_object_list`` (``load plans gathered``: the bytes of the gather).
 
 ``--torch`` also times ``save: global plan`` with DCP's own ``DefaultSavePlanner`` (whose
 ``_validate_global_plan`` is quadratic in ranks for a tensor whose widest dimension is not the
