@@ -18,6 +18,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
     SavePlan,
     TensorWriteData,
     WriteItem,
@@ -164,6 +167,26 @@ class Layout:
         mappings = {it.index.fqn: _path(it.index.fqn) for it in items}
         return SavePlan(items, planner_data=mappings)
 
+    def rank_load_plan(self, n: int, r: int) -> LoadPlan:
+        """Rank ``r``'s local load plan of a step saved on ``n`` ranks, as ``SafeLoadPlanner``
+        makes it: a read of each of its own saved chunks (none for an empty shard), of its
+        plain tensors and of every value."""
+        items = []
+        for it in self.rank_plan(n, r).items:
+            if it.type == WriteItemType.BYTE_IO:
+                zero = torch.Size([0])
+                items.append(ReadItem(LoadItemType.BYTE_IO, it.index, zero, it.index, zero, zero))
+                continue
+            chunk = it.tensor_data.chunk
+            if not all(chunk.sizes):
+                continue
+            shards = it.type == WriteItemType.SHARD  # (non-empty shards are saved in rank order)
+            zeros = torch.Size([0] * len(chunk.sizes))
+            dest = MetadataIndex(it.index.fqn, chunk.offsets, 0)
+            at = MetadataIndex(it.index.fqn, chunk.offsets, r if shards else 0)
+            items.append(ReadItem(LoadItemType.TENSOR, dest, zeros, at, zeros, chunk.sizes))
+        return LoadPlan(items)
+
 
 _UINT8 = TensorProperties(dtype=torch.uint8)
 
@@ -292,3 +315,16 @@ def same_items(ours: SavePlan, dcps: SavePlan) -> None:
                 db.size,
                 db.properties.dtype,
             ), (k, da, db)
+
+
+def same_reads(ours: LoadPlan, planners: LoadPlan) -> None:
+    """The synthetic load plan of a rank is the one its planner makes, in order, hints too."""
+
+    def rows(plan: LoadPlan) -> list[tuple]:
+        return [
+            (it, it.dest_index.index, it.storage_index.index, it.storage_index.offset)
+            for it in plan.items
+        ]
+
+    a, b = rows(ours), rows(planners)
+    assert a == b, next(((x, y) for x, y in zip(a, b) if x != y), (len(a), len(b)))

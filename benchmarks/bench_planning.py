@@ -40,7 +40,12 @@ Phases, each timed where it runs (one rank, or rank 0 over all N):
 - ``load: metadata``: unpickling the decision's metadata, what every rank does when rank 0
   broadcasts it;
 - ``load: local plan``: one rank's planning (``SafeLoadPlanner`` and ``VerifyingReader``: its
-  read items against the metadata).
+  read items against the metadata);
+- ``load: DCP's plans gathered``: rank 0 unpickling every rank's local load plan as it
+  travels (a key: ``load._planner.KeyedPlan``; the other ranks' as from other processes),
+  what DCP's ``gather_object`` does inside ``dcp.load``, the collector running as there;
+- ``load: DCP's plans scattered``: rank 0's global step on them and each plan pickled for
+  DCP's ``scatter_object_list`` (``load plans gathered``: the bytes of the gather).
 
 ``--torch`` also times ``save: global plan`` with DCP's own ``DefaultSavePlanner`` (whose
 ``_validate_global_plan`` is quadratic in ranks for a tensor whose widest dimension is not the
@@ -82,6 +87,7 @@ from benchmarks._planning_state import (
     model_8b,
     model_tiny,
     same_items,
+    same_reads,
     shard,
     write_results,
 )
@@ -120,7 +126,9 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     from muon_ckpt._gcpause import paused_gc
+    from muon_ckpt._plans import forget
     from muon_ckpt.load import Decision, SafeLoadPlanner
+    from muon_ckpt.load._planner import keyed
     from muon_ckpt.load._reader import VerifyingReader
     from muon_ckpt.save import StagedSavePlanner
     from muon_ckpt.save._writer import FileRecords, StepWriter
@@ -239,11 +247,11 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
         sec["load: metadata (each rank)"], md = timed(functools.partial(receive, sent))
         del sent
 
-        def local_load() -> Any:
-            lp = SafeLoadPlanner()
+        def local_load() -> Any:  # (as load() plans: its plan a key for DCP's round trip)
             reader = VerifyingReader(
                 storage.child(name), m.files, metadata=md, rank=last, world_size=n
             )
+            lp = SafeLoadPlanner(reader=reader)
             lp.set_up_planner(sd, md, False)
             reader.set_up_storage_reader(md, False)
             return reader.prepare_local_plan(lp.create_local_plan())
@@ -258,6 +266,33 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
                 it = got[k]
                 assert tuple(it.storage_index.offset) == tuple(off), (k, it)
                 assert tuple(it.lengths) == tuple(size), (k, it)
+            same_reads(layout.rank_load_plan(n, last), lplan)
+        del lplan
+        # Each rank's plan as its planner hands it to DCP (a key: KeyedPlan), pickled by
+        # gather_object; rank 0 holds its own plan only (the others are other processes')
+        plans = [keyed(layout.rank_load_plan(n, r)) for r in range(n)]
+        sent = list(map(pickle.dumps, plans))
+        sizes["load plans gathered"] = sum(map(len, sent))
+        for p in plans[1:]:
+            forget(p.key)
+        # DCP's gather_object to rank 0, then its scatter_object_list of rank 0's global plan
+        # (``create_global_plan`` and the reader's ``prepare_global_plan``), with the
+        # collector running as it does there
+        sec["load: DCP's plans gathered (rank 0)"], got = timed(
+            functools.partial(list, map(pickle.loads, sent))
+        )
+        del sent
+
+        def scatter(got: list) -> list[bytes]:
+            lp = SafeLoadPlanner()
+            reader = VerifyingReader(storage.child(name), m.files, metadata=md)
+            return list(map(pickle.dumps, reader.prepare_global_plan(lp.create_global_plan(got))))
+
+        sec["load: DCP's plans scattered (rank 0)"], sent = timed(functools.partial(scatter, got))
+        if check:  # rank 0's own plan comes back as itself, its items never sent
+            assert pickle.loads(sent[0]) is plans[0], "rank 0's plan did not come back"
+        forget(plans[0].key)
+        del got, sent, plans
     finally:
         ranks.close()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

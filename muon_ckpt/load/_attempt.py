@@ -293,10 +293,14 @@ def _read(
         verify_crc=checks_content(t.config.verify),
         group=t.group if t.reads_once(storage) and not alone else None,
     )
-    planner = SafeLoadPlanner(before_write=rollback.keep)
+    # (with the reader, this rank's plan crosses DCP's round trip through rank 0 as a key)
+    planner = SafeLoadPlanner(before_write=rollback.keep, reader=None if alone else reader)
     if alone:
         check_held_chunks(flat.sd, d.metadata, where)
-    _dcp.load(flat.sd, reader, planner, t.group, f"loading {where}", alone=alone or None)
+    try:
+        _dcp.load(flat.sd, reader, planner, t.group, f"loading {where}", alone=alone or None)
+    finally:
+        planner.forget()  # (a load that failed before its plan came back: nothing stays kept)
     out.timings.update(dcp_load=time.perf_counter() - t0, **reader.timings)
     out.bytes_read = reader.bytes_read
     report = out.report if out.report is not None else LoadReport()

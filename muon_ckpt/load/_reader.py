@@ -44,6 +44,7 @@ from muon_ckpt.load._chunk_spans import corrupt_chunk
 from muon_ckpt.load._corruption import parsing, prefer_corruption
 from muon_ckpt.load._declared import StoredChunks
 from muon_ckpt.load._local_files import FileLoad
+from muon_ckpt.load._planner import unchanged
 from muon_ckpt.load._read_buffers import PHASES, ReadBuffers
 from muon_ckpt.load._read_once import agree, distribute, plan_shared
 from muon_ckpt.load._remote_files import ServingFileSystem, read_remote
@@ -103,6 +104,9 @@ class VerifyingReader(FileSystemReader):
         self.bytes_read = 0  # bytes this reader read from storage
         self.shared_bytes = 0  # bytes of stored items read once for several ranks (all ranks)
         self._shared_targets: frozenset[str] = frozenset()  # (set per local read)
+
+    # FileSystemReader's local and global steps, but ours: a KeyedPlan's round trip needs them
+    prepare_local_plan = prepare_global_plan = unchanged  # (SafeLoadPlanner's _identity)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         # Already read (and checked) by the caller: no second round trip.
