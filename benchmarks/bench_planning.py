@@ -121,7 +121,9 @@ class Row:
     rss: int
 
 
-def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
+def run(
+    layout: Layout, n: int, tmp: str, use_torch: bool, check: bool, dcp_plans: bool = False
+) -> Row:
     """Every phase at ``n`` ranks (``use_torch``: DCP's own global save plan too)."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
@@ -131,6 +133,7 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
     from muon_ckpt.load._planner import keyed
     from muon_ckpt.load._reader import VerifyingReader
     from muon_ckpt.save import StagedSavePlanner
+    from muon_ckpt.save._plan import LocalPlan
     from muon_ckpt.save._writer import FileRecords, StepWriter
 
     sec: dict[str, float] = {}
@@ -163,14 +166,45 @@ def run(layout: Layout, n: int, tmp: str, use_torch: bool, check: bool) -> Row:
         writer.set_up_storage_writer(True, rank=0, use_collectives=True)
         writer.fs.mkdir(writer.path)
 
+        # Each rank's plan as our planner sends it (LocalPlan: columns), gathered to rank 0 by
+        # DCP (gather_object: pickled there, unpickled on rank 0 with the collector running)
+        local = [LocalPlan(p.items, p.storage_data, p.planner_data) for p in plans]
+        del plans
+        sec["save: local plan sent (1 rank)"], _ = timed(
+            functools.partial(pickle.dumps, local[last])
+        )
+        sent = [pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL) for p in local]
+        sizes["local plans sent"] = sum(map(len, sent))
+        if dcp_plans:  # (DCP's own plans, as its planner sends them: before)
+            raw = [pickle.dumps(SavePlan(p.items, planner_data=p.planner_data)) for p in local]
+            sizes["local plans sent, DCP's"] = sum(map(len, raw))
+            sec["save: local plans gathered, DCP's (rank 0)"], _ = timed(
+                functools.partial(list, map(pickle.loads, raw))
+            )
+            del raw
+        sec["save: local plans gathered (rank 0)"], received = timed(
+            functools.partial(list, map(pickle.loads, sent))
+        )
+        del sent
+
         def global_save(plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
             final, md = StagedSavePlanner(None).create_global_plan(plans)
             return writer.prepare_global_plan(final), md
 
         sec["save: global plan (rank 0)"], (final, md) = timed(
-            functools.partial(global_save, plans)
+            functools.partial(global_save, received)
         )
-        del plans  # (each phase's inputs go once used: the peak is one phase's)
+        del received  # (each phase's inputs go once used: the peak is one phase's)
+        # ... and scattered back (scatter_object_list: pickled on rank 0, each rank its own)
+        sec["save: final plans sent (rank 0)"], back = timed(
+            functools.partial(list, map(pickle.dumps, final))
+        )
+        sizes["final plans sent"] = sum(map(len, back))
+        sec["save: final plan received (1 rank)"], _ = timed(
+            functools.partial(pickle.loads, back[last])
+        )
+        final = [pickle.loads(b) for b in back]
+        del back, local
         results, files = write_results(final, data_dir)
         make_files(root, files)
         # Each rank's writer hands DCP its results, which DCP gathers to rank 0 (pickled)
@@ -410,6 +444,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small model, 4 and 8 ranks (CI)")
     ap.add_argument("--torch", action="store_true", help="time DCP's own global save plan too")
     ap.add_argument("--torch-max", type=int, default=1024, help="... up to this many ranks")
+    ap.add_argument(
+        "--dcp-plans", action="store_true", help="time the gather of DCP's own plans too (slow)"
+    )
     ap.add_argument("--gloo", type=int, default=0, help="P real gloo processes save and load")
     ap.add_argument("--check", action="store_true", help="check the plans (always with --tiny)")
     args = ap.parse_args()
@@ -432,7 +469,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in ns:
             use_torch = args.torch and n <= args.torch_max
-            rows[n] = run(layout, n, tmp, use_torch, args.check or args.tiny)
+            rows[n] = run(layout, n, tmp, use_torch, args.check or args.tiny, args.dcp_plans)
             done = ", ".join(f"{k} {v:.3f} s" for k, v in rows[n].seconds.items())
             print(f"{n} ranks: {done}", flush=True)
     print()

@@ -24,11 +24,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 import muon_ckpt._collective as coll
-import muon_ckpt._dcp as _dcp
 from muon_ckpt._errors import CheckpointError
 from muon_ckpt._shards import chunk_of, has_strided
 from muon_ckpt._tensors import local_tensor
 from muon_ckpt.save._deferred import DeferredCopies
+from muon_ckpt.save._global import SavePlanner
 from muon_ckpt.state import (
     FlatState,
     HostStaging,
@@ -231,8 +231,9 @@ def _differing_extra(step: int, digests: list[dict[str, str]]) -> CheckpointErro
     return None
 
 
-class StagedSavePlanner(_dcp.SavePlanner):
-    """The save planner (``_dcp.SavePlanner``: DCP's, its global plan linear in ranks); a
+class StagedSavePlanner(SavePlanner):
+    """The save planner (``_global.SavePlanner``: DCP's, its plans sent as columns and its
+    global plan linear in ranks); a
     writer thread resolving an item first waits for its copy. A DTensor's chunk is where its shard lies (``shard_box``: torch misreads uneven strided
     shards, which then overlap and fail the plan)."""
 

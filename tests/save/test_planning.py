@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from muon_ckpt import CheckpointError
-from muon_ckpt._dcp import SavePlanner
 from muon_ckpt.save import StagedSavePlanner
+from muon_ckpt.save._global import SavePlanner
 from muon_ckpt.store import FileEntry, Manifest, Storage, data_ref_name, step_dirname
 from muon_ckpt.store._steps import read_manifest
 from muon_ckpt.store.dcp import parse_metadata
