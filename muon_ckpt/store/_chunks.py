@@ -195,6 +195,7 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
     index: Any = md.storage_data
     if not index.align(md.state_dict_metadata):
         index.unique()  # (each index once, as in DCP's dict)
+    layouts = _Layouts(set(map(type, index.lengths)) <= {int})
     for key, meta in md.state_dict_metadata.items():
         if isinstance(meta, BytesStorageMetadata):
             if index.row(key, None) is None:
@@ -202,7 +203,7 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
             continue
         if not isinstance(meta, TensorStorageMetadata):
             raise _corrupt(where, str(key), f"is described by a {type(meta).__name__}")
-        _check_tensor(key, meta, index, where, tiles)
+        _check_tensor(key, meta, index, where, tiles, layouts)
     how = index.how or []
     for row in itertools.compress(range(len(how)), how):  # (the compressed items)
         info = index.info(row)
@@ -225,7 +226,7 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
 
 
 def _check_tensor(
-    key: str, meta: TensorStorageMetadata, index: Any, where: str, tiles: bool
+    key: str, meta: TensorStorageMetadata, index: Any, where: str, tiles: bool, layouts: _Layouts
 ) -> None:
     props, size = meta.properties, _dims(meta.size)
     if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
@@ -234,24 +235,14 @@ def _check_tensor(
         raise _corrupt(where, key, f"has the size {str(meta.size)[:200]}")
     if not isinstance(meta.chunks, list):
         raise _corrupt(where, key, "has no list of chunks")
-    cols = _all_dims(meta.chunks, len(size))
-    if cols is None:  # (one by one, to name the first bad chunk)
-        for c in meta.chunks:
-            offsets = (
-                _dims(getattr(c, "offsets", None)) if isinstance(c, ChunkStorageMetadata) else None
-            )
-            sizes = _dims(getattr(c, "sizes", None)) if offsets is not None else None
-            if sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
-                raise _corrupt(
-                    where, key, f"of {len(size)} dimensions has the chunk {str(c)[:200]}"
-                )
-        raise AssertionError("unreachable: every chunk checked out one by one")
-    problem = tiling_problem(size, *cols, whole=tiles)
-    if problem is not None:
-        raise _corrupt(where, key, problem)
     itemsize = props.dtype.itemsize
-    if _items_hold(key, *cols, index, itemsize):
+    full = layouts.full(size, meta.chunks, itemsize)
+    if full is None:
+        cols = _checked_chunks(key, meta.chunks, size, where, tiles)
+        full = layouts.add(size, meta.chunks, cols[1], itemsize)
+    if _items_hold(key, meta.chunks, full, index, layouts.int_lengths):
         return
+    cols = _checked_chunks(key, meta.chunks, size, where, tiles)
     for offsets, sizes in zip(*cols):  # (one by one, to name the first that is not)
         if not all(sizes):
             continue
@@ -274,22 +265,92 @@ def _check_tensor(
             )
 
 
-def _items_hold(key: str, offsets: list[Any], sizes: list[Any], index: Any, itemsize: int) -> bool:
-    """Whether every non-empty chunk has a stored item of at least its bytes (``MAX_RATIO``
-    times, compressed), for all chunks at once, in C (maps); False for any doubt. Where the
-    rows are aligned (``StorageIndex.align``), the tensor's rows are its chunks' in turn."""
+def _checked_chunks(
+    key: str, chunks: list[Any], size: tuple[int, ...], where: str, tiles: bool
+) -> tuple[list[Any], list[Any]]:
+    """The chunks' offsets and sizes, each inside the tensor of ``size`` and tiling it
+    (``tiles``; else apart); CheckpointCorruptError naming the first that is not."""
+    cols = _all_dims(chunks, len(size))
+    if cols is None:  # (one by one, to name the first bad chunk)
+        for c in chunks:
+            offsets = (
+                _dims(getattr(c, "offsets", None)) if isinstance(c, ChunkStorageMetadata) else None
+            )
+            sizes = _dims(getattr(c, "sizes", None)) if offsets is not None else None
+            if sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
+                raise _corrupt(
+                    where, key, f"of {len(size)} dimensions has the chunk {str(c)[:200]}"
+                )
+        raise AssertionError("unreachable: every chunk checked out one by one")
+    problem = tiling_problem(size, *cols, whole=tiles)
+    if problem is not None:
+        raise _corrupt(where, key, problem)
+    return cols
+
+
+class _Layouts:
+    """The chunk layouts checked so far, by tensor size: a tensor whose chunks' offsets and
+    sizes are the very objects of a checked one's (the ``.metadata``'s pickle stores each
+    equal offset and size once) tiles its tensor as that one does, so of the hundreds of
+    tensors of a model's few shapes each layout is checked once; ``int_lengths``: every
+    stored item's length a plain int."""
+
+    def __init__(self, int_lengths: bool) -> None:
+        self.int_lengths = int_lengths
+        self._seen: dict[tuple[int, ...], tuple[list[Any], list[Any], dict[int, list[int]]]] = {}
+
+    def full(self, size: tuple[int, ...], chunks: list[Any], itemsize: int) -> list[int] | None:
+        """The bytes each chunk needs (0: an empty one) where a layout of ``size`` with these
+        very chunk columns was checked; else None."""
+        cols = chunks.columns() if isinstance(chunks, ChunkList) and chunks.exact else None
+        seen = self._seen.get(size)
+        if cols is None or seen is None or len(cols[0]) != len(seen[0]):
+            return None
+        if not (
+            all(map(operator.is_, cols[0], seen[0])) and all(map(operator.is_, cols[1], seen[1]))
+        ):
+            return None
+        if itemsize not in seen[2]:
+            seen[2][itemsize] = _needed(seen[1], itemsize)
+        return seen[2][itemsize]
+
+    def add(
+        self, size: tuple[int, ...], chunks: list[Any], sizes: list[Any], itemsize: int
+    ) -> list[int]:
+        """Record the checked layout (one a size: a crafted file's many layouts of one size
+        cost a comparison each, not one per layout seen); the bytes each chunk needs."""
+        full = _needed(sizes, itemsize)
+        cols = chunks.columns() if isinstance(chunks, ChunkList) and chunks.exact else None
+        if cols is not None:
+            self._seen[size] = (cols[0], cols[1], {itemsize: full})
+        return full
+
+
+def _needed(sizes: list[Any], itemsize: int) -> list[int]:
+    """Each chunk's bytes (0: an empty chunk, which stores nothing)."""
     need = {s: math.prod(s) * itemsize for s in set(sizes)}  # (a few sizes: each once)
-    full = list(map(need.__getitem__, sizes))  # (0: an empty chunk, which stores nothing)
+    return list(map(need.__getitem__, sizes))
+
+
+def _items_hold(key: str, chunks: list[Any], full: list[int], index: Any, ints: bool) -> bool:
+    """Whether every non-empty chunk has a stored item of at least its bytes (``full``;
+    ``MAX_RATIO`` times, compressed), for all chunks at once, in C (maps); False for any
+    doubt. Where the rows are aligned (``StorageIndex.align``), the tensor's rows are its
+    chunks' in turn; ``ints``: every item's length is a plain int."""
     rows = index.group(key)  # (its chunks' rows, in order: align checked their offsets)
     if rows is None:
-        offsets = itertools.compress(offsets, full)
+        cols = chunks.columns() if isinstance(chunks, ChunkList) else None
+        offsets = cols[0] if cols else list(map(operator.attrgetter("offsets"), chunks))
+        offsets = map(tuple, itertools.compress(offsets, full))  # (as _all_dims makes them)
         full = list(itertools.compress(full, full))
         rows = list(map(index.rows().get, zip(itertools.repeat(key), offsets)))
         if None in rows:
             return False
-    lengths = list(map(index.lengths.__getitem__, rows))
-    if set(map(type, lengths)) - {int}:
-        return False
+    lengths = map(index.lengths.__getitem__, rows)
+    if not ints or index.how:
+        lengths = list(lengths)
+        if set(map(type, lengths)) - {int}:
+            return False
     if index.how:
         packed = map(bool, map(index.how.__getitem__, rows))
         lengths = list(map(operator.mul, lengths, map(_RATIO.__getitem__, packed)))
