@@ -34,6 +34,7 @@ from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._shards import chunk_of
 from muon_ckpt.store._codec import DESCRIPTOR, MAX_RATIO
 from muon_ckpt.store._index import ChunkList
+from muon_ckpt.store._layouts import Layout, Layouts, rows_hold
 
 __all__ = ["check_held_chunks", "check_tensors", "tiling_problem"]
 
@@ -190,12 +191,21 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
     CheckpointCorruptError naming the first tensor that is not. (That no two items share
     bytes of a file, and each lies inside its file, is ``check_ranges``'s: it needs the
     files' sizes.) ``md.storage_data`` is a ``StorageIndex`` (``parse_metadata`` makes it):
-    where its rows are in the metadata's order (``align``), a tensor's items are its rows in
-    turn; else each is looked up, as DCP's dict would find it."""
+    where each row is its key's next chunk's item (as a save stores them), one pass over
+    the rows checks them all (``_layouts.rows_hold``); else, where its rows are in the
+    metadata's order (``align``), a tensor's items are its rows in turn; else each is looked
+    up, as DCP's dict would find it."""
     index: Any = md.storage_data
+    layouts, ints = Layouts(), set(map(type, index.lengths)) <= {int}
+    try:  # (each layout once, the rows in one pass: _layouts)
+        state = md.state_dict_metadata
+        want = {key: _layout(key, meta, where, tiles, layouts) for key, meta in state.items()}
+        if rows_hold(index, want, ints):
+            return
+    except CheckpointCorruptError:
+        pass  # (the checks one by one, below, name the first problem in the metadata's order)
     if not index.align(md.state_dict_metadata):
         index.unique()  # (each index once, as in DCP's dict)
-    layouts = _Layouts(set(map(type, index.lengths)) <= {int})
     for key, meta in md.state_dict_metadata.items():
         if isinstance(meta, BytesStorageMetadata):
             if index.row(key, None) is None:
@@ -203,7 +213,7 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
             continue
         if not isinstance(meta, TensorStorageMetadata):
             raise _corrupt(where, str(key), f"is described by a {type(meta).__name__}")
-        _check_tensor(key, meta, index, where, tiles, layouts)
+        _check_tensor(key, meta, index, where, tiles, layouts, ints)
     how = index.how or []
     for row in itertools.compress(range(len(how)), how):  # (the compressed items)
         info = index.info(row)
@@ -225,9 +235,22 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
         )
 
 
-def _check_tensor(
-    key: str, meta: TensorStorageMetadata, index: Any, where: str, tiles: bool, layouts: _Layouts
-) -> None:
+def _layout(key: str, meta: Any, where: str, tiles: bool, layouts: Layouts) -> Layout:
+    """A key's layout (an object's: one item at no offset, of any length), checked."""
+    if isinstance(meta, BytesStorageMetadata):
+        return ([None], [0], True)
+    if not isinstance(meta, TensorStorageMetadata):
+        raise _corrupt(where, str(key), f"is described by a {type(meta).__name__}")
+    size, itemsize = _header(key, meta, where)
+    layout = layouts.get(size, meta.chunks, itemsize)
+    if layout is None:
+        cols = _checked_chunks(key, meta.chunks, size, where, tiles)
+        layout = layouts.add(size, meta.chunks, cols, itemsize)
+    return layout
+
+
+def _header(key: str, meta: TensorStorageMetadata, where: str) -> tuple[tuple[int, ...], int]:
+    """The tensor's size and item size, checked (and that its chunks are a list)."""
     props, size = meta.properties, _dims(meta.size)
     if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
         raise _corrupt(where, key, "has no dtype")
@@ -235,13 +258,22 @@ def _check_tensor(
         raise _corrupt(where, key, f"has the size {str(meta.size)[:200]}")
     if not isinstance(meta.chunks, list):
         raise _corrupt(where, key, "has no list of chunks")
-    itemsize = props.dtype.itemsize
-    full = layouts.full(size, meta.chunks, itemsize)
-    if full is None:
-        cols = _checked_chunks(key, meta.chunks, size, where, tiles)
-        full = layouts.add(size, meta.chunks, cols[1], itemsize)
-    if _items_hold(key, meta.chunks, full, index, layouts.int_lengths):
+    return size, props.dtype.itemsize
+
+
+def _check_tensor(
+    key: str,
+    meta: TensorStorageMetadata,
+    index: Any,
+    where: str,
+    tiles: bool,
+    layouts: Layouts,
+    ints: bool,
+) -> None:
+    layout = _layout(key, meta, where, tiles, layouts)
+    if _items_hold(key, meta.chunks, layout[1], index, ints):
         return
+    size, itemsize = _header(key, meta, where)
     cols = _checked_chunks(key, meta.chunks, size, where, tiles)
     for offsets, sizes in zip(*cols):  # (one by one, to name the first that is not)
         if not all(sizes):
@@ -286,50 +318,6 @@ def _checked_chunks(
     if problem is not None:
         raise _corrupt(where, key, problem)
     return cols
-
-
-class _Layouts:
-    """The chunk layouts checked so far, by tensor size: a tensor whose chunks' offsets and
-    sizes are the very objects of a checked one's (the ``.metadata``'s pickle stores each
-    equal offset and size once) tiles its tensor as that one does, so of the hundreds of
-    tensors of a model's few shapes each layout is checked once; ``int_lengths``: every
-    stored item's length a plain int."""
-
-    def __init__(self, int_lengths: bool) -> None:
-        self.int_lengths = int_lengths
-        self._seen: dict[tuple[int, ...], tuple[list[Any], list[Any], dict[int, list[int]]]] = {}
-
-    def full(self, size: tuple[int, ...], chunks: list[Any], itemsize: int) -> list[int] | None:
-        """The bytes each chunk needs (0: an empty one) where a layout of ``size`` with these
-        very chunk columns was checked; else None."""
-        cols = chunks.columns() if isinstance(chunks, ChunkList) and chunks.exact else None
-        seen = self._seen.get(size)
-        if cols is None or seen is None or len(cols[0]) != len(seen[0]):
-            return None
-        if not (
-            all(map(operator.is_, cols[0], seen[0])) and all(map(operator.is_, cols[1], seen[1]))
-        ):
-            return None
-        if itemsize not in seen[2]:
-            seen[2][itemsize] = _needed(seen[1], itemsize)
-        return seen[2][itemsize]
-
-    def add(
-        self, size: tuple[int, ...], chunks: list[Any], sizes: list[Any], itemsize: int
-    ) -> list[int]:
-        """Record the checked layout (one a size: a crafted file's many layouts of one size
-        cost a comparison each, not one per layout seen); the bytes each chunk needs."""
-        full = _needed(sizes, itemsize)
-        cols = chunks.columns() if isinstance(chunks, ChunkList) and chunks.exact else None
-        if cols is not None:
-            self._seen[size] = (cols[0], cols[1], {itemsize: full})
-        return full
-
-
-def _needed(sizes: list[Any], itemsize: int) -> list[int]:
-    """Each chunk's bytes (0: an empty chunk, which stores nothing)."""
-    need = {s: math.prod(s) * itemsize for s in set(sizes)}  # (a few sizes: each once)
-    return list(map(need.__getitem__, sizes))
 
 
 def _items_hold(key: str, chunks: list[Any], full: list[int], index: Any, ints: bool) -> bool:

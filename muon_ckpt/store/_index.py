@@ -160,10 +160,15 @@ class StorageIndex(MutableMapping):
                     return False
         except (AttributeError, TypeError):  # (a crafted chunk: the checks name it)
             return False
-        # Equal offsets, the chunks' objects: the rows' own (a million tuples) go now, not
-        # at the collector's next walk, and the decision's pickle stores each offset once
-        self.offsets, self._rows, self._groups = fresh, None, buckets
+        self.matched(fresh)
+        self._groups = buckets
         return True
+
+    def matched(self, offsets: list[Any]) -> None:
+        """The rows' offsets replaced by equal objects (their chunks' own, ``_layouts``): a
+        million tuples go now, not at the collector's next walk, and the decision's pickle
+        stores each offset once. Every index is unique (no ``group`` is known)."""
+        self.offsets, self._rows, self._groups = offsets, None, None
 
     def group(self, key: Any) -> Any:
         """The rows of ``key``'s items (a tensor's in the order of its chunks), where ``align``

@@ -177,8 +177,8 @@ def _offsets_fine(offsets: list[Any]) -> bool:
         return False
     if tuple not in types:
         return True
-    tuples = itertools.compress(offsets, map(isinstance, offsets, itertools.repeat(tuple)))
-    return set(map(type, itertools.chain.from_iterable(tuples))) <= {int}
+    # (the values of all at once: None and the empty ones, which hold none, left out)
+    return set(map(type, itertools.chain.from_iterable(filter(None, offsets)))) <= {int}
 
 
 def packed_builtins() -> dict[str, Any]:
