@@ -360,7 +360,9 @@ class _Unbuilt(ChunkList):
 
 def _building(name: str) -> Any:
     def method(self: _Unbuilt, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.built(), name)(*args, **kwargs)
+        # (built already where another use built it since this method was looked up)
+        chunks = self.built() if type(self) is _Unbuilt else self
+        return getattr(chunks, name)(*args, **kwargs)
 
     method.__name__ = name
     return method

@@ -228,9 +228,10 @@ def _ranges_fine(index: StorageIndex, sizes: dict[str, int]) -> bool:
         apart[c - 1] = True
     if False in apart:
         return _ranges_sorted(names, offsets, ends, sizes)
-    return all(
-        offsets[a] >= 0 and ends[b - 1] <= sizes.get(names[a], 0) for a, b in zip(heads, tails)
-    )
+    if min(map(offsets.__getitem__, heads)) < 0:
+        return False
+    files = map(sizes.get, map(names.__getitem__, heads), itertools.repeat(0))
+    return all(map(operator.le, map(ends.__getitem__, [t - 1 for t in tails]), files))
 
 
 def _ranges_sorted(
