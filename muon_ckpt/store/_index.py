@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
+import threading
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any
 
@@ -332,6 +333,9 @@ class ChunkList(list):
         return (list, (list(self),))
 
 
+_BUILDING_LOCK = threading.Lock()
+
+
 class _Unbuilt(ChunkList):
     """A ``ChunkList`` as read from a ``.metadata`` (``store._packed``): its columns only, the
     chunk objects built at its first use as a list, when it becomes a ``ChunkList``. The
@@ -341,8 +345,10 @@ class _Unbuilt(ChunkList):
     __slots__ = ()
 
     def built(self) -> ChunkList:
-        list.extend(self, map(ChunkStorageMetadata, self.offsets, self.sizes))
-        self.__class__ = ChunkList  # (from here on a list: its own methods, in C)
+        with _BUILDING_LOCK:  # (two threads' first uses build them once)
+            if type(self) is _Unbuilt:
+                list.extend(self, map(ChunkStorageMetadata, self.offsets, self.sizes))
+                self.__class__ = ChunkList  # (from here on a list: its own methods, in C)
         return self
 
     def columns(self) -> tuple[list[Any], list[Any]]:
@@ -360,9 +366,8 @@ class _Unbuilt(ChunkList):
 
 def _building(name: str) -> Any:
     def method(self: _Unbuilt, *args: Any, **kwargs: Any) -> Any:
-        # (built already where another use built it since this method was looked up)
-        chunks = self.built() if type(self) is _Unbuilt else self
-        return getattr(chunks, name)(*args, **kwargs)
+        # (_Unbuilt's: another use may have built it since this method was looked up)
+        return getattr(_Unbuilt.built(self), name)(*args, **kwargs)
 
     method.__name__ = name
     return method
