@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from muon_ckpt._dcp import UntrustedItem
 from muon_ckpt.load._item_zip import unbounded_records
 from muon_ckpt.store.codec import ZIP_SLACK, BadEncoding, decode
+from muon_ckpt.store.dcp import ChunkList
 
 __all__ = ["StoredChunks", "UntrustedItem", "load_object", "load_stored"]
 
@@ -49,7 +50,10 @@ class StoredChunks:
             meta = self._md.state_dict_metadata.get(fqn)
             chunks = getattr(meta, "chunks", None) or []
             dtype = getattr(getattr(meta, "properties", None), "dtype", None)
-            table = {tuple(c.offsets): (tuple(c.sizes), dtype) for c in chunks}
+            # (from the columns where there are: the chunk objects are not built for this)
+            cols = chunks.columns() if isinstance(chunks, ChunkList) else None
+            pairs = zip(*cols) if cols else ((c.offsets, c.sizes) for c in chunks)
+            table = {tuple(o): (tuple(s), dtype) for o, s in pairs}
             self._by_fqn[fqn] = table
         return table.get(tuple(item.storage_index.offset or ()))
 

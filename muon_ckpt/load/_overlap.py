@@ -79,7 +79,7 @@ def narrowed(state_dict: dict[str, Any], md: Metadata) -> tuple[Metadata, dict[s
         run = _run(meta, local[0]) if len(local) == 1 else None
         if run is not None and len(run) < len(meta.chunks):
             runs[key] = run
-            state[key] = dataclasses.replace(meta, chunks=meta.chunks[run.start : run.stop])
+            state[key] = dataclasses.replace(meta, chunks=meta.chunks.part(run.start, run.stop))
     if not runs:
         return md, runs
     return dataclasses.replace(md, state_dict_metadata=state), runs

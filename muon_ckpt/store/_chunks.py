@@ -34,6 +34,7 @@ from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._shards import chunk_of
 from muon_ckpt.store._codec import DESCRIPTOR, MAX_RATIO
 from muon_ckpt.store._index import ChunkList
+from muon_ckpt.store._layouts import Layout, Layouts, rows_hold
 
 __all__ = ["check_held_chunks", "check_tensors", "tiling_problem"]
 
@@ -190,9 +191,19 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
     CheckpointCorruptError naming the first tensor that is not. (That no two items share
     bytes of a file, and each lies inside its file, is ``check_ranges``'s: it needs the
     files' sizes.) ``md.storage_data`` is a ``StorageIndex`` (``parse_metadata`` makes it):
-    where its rows are in the metadata's order (``align``), a tensor's items are its rows in
-    turn; else each is looked up, as DCP's dict would find it."""
+    where each row is its key's next chunk's item (as a save stores them), one pass over
+    the rows checks them all (``_layouts.rows_hold``); else, where its rows are in the
+    metadata's order (``align``), a tensor's items are its rows in turn; else each is looked
+    up, as DCP's dict would find it."""
     index: Any = md.storage_data
+    layouts, ints = Layouts(), set(map(type, index.lengths)) <= {int}
+    try:  # (each layout once, the rows in one pass: _layouts)
+        state = md.state_dict_metadata
+        want = {key: _layout(key, meta, where, tiles, layouts) for key, meta in state.items()}
+        if rows_hold(index, want, ints):
+            return
+    except CheckpointCorruptError:
+        pass  # (the checks one by one, below, name the first problem in the metadata's order)
     if not index.align(md.state_dict_metadata):
         index.unique()  # (each index once, as in DCP's dict)
     for key, meta in md.state_dict_metadata.items():
@@ -202,7 +213,7 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
             continue
         if not isinstance(meta, TensorStorageMetadata):
             raise _corrupt(where, str(key), f"is described by a {type(meta).__name__}")
-        _check_tensor(key, meta, index, where, tiles)
+        _check_tensor(key, meta, index, where, tiles, layouts, ints)
     how = index.how or []
     for row in itertools.compress(range(len(how)), how):  # (the compressed items)
         info = index.info(row)
@@ -224,9 +235,22 @@ def check_tensors(md: Metadata, where: str, tiles: bool = True) -> None:
         )
 
 
-def _check_tensor(
-    key: str, meta: TensorStorageMetadata, index: Any, where: str, tiles: bool
-) -> None:
+def _layout(key: str, meta: Any, where: str, tiles: bool, layouts: Layouts) -> Layout:
+    """A key's layout (an object's: one item at no offset, of any length), checked."""
+    if isinstance(meta, BytesStorageMetadata):
+        return ([None], [0], True)
+    if not isinstance(meta, TensorStorageMetadata):
+        raise _corrupt(where, str(key), f"is described by a {type(meta).__name__}")
+    size, itemsize = _header(key, meta, where)
+    layout = layouts.get(size, meta.chunks, itemsize)
+    if layout is None:
+        cols = _checked_chunks(key, meta.chunks, size, where, tiles)
+        layout = layouts.add(size, meta.chunks, cols, itemsize)
+    return layout
+
+
+def _header(key: str, meta: TensorStorageMetadata, where: str) -> tuple[tuple[int, ...], int]:
+    """The tensor's size and item size, checked (and that its chunks are a list)."""
     props, size = meta.properties, _dims(meta.size)
     if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
         raise _corrupt(where, key, "has no dtype")
@@ -234,24 +258,23 @@ def _check_tensor(
         raise _corrupt(where, key, f"has the size {str(meta.size)[:200]}")
     if not isinstance(meta.chunks, list):
         raise _corrupt(where, key, "has no list of chunks")
-    cols = _all_dims(meta.chunks, len(size))
-    if cols is None:  # (one by one, to name the first bad chunk)
-        for c in meta.chunks:
-            offsets = (
-                _dims(getattr(c, "offsets", None)) if isinstance(c, ChunkStorageMetadata) else None
-            )
-            sizes = _dims(getattr(c, "sizes", None)) if offsets is not None else None
-            if sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
-                raise _corrupt(
-                    where, key, f"of {len(size)} dimensions has the chunk {str(c)[:200]}"
-                )
-        raise AssertionError("unreachable: every chunk checked out one by one")
-    problem = tiling_problem(size, *cols, whole=tiles)
-    if problem is not None:
-        raise _corrupt(where, key, problem)
-    itemsize = props.dtype.itemsize
-    if _items_hold(key, *cols, index, itemsize):
+    return size, props.dtype.itemsize
+
+
+def _check_tensor(
+    key: str,
+    meta: TensorStorageMetadata,
+    index: Any,
+    where: str,
+    tiles: bool,
+    layouts: Layouts,
+    ints: bool,
+) -> None:
+    layout = _layout(key, meta, where, tiles, layouts)
+    if _items_hold(key, meta.chunks, layout[1], index, ints):
         return
+    size, itemsize = _header(key, meta, where)
+    cols = _checked_chunks(key, meta.chunks, size, where, tiles)
     for offsets, sizes in zip(*cols):  # (one by one, to name the first that is not)
         if not all(sizes):
             continue
@@ -274,22 +297,48 @@ def _check_tensor(
             )
 
 
-def _items_hold(key: str, offsets: list[Any], sizes: list[Any], index: Any, itemsize: int) -> bool:
-    """Whether every non-empty chunk has a stored item of at least its bytes (``MAX_RATIO``
-    times, compressed), for all chunks at once, in C (maps); False for any doubt. Where the
-    rows are aligned (``StorageIndex.align``), the tensor's rows are its chunks' in turn."""
-    need = {s: math.prod(s) * itemsize for s in set(sizes)}  # (a few sizes: each once)
-    full = list(map(need.__getitem__, sizes))  # (0: an empty chunk, which stores nothing)
+def _checked_chunks(
+    key: str, chunks: list[Any], size: tuple[int, ...], where: str, tiles: bool
+) -> tuple[list[Any], list[Any]]:
+    """The chunks' offsets and sizes, each inside the tensor of ``size`` and tiling it
+    (``tiles``; else apart); CheckpointCorruptError naming the first that is not."""
+    cols = _all_dims(chunks, len(size))
+    if cols is None:  # (one by one, to name the first bad chunk)
+        for c in chunks:
+            offsets = (
+                _dims(getattr(c, "offsets", None)) if isinstance(c, ChunkStorageMetadata) else None
+            )
+            sizes = _dims(getattr(c, "sizes", None)) if offsets is not None else None
+            if sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
+                raise _corrupt(
+                    where, key, f"of {len(size)} dimensions has the chunk {str(c)[:200]}"
+                )
+        raise AssertionError("unreachable: every chunk checked out one by one")
+    problem = tiling_problem(size, *cols, whole=tiles)
+    if problem is not None:
+        raise _corrupt(where, key, problem)
+    return cols
+
+
+def _items_hold(key: str, chunks: list[Any], full: list[int], index: Any, ints: bool) -> bool:
+    """Whether every non-empty chunk has a stored item of at least its bytes (``full``;
+    ``MAX_RATIO`` times, compressed), for all chunks at once, in C (maps); False for any
+    doubt. Where the rows are aligned (``StorageIndex.align``), the tensor's rows are its
+    chunks' in turn; ``ints``: every item's length is a plain int."""
     rows = index.group(key)  # (its chunks' rows, in order: align checked their offsets)
     if rows is None:
-        offsets = itertools.compress(offsets, full)
+        cols = chunks.columns() if isinstance(chunks, ChunkList) else None
+        offsets = cols[0] if cols else list(map(operator.attrgetter("offsets"), chunks))
+        offsets = map(tuple, itertools.compress(offsets, full))  # (as _all_dims makes them)
         full = list(itertools.compress(full, full))
         rows = list(map(index.rows().get, zip(itertools.repeat(key), offsets)))
         if None in rows:
             return False
-    lengths = list(map(index.lengths.__getitem__, rows))
-    if set(map(type, lengths)) - {int}:
-        return False
+    lengths = map(index.lengths.__getitem__, rows)
+    if not ints or index.how:
+        lengths = list(lengths)
+        if set(map(type, lengths)) - {int}:
+            return False
     if index.how:
         packed = map(bool, map(index.how.__getitem__, rows))
         lengths = list(map(operator.mul, lengths, map(_RATIO.__getitem__, packed)))

@@ -14,10 +14,10 @@ compares by.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import itertools
 import operator
+import threading
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any
 
@@ -29,9 +29,18 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-__all__ = ["Call", "ChunkList", "StorageIndex", "Written", "add_chunks", "pickled_items"]
+__all__ = [
+    "Call",
+    "ChunkList",
+    "StorageIndex",
+    "Written",
+    "add_chunks",
+    "chunk_list",
+    "pickled_items",
+]
 
 _NONES = itertools.repeat(None)
+_drain = collections.deque(maxlen=0).extend  # (runs a map in C, keeps nothing)
 _INDEX, _DATA = operator.attrgetter("index"), operator.attrgetter("storage_data")
 _OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
 _KEY_FIELDS = ("fqn", "offset", "index")  # MetadataIndex's
@@ -124,41 +133,43 @@ class StorageIndex(MutableMapping):
     def align(self, state: dict[str, Any]) -> bool:
         """Whether every row is one of ``state``'s keys' (its state dict's) items: an object's
         one, of offset None; a tensor's one per chunk, at the chunk's offset (distinct), found
-        in the order of its chunks when the rows are ordered by key (stable: the ranks' order,
-        which is the chunks', ``_dcp.global_plan``). Then every index is unique, and ``group``
-        gives a key's rows."""
-        at = {k: i for i, k in enumerate(state)}
+        in the order of its chunks when the rows are taken in turn (the ranks' order, which
+        is the chunks', ``_dcp.global_plan``). Then every index is unique, ``group`` gives a
+        key's rows, and each row's offset is its chunk's own object."""
+        # Each row into its key's bucket in one pass in C (the rows' order kept): a sort of
+        # a million rows by key took most of this
+        buckets: dict[Any, list[int]] = {k: [] for k in state}
+        n = len(self.fqns)
         try:
-            keys = list(map(at.get, self.fqns, itertools.repeat(len(at))))
-        except TypeError:  # (a name of no state dict: unhashable)
+            _drain(map(list.append, map(buckets.__getitem__, self.fqns), range(n)))
+        except (KeyError, TypeError):  # (a name of no state dict, or unhashable)
             return False
-        order: Any = None
-        if not all(map(operator.le, keys, keys[1:])):
-            order = sorted(range(len(keys)), key=keys.__getitem__)
-            keys = list(map(keys.__getitem__, order))
-        groups: dict[Any, Any] = {}
-        r = 0
+        offsets = self.offsets
+        fresh: list[Any] = [None] * n
         try:
-            for i, (key, meta) in enumerate(state.items()):
-                end = bisect.bisect_right(keys, i, r)
-                rows = range(r, end) if order is None else order[r:end]
-                got = list(map(self.offsets.__getitem__, rows))
+            for key, meta in state.items():
+                rows = buckets[key]
+                got = list(map(offsets.__getitem__, rows))
                 if type(meta) is TensorStorageMetadata and isinstance(meta.chunks, list):
                     chunks = meta.chunks
                     cols = chunks.columns() if isinstance(chunks, ChunkList) else None
                     want = cols[0] if cols else list(map(_OFFSETS, chunks))
                     if got != want or (len(want) > 1 and len(set(want)) != len(want)):
                         return False
+                    _drain(map(fresh.__setitem__, rows, want))
                 elif type(meta) is not BytesStorageMetadata or got != [None]:
                     return False
-                groups[key] = rows
-                r = end
         except (AttributeError, TypeError):  # (a crafted chunk: the checks name it)
             return False
-        if r != len(keys):
-            return False
-        self._groups = groups
+        self.matched(fresh)
+        self._groups = buckets
         return True
+
+    def matched(self, offsets: list[Any]) -> None:
+        """The rows' offsets replaced by equal objects (their chunks' own, ``_layouts``): a
+        million tuples go now, not at the collector's next walk, and the decision's pickle
+        stores each offset once. Every index is unique (no ``group`` is known)."""
+        self.offsets, self._rows, self._groups = offsets, None, None
 
     def group(self, key: Any) -> Any:
         """The rows of ``key``'s items (a tensor's in the order of its chunks), where ``align``
@@ -314,8 +325,71 @@ class ChunkList(list):
             return None
         return self.offsets, self.sizes
 
+    def part(self, start: int, stop: int) -> list[Any]:
+        """``self[start:stop]``: what a rank's load plan reads (``load._overlap``)."""
+        return self[start:stop]
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (list, (list(self),))
+
+
+_BUILDING_LOCK = threading.Lock()
+
+
+class _Unbuilt(ChunkList):
+    """A ``ChunkList`` as read from a ``.metadata`` (``store._packed``): its columns only, the
+    chunk objects built at its first use as a list, when it becomes a ``ChunkList``. The
+    checks and the decision's pickle read the columns: a million chunk objects (and the
+    collector's walk over them) are made only for the tensors some reader takes chunks of."""
+
+    __slots__ = ()
+
+    def built(self) -> ChunkList:
+        with _BUILDING_LOCK:  # (two threads' first uses build them once)
+            if type(self) is _Unbuilt:
+                list.extend(self, map(ChunkStorageMetadata, self.offsets, self.sizes))
+                self.__class__ = ChunkList  # (from here on a list: its own methods, in C)
+        return self
+
+    def columns(self) -> tuple[list[Any], list[Any]]:
+        return self.offsets, self.sizes
+
+    def part(self, start: int, stop: int) -> list[Any]:
+        return list(map(ChunkStorageMetadata, self.offsets[start:stop], self.sizes[start:stop]))
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __radd__(self, other: Any) -> Any:
+        return other + self.built()
+
+
+def _building(name: str) -> Any:
+    def method(self: _Unbuilt, *args: Any, **kwargs: Any) -> Any:
+        # (_Unbuilt's: another use may have built it since this method was looked up)
+        return getattr(_Unbuilt.built(self), name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+# Every other method of a list that reads or changes its items builds them first (C code
+# that reads a list's items directly takes exact lists only: a subclass's go through these)
+_BUILDING = (
+    "__add__ __contains__ __delitem__ __eq__ __ge__ __getitem__ __gt__ __iadd__ __imul__ "
+    "__iter__ __le__ __lt__ __mul__ __ne__ __repr__ __reversed__ __rmul__ __setitem__ "
+    "__sizeof__ append clear copy count extend index insert pop remove reverse sort"
+)
+for _name in _BUILDING.split():
+    setattr(_Unbuilt, _name, _building(_name))
+
+
+def chunk_list(offsets: list[Any], sizes: list[Any]) -> ChunkList:
+    """A tensor's chunks ``map(ChunkStorageMetadata, offsets, sizes)``, built when first used
+    as a list (columns of one length; else at once, as ``map`` makes them)."""
+    out = _Unbuilt()
+    out.offsets, out.sizes = offsets, sizes
+    return out if len(offsets) == len(sizes) else out.built()
 
 
 def add_chunks(lists: list[ChunkList], chunks: list[Any]) -> None:

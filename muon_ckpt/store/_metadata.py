@@ -203,29 +203,53 @@ def check_ranges(md: Metadata, sizes: dict[str, int], where: str) -> None:
 
 
 def _ranges_fine(index: StorageIndex, sizes: dict[str, int]) -> bool:
-    """``check_ranges`` for all items at once, in C (maps and one sort of integers): the
-    million items of a 2,048-rank step. False for anything wrong or odd, which the loop then
-    names."""
+    """``check_ranges`` for all items at once, in C (maps over the columns): the million
+    items of a 2,048-rank step. False for anything wrong or odd, which the loop then names."""
     names, offsets, lengths = index.paths, index.starts, index.lengths
     if not names:
         return True
     if set(map(type, offsets)) | set(map(type, lengths)) != {int}:
         return False
-    if set(map(type, names)) != {str} or min(offsets) < 0 or min(lengths) < 0:
+    if set(map(type, names)) != {str} or min(lengths) < 0:
         return False
     ends = list(map(operator.add, offsets, lengths))
+    # As a save lists them (file by file, each file's items in the order of their bytes),
+    # each file's items are one run of rows in which each item ends where or before the
+    # next begins: then they lie apart, and inside the file from the run's first start to
+    # its last end. One pass compares each item with the next, with no sort nor a line of
+    # big integers; any other order goes through the sort.
+    n = len(names)
+    cuts = list(itertools.compress(range(1, n), map(operator.ne, names, names[1:])))
+    heads, tails = [0, *cuts], [*cuts, n]
+    if len(set(map(names.__getitem__, heads))) != len(heads):  # (a file in two runs)
+        return _ranges_sorted(names, offsets, ends, sizes)
+    apart = list(map(operator.le, ends[:-1], offsets[1:]))
+    for c in cuts:  # (the last item of a file and the first of the next: no pair)
+        apart[c - 1] = True
+    if False in apart:
+        return _ranges_sorted(names, offsets, ends, sizes)
+    if min(map(offsets.__getitem__, heads)) < 0:
+        return False
+    files = map(sizes.get, map(names.__getitem__, heads), itertools.repeat(0))
+    return all(map(operator.le, map(ends.__getitem__, [t - 1 for t in tails]), files))
+
+
+def _ranges_sorted(
+    names: list[str], offsets: list[int], ends: list[int], sizes: dict[str, int]
+) -> bool:
+    """``_ranges_fine`` for items in any order (plain ints, lengths not negative): each
+    file's items in one line of integers, file k's offsets plus k * 2**64 (an item's end is
+    below 2**64: inside a file of at most 2**63 bytes), sorted by where they start."""
+    if min(offsets) < 0:
+        return False
     if not all(map(operator.le, ends, map(sizes.get, names, itertools.repeat(0)))):
         return False
-    # Each file's items, in one line of integers: file k's offsets plus k * 2**64 (an item's
-    # end is below 2**64: inside a file of at most 2**63 bytes), by where they start (as a
-    # save lists them, file by file in the order of their bytes: then no sort).
     base = {name: k << 64 for k, name in enumerate(dict.fromkeys(names))}
     at = list(map(base.__getitem__, names))
     starts = list(map(operator.add, at, offsets))
     ends = list(map(operator.add, at, ends))
-    if not all(map(operator.le, starts, starts[1:])):
-        order = sorted(range(len(starts)), key=starts.__getitem__)
-        starts, ends = list(map(starts.__getitem__, order)), list(map(ends.__getitem__, order))
+    order = sorted(range(len(starts)), key=starts.__getitem__)
+    starts, ends = list(map(starts.__getitem__, order)), list(map(ends.__getitem__, order))
     return all(map(operator.le, ends[:-1], starts[1:]))
 
 

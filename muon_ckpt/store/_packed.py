@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from muon_ckpt.store._index import Call, ChunkList, StorageIndex, pickled_items
+from muon_ckpt.store._index import Call, ChunkList, StorageIndex, chunk_list, pickled_items
 
 __all__ = ["dump_metadata", "metadata_bytes", "packed_builtins"]
 
@@ -137,15 +137,14 @@ class _Zip:
 
 
 def _list(it: Any = ()) -> list[Any]:
-    """``list(map(ChunkStorageMetadata, offsets, sizes))`` as a ``ChunkList`` (its columns
-    kept beside it), any other as ``list`` makes it."""
+    """``list(map(ChunkStorageMetadata, offsets, sizes))`` as a ``ChunkList`` of its columns,
+    whose chunk objects are built when it is first used as a list (``chunk_list``), any
+    other as ``list`` makes it."""
     if not (isinstance(it, _Map) and it.of(ChunkStorageMetadata, 2)):
         return list(it)
-    cols = it.cols  # (before the pass that uses them up)
-    out = ChunkList()
-    out.extend(it)
-    out.offsets, out.sizes = cols
-    return out
+    offsets, sizes = it.cols
+    it.cols = ()  # (used up, as by a pass over it)
+    return chunk_list(offsets, sizes)
 
 
 def _dict(it: Any = ()) -> Any:
@@ -178,8 +177,8 @@ def _offsets_fine(offsets: list[Any]) -> bool:
         return False
     if tuple not in types:
         return True
-    tuples = itertools.compress(offsets, map(isinstance, offsets, itertools.repeat(tuple)))
-    return set(map(type, itertools.chain.from_iterable(tuples))) <= {int}
+    # (the values of all at once: None and the empty ones, which hold none, left out)
+    return set(map(type, itertools.chain.from_iterable(filter(None, offsets)))) <= {int}
 
 
 def packed_builtins() -> dict[str, Any]:
