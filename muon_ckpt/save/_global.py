@@ -14,7 +14,6 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     TensorStorageMetadata,
 )
@@ -32,7 +31,7 @@ from muon_ckpt.save._plan import (
     loose,
     merge,
 )
-from muon_ckpt.store.dcp import ChunkList, tiling_problem
+from muon_ckpt.store.dcp import chunk_list, tiling_problem
 
 __all__ = ["SavePlanner", "global_plan"]
 
@@ -90,7 +89,6 @@ def global_plan(
             problem = _problem(md, whole, sure=True)
             if problem is not None:
                 raise ValueError(problem)
-        _fill(md)
         metadata = Metadata(md)
         if mappings:
             merged = merge([p.planner_data for p in all_plans])
@@ -225,7 +223,7 @@ def _first(md: dict[str, Any], c: Columns, j: int) -> TensorStorageMetadata | No
     meta = md.get(fqn)
     if meta is None:
         props, shape = c.table[c.props[j]], torch.Size(c.shapes[j])
-        meta = md[fqn] = TensorStorageMetadata(props, shape, ChunkList())
+        meta = md[fqn] = TensorStorageMetadata(props, shape, chunk_list([], []))
     if not isinstance(meta, TensorStorageMetadata):
         raise AssertionError(f"{fqn!r} is saved as an object and as a tensor")
     return meta
@@ -253,11 +251,3 @@ def _problem(md: dict[str, Any], whole: bool, sure: bool) -> str | None:
             if len(at) < len(empty) or not at.isdisjoint(itertools.compress(offsets, full)):
                 return f"the tensor {fqn!r} has an empty chunk held twice"
     return None
-
-
-def _fill(md: dict[str, Any]) -> None:
-    """Each tensor's chunks as DCP's objects, beside their columns (``ChunkList``)."""
-    for meta in md.values():
-        if isinstance(meta, TensorStorageMetadata):
-            chunks = meta.chunks
-            chunks.extend(map(ChunkStorageMetadata, chunks.offsets, chunks.sizes))

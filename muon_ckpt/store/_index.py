@@ -34,7 +34,6 @@ __all__ = [
     "ChunkList",
     "StorageIndex",
     "Written",
-    "add_chunks",
     "chunk_list",
     "pickled_items",
 ]
@@ -390,17 +389,6 @@ def chunk_list(offsets: list[Any], sizes: list[Any]) -> ChunkList:
     out = _Unbuilt()
     out.offsets, out.sizes = offsets, sizes
     return out if len(offsets) == len(sizes) else out.built()
-
-
-def add_chunks(lists: list[ChunkList], chunks: list[Any]) -> None:
-    """``ChunkList.add`` of each chunk to its list (of one plan's: at hand in the caches), in C."""
-    drain = collections.deque(maxlen=0).extend
-    drain(map(list.append, lists, chunks))
-    drain(map(list.append, map(_OFFSETS, lists), map(_OFFSETS, chunks)))
-    drain(map(list.append, map(_SIZES, lists), map(_SIZES, chunks)))
-    if set(map(type, chunks)) - {ChunkStorageMetadata}:
-        for lst, chunk in zip(lists, chunks):
-            lst.exact = lst.exact and type(chunk) is ChunkStorageMetadata
 
 
 class Written:

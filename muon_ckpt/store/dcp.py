@@ -6,7 +6,7 @@ Storage's)."""
 from muon_ckpt.store._chunks import check_held_chunks, tiling_problem
 from muon_ckpt.store._dcpfs import DelegatingFileSystem, dcp_filesystem
 from muon_ckpt.store._files import check_files
-from muon_ckpt.store._index import ChunkList, StorageIndex, Written, add_chunks
+from muon_ckpt.store._index import ChunkList, StorageIndex, Written, chunk_list
 from muon_ckpt.store._metadata import bytes_keys, parse_metadata, tensor_entries, unpack_metadata
 from muon_ckpt.store._packed import dump_metadata, metadata_bytes
 
@@ -15,10 +15,10 @@ __all__ = [
     "DelegatingFileSystem",
     "StorageIndex",
     "Written",
-    "add_chunks",
     "bytes_keys",
     "check_files",
     "check_held_chunks",
+    "chunk_list",
     "dcp_filesystem",
     "dump_metadata",
     "metadata_bytes",
