@@ -133,7 +133,7 @@ class StorageIndex(MutableMapping):
         """Whether every row is one of ``state``'s keys' (its state dict's) items: an object's
         one, of offset None; a tensor's one per chunk, at the chunk's offset (distinct), found
         in the order of its chunks when the rows are taken in turn (the ranks' order, which
-        is the chunks', ``_dcp.global_plan``). Then every index is unique, ``group`` gives a
+        is the chunks', ``save._global``). Then every index is unique, ``group`` gives a
         key's rows, and each row's offset is its chunk's own object."""
         # Each row into its key's bucket in one pass in C (the rows' order kept): a sort of
         # a million rows by key took most of this
