@@ -55,7 +55,9 @@ def _until(done, what: str, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + _BOUND
     while not done():
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{what}: the job exited ({proc.returncode}): {proc.stderr.read()}")
+            raise AssertionError(
+                f"{what}: the job exited ({proc.returncode}): {proc.stderr.read()}"
+            )
         assert time.monotonic() < deadline, f"{what}: not within {_BOUND} s"
         time.sleep(0.02)
 
