@@ -8,6 +8,10 @@ STATE. ``save URL``: a job that, for each STEP its stdin gives (a line), tries a
 resuming job does (a new manager: load, then save STEP) and prints one JSON line:
 ``{"saved": true, "pid": ...}`` or ``{"saved": false, "error": ..., "pid": ...}``; at the
 end of its stdin it exits without close() (a lease it took stays, as a running job's does).
+``rewind URL OPTIONS``: a job taking the run over (``OPTIONS``: storage options as JSON) that
+loads step 2 and saves step 3 from it, every parameter ``REWOUND``, then closes.
+``save-on URL OPTIONS LEASE_SECONDS``: a job that saves steps 1-4 (every parameter the step's
+number), prints ``saving 5``, saves step 5 and prints ``{"saved": ...}`` (and the error).
 """
 
 from __future__ import annotations
@@ -53,6 +57,45 @@ def _hold_memory(url: str, memdir: str, ready: str, done: str, state: str) -> No
     os._exit(0)
 
 
+REWOUND = 30.0  # the parameters of the step a rewinding job saves
+
+
+def _filled(model: nn.Module, value: float) -> nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+def _rewind(url: str, options: str) -> None:
+    model = nn.Linear(8, 8)
+    mgr = CheckpointManager(url, model=model, storage_options=json.loads(options))
+    assert mgr.load(step=2) == 2
+    _filled(model, REWOUND)
+    assert mgr.save(3)
+    mgr.close()
+
+
+def _save_on(url: str, options: str, lease_seconds: str) -> None:
+    model = nn.Linear(8, 8)
+    opts = json.loads(options)
+    # (a storage timeout longer than the test holds the step-5 upload: held, never failed)
+    seconds = float(lease_seconds)
+    mgr = CheckpointManager(
+        url, model=model, storage_options=opts, lease_seconds=seconds, storage_timeout=600
+    )
+    for s in (1, 2, 3, 4):
+        _filled(model, s)
+        mgr.save(s)
+    _filled(model, 5)
+    print("saving 5", flush=True)
+    try:
+        print(json.dumps({"saved": bool(mgr.save(5))}), flush=True)
+    except CheckpointError as e:
+        print(json.dumps({"saved": False, "error": f"{type(e).__name__}: {e}"}), flush=True)
+    os._exit(0)
+
+
 def _save(url: str) -> None:
     for line in sys.stdin:
         mgr = CheckpointManager(url, model=nn.Linear(8, 8))
@@ -72,5 +115,9 @@ if __name__ == "__main__":
         _hold(*sys.argv[2:5])
     elif sys.argv[1] == "hold-memory":
         _hold_memory(*sys.argv[2:7])
+    elif sys.argv[1] == "rewind":
+        _rewind(*sys.argv[2:4])
+    elif sys.argv[1] == "save-on":
+        _save_on(*sys.argv[2:5])
     else:
         _save(sys.argv[2])

@@ -14,7 +14,11 @@ namespace (a container sharing the hostname: host networking, a restarted pod), 
 or named by a record without these fields cannot be checked from here: its lease only expires
 by time (``_identity``). The heartbeat is renewed at every save, so ``seconds`` must exceed the
 time between two saves plus the longest save: a job silent for longer may have its lease taken
-over, and then its next save fails with the same error (it writes nothing).
+over, and then its next save fails with the same error (it writes nothing); a save in flight
+past the expiry fails at its commit check where the record is another's or gone (taken over,
+written and given back meanwhile). What a job read under its lease stands only while it is
+``ours``: until its expiry, and until another manager of this process acquires it (the record
+names the process, so the two share it, and only this process's ``_LATEST`` tells them apart).
 
 ``muon-ckpt prune`` takes the lease too (``purpose`` "prune", for ``PRUNE_LEASE_SECONDS``,
 renewed before each step it deletes), so it never deletes beside a writer: it is refused while
@@ -56,6 +60,9 @@ _PRUNE_POLL_SECONDS = 0.1
 _PRUNE_WAIT_SECONDS = 120.0  # then a save is refused: it must not wait past collective timeouts
 _MAX_LEASE_BYTES = 4096
 _OWNER = uuid.uuid4().hex  # this process
+# Lease url -> the token of this process's Lease object that acquired it last: the others
+# may hold it by the record, but another manager of this process may have written since
+_LATEST: dict[str, str] = {}
 
 _log = logging.getLogger("muon_ckpt")
 
@@ -63,6 +70,7 @@ _log = logging.getLogger("muon_ckpt")
 def _new_owner() -> None:
     global _OWNER
     _OWNER = uuid.uuid4().hex
+    _LATEST.clear()
 
 
 # A child forked after the import is another process: it must not hold its parent's lease.
@@ -85,21 +93,35 @@ class Lease:
         self.seconds = float(seconds)
         self.purpose = purpose
         self.held = False  # acquired by this object (so release() gives it up)
-        self.ours = False  # this process held it at this object's last acquire or check
-        # Called when an acquire finds the lease not this process's (none, or another's):
-        # someone else may have written meanwhile (``_memo``)
+        self._until = 0.0  # the expiry of the record of this object's last acquire; 0: none
+        self._token = uuid.uuid4().hex  # this object, among this process's (``_LATEST``)
+        # Called when an acquire finds the lease not this object's (none, another job's, or
+        # renewed by another manager of this process): someone else may have written
+        # meanwhile (``_memo``)
         self.changed_hands: Callable[[], None] = lambda: None
 
     @property
     def url(self) -> str:
         return self.storage.url_of(LEASE)
 
-    def _record(self) -> bytes:
+    @property
+    def ours(self) -> bool:
+        """Whether no one else can have written the run since this object's last acquire:
+        its record has not expired (past that, another job may take the lease over, with no
+        request of this process to tell) and no other manager of this process acquired it."""
+        return time.time() < self._until and _LATEST.get(self.url) == self._token
+
+    def _record(self) -> tuple[bytes, float]:
+        """A record of this process holding the lease, and when it expires."""
         now = time.time()
         me = identity() or {"host": socket.gethostname(), "pid": os.getpid()}
         rec = {"owner": _OWNER, **me, "purpose": self.purpose}
         rec.update(heartbeat=now, expires=now + self.seconds)
-        return json.dumps(rec, sort_keys=True).encode()
+        return json.dumps(rec, sort_keys=True).encode(), rec["expires"]
+
+    def _hold(self, until: float) -> None:
+        self._until = until
+        _LATEST[self.url] = self._token
 
     def read(self) -> dict[str, Any] | None:
         """The current record; None when there is none. An unreadable one is stale."""
@@ -167,37 +189,50 @@ class Lease:
         one); CheckpointLeaseError naming the holder if a live job holds it."""
         st = self.storage
         rec = self._after_prune(self.read())
-        if not self._mine(rec):
-            self.ours = False
+        if not self._mine(rec) or _LATEST.get(self.url) != self._token:
+            self._until = 0.0
             self.changed_hands()
         if rec is None:
             st.makedirs()
-            if st.create_exclusive(self._record(), LEASE):
-                self.held = self.ours = True
-                return
+            data, until = self._record()
+            if st.create_exclusive(data, LEASE):
+                self.held = True
+                return self._hold(until)
             rec = self._after_prune(self.read()) or {}
         if self._mine(rec):  # renew: the check before the commit reads it again
-            st.write_bytes(self._record(), LEASE, durable=False)
-            self.ours = True
-            return
+            data, until = self._record()
+            st.write_bytes(data, LEASE, durable=False)
+            return self._hold(until)
         if not self._stale(rec):
             raise self._refuse(rec, doing)
-        st.write_bytes(
-            self._record(), LEASE, durable=False
-        )  # take over, then make sure no one else did
+        data, until = self._record()
+        st.write_bytes(data, LEASE, durable=False)  # take over, then make sure no one else did
         rec = self.read()
         if not self._mine(rec):
             raise self._refuse(rec or {}, "taking over a stale lease")
-        self.held = self.ours = True
+        self.held = True
+        self._hold(until)
 
     def check(self) -> None:
         """Before a commit: the lease must still be this process's, or free again (released
-        by another manager of this process)."""
+        by another manager of this process) while this object's hold has not expired. Gone
+        after that expiry, another job may have taken it over, written and given it back."""
         rec = self.read()
+        if rec is None and self._until and time.time() >= self._until:
+            late = time.time() - self._until
+            self._until = 0.0
+            self.changed_hands()
+            raise CheckpointLeaseError(
+                f"{self.url}: committing (the step is NOT committed): this job's write lease "
+                f"expired {late:.0f} s before the commit (lease_seconds={self.seconds:g}) and "
+                "is gone: another job may have taken the run over and written meanwhile. "
+                "Load again to resume what the run holds now; raise lease_seconds above the "
+                "longest save plus the time between two saves"
+            )
         if rec is None:
             return self.acquire()
         if not self._mine(rec):
-            self.ours = False
+            self._until = 0.0
             self.changed_hands()
             raise self._refuse(rec, "committing (the step is NOT committed)")
 
@@ -205,7 +240,10 @@ class Lease:
         """Give the lease up if this object acquired it and this process still holds it."""
         if self.held and self._mine(self.read()):
             self.storage.rm(LEASE)
-        self.held = self.ours = False
+        self.held = False
+        self._until = 0.0
+        if _LATEST.get(self.url) == self._token:
+            _LATEST.pop(self.url, None)  # (another manager's may replace it meanwhile)
 
 
 def _unknowable(rec: dict[str, Any]) -> str:

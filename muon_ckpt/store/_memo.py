@@ -10,10 +10,12 @@ manifest or the index), stands while its manifest is the same object:
   read: a manifest edited by hand or swapped in by another process is read again);
 * on object stores, by its entity tag and size (S3's ETag, GCS's generation) from one
   listing of the step directories (``Storage.stamps``: a page per 1,000 objects, two objects
-  a step with dedup), made by a scan that has something to check against it; and, while this
-  process holds the run's write lease, whatever it checked or read since it acquired it
-  (``_leased``: another job writes only after taking the lease over, which an acquire sees;
-  then what was read is checked against the listing once more);
+  a step with dedup), made by a scan that has something to check against it; and, while the
+  catalog's lease is ``ours`` (acquired, not expired since, not renewed by another manager of
+  this process since), whatever it checked or read since it acquired it (``_leased``: another
+  job writes only after the expiry and a takeover, another manager of the process only after
+  its own acquire; the next acquire sees either, and what was read is checked against the
+  listing once more);
 * on ``memory://`` (no stamps), never.
 
 This catalog's own writes (a commit, a swap, a delete) update or drop what they change. The
