@@ -47,7 +47,7 @@ from muon_ckpt.store import DATA, METADATA, FileEntry, Storage, check_stored, da
 from muon_ckpt.store import is_storage_failure as storage_failed
 from muon_ckpt.store.checksums import Checksum
 from muon_ckpt.store.codec import DESCRIPTOR, MIN_COMPRESS_BYTES, Encoder, stride_of
-from muon_ckpt.store.dcp import StorageIndex, Written, dcp_filesystem, dump_metadata
+from muon_ckpt.store.dcp import Gathered, Written, dcp_filesystem, dump_metadata
 
 __all__ = ["StepWriter", "WritePolicy"]
 
@@ -130,17 +130,16 @@ class StepWriter(FileSystemWriter):
         # and a dict per item, took 22 s on rank 0 at 2,048 ranks of an 8B model.
         metadata.version = getattr(dcp_files, "CURRENT_DCP_VERSION", metadata.version)
         metadata.storage_meta = self.storage_meta()
-        # The collector paused until the rows are gone again: millions of them, none garbage,
-        # which its next collection would otherwise walk (and the one after that, again).
+        # The collector paused until the metadata is dropped: its million chunks, none of them
+        # garbage, which a collection while the pickle is written would walk.
         with paused_gc():
-            metadata.storage_data = index = StorageIndex.of_results(results)
+            metadata.storage_data = items = Gathered(results)
             self._write_metadata(metadata)
-            self.compressed = index.how is not None and any(index.how)
+            self.compressed = items.compressed()
             # DCP then hands this metadata to every rank (dcp.save's return value, which
             # nothing here reads), pickled an object per chunk: 4 s on rank 0 and 8 s on every
             # other rank at 512 ranks of an 8B model, each save. The file holds all of it.
             metadata.state_dict_metadata, metadata.storage_data = {}, {}
-            del index
         self.ended()
 
     def _write_metadata(self, metadata: Any) -> None:

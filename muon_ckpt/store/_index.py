@@ -29,16 +29,27 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-__all__ = ["Call", "ChunkList", "StorageIndex", "Written", "add_chunks", "pickled_items"]
+__all__ = [
+    "Call",
+    "ChunkList",
+    "Gathered",
+    "Listed",
+    "StorageIndex",
+    "Written",
+    "add_chunks",
+    "pickled_items",
+]
 
 _NONES = itertools.repeat(None)
 _INDEX, _DATA = operator.attrgetter("index"), operator.attrgetter("storage_data")
 _OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
+_COLS = operator.attrgetter("cols")
 _KEY_FIELDS = ("fqn", "offset", "index")  # MetadataIndex's
 _INFO_FIELDS = ("relative_path", "offset", "length", "transform_descriptors")  # _StorageInfo's
 _FIELDS = tuple(f"index.{f}" for f in _KEY_FIELDS) + tuple(
     f"storage_data.{f}" for f in _INFO_FIELDS
 )  # a WriteResult's, in StorageIndex's order
+_HINTS, _HOW = _FIELDS.index("index.index"), _FIELDS.index("storage_data.transform_descriptors")
 
 
 def _columns(objs: list[Any], fields: tuple[str, ...]) -> list[list[Any]]:
@@ -90,15 +101,6 @@ class StorageIndex(MutableMapping):
     def of_items(cls, keys: list[Any], infos: list[Any]) -> StorageIndex:
         """From unique DCP indexes and their ``_StorageInfo``s, in order (a dict's items)."""
         return cls.of_columns(_columns(keys, _KEY_FIELDS) + _columns(infos, _INFO_FIELDS))
-
-    @classmethod
-    def of_results(cls, results: Iterable[Any]) -> StorageIndex:
-        """From every rank's write results (a ``Written``, or DCP's list of WriteResults), in
-        order. (DCP's ``finish`` makes a dict of them, where a later result of an index
-        replaces the earlier; none does after the global plan's checks. Pickled, these
-        columns load as that dict all the same.)"""
-        parts = [r.cols if isinstance(r, Written) else Written.of(r).cols for r in results]
-        return cls.of_columns([list(itertools.chain.from_iterable(c)) for c in zip(*parts)])
 
     @classmethod
     def of_columns(cls, cols: list[list[Any]]) -> StorageIndex:
@@ -275,14 +277,32 @@ class Call:
         return (self.fn, self.args)
 
 
-def pickled_items(cols: list[list[Any]]) -> tuple[Any, ...]:
-    """What pickles stored items (``StorageIndex.columns``) as DCP's dict of them:
+class Listed:
+    """A list of the values ``it`` yields, pickled as ``list()`` and its values appended (the
+    pickle's APPENDS, as for a list), taken from ``it`` as they are written: no list made."""
+
+    __slots__ = ("it",)
+
+    def __init__(self, it: Iterable[Any]) -> None:
+        self.it = it
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (), None, iter(self.it))
+
+
+def pickled_items(cols: list[Any]) -> tuple[Any, ...]:
+    """What pickles stored items (``StorageIndex.columns``, or ``Gathered.columns``: None for
+    hints or storage transforms that no item has) as DCP's dict of them:
     ``dict(zip(map(MetadataIndex, ...), map(_StorageInfo, ...)))``, hints and storage
     transforms only where some item has them."""
     fqns, offsets, hints, paths, starts, lengths, how = cols
-    keys = [fqns, offsets] + ([] if _all_none(hints) else [hints])
-    infos = [paths, starts, lengths] + ([] if _all_none(how) else [how])
+    keys = [fqns, offsets] + ([] if _none(hints) else [hints])
+    infos = [paths, starts, lengths] + ([] if _none(how) else [how])
     return (dict, (Call(zip, Call(map, MetadataIndex, *keys), Call(map, _StorageInfo, *infos)),))
+
+
+def _none(col: Any) -> bool:
+    return col is None or (type(col) is list and _all_none(col))
 
 
 class ChunkList(list):
@@ -327,6 +347,43 @@ def add_chunks(lists: list[ChunkList], chunks: list[Any]) -> None:
     if set(map(type, chunks)) - {ChunkStorageMetadata}:
         for lst, chunk in zip(lists, chunks):
             lst.exact = lst.exact and type(chunk) is ChunkStorageMetadata
+
+
+class Gathered:
+    """Every rank's write results (a ``Written`` each, or DCP's list of WriteResults), as DCP
+    gathers them to rank 0 for its finish: the stored items of the step, in order, whose
+    ``.metadata`` pickle (``store.dump_metadata``) reads each column as the ranks' one after
+    the other, in C, and never makes it one list of a million rows (``StorageIndex`` would:
+    seven of them, every row's objects touched to make them and again to free them). (DCP's
+    finish makes a dict of them, where a later result of an index replaces the earlier; none
+    does after the global plan's checks. Pickled, these columns load as that dict all the
+    same.)"""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, results: Iterable[Any]) -> None:
+        results = list(results)
+        if set(map(type, results)) - {Written}:  # (DCP's own list of WriteResults: as Written)
+            results = [r if isinstance(r, Written) else Written.of(r) for r in results]
+        self.parts: list[list[list[Any]]] = list(map(_COLS, results))
+
+    def column(self, k: int) -> Iterator[Any]:
+        """Column ``k`` (``_FIELDS``' order) of every rank's, one after the other."""
+        return itertools.chain.from_iterable(map(operator.itemgetter(k), self.parts))
+
+    def columns(self) -> list[Any]:
+        """The seven columns, each an iterable run once; hints and storage transforms None
+        where no item has one."""
+        cols: list[Any] = list(map(self.column, range(len(_FIELDS))))
+        for k in (_HINTS, _HOW):
+            parts = list(map(operator.itemgetter(k), self.parts))
+            if sum(map(list.count, parts, _NONES)) == sum(map(len, parts)):
+                cols[k] = None
+        return cols
+
+    def compressed(self) -> bool:
+        """Whether some item is stored with a storage transform (compressed)."""
+        return any(self.column(_HOW))
 
 
 class Written:

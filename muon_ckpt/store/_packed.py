@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from muon_ckpt.store._index import Call, ChunkList, StorageIndex, pickled_items
+from muon_ckpt.store._index import Call, ChunkList, Gathered, Listed, StorageIndex, pickled_items
 
 __all__ = ["dump_metadata", "metadata_bytes", "packed_builtins"]
 
@@ -125,21 +125,32 @@ def _metadata(same: _Same, md: Metadata) -> tuple[Any, ...]:
     items = state.get("storage_data")
     if _dcp_items(items):  # (a dict of DCP's own: the same columns)
         items = StorageIndex.of_items(list(items), list(items.values()))
-    if isinstance(items, StorageIndex):
-        cols = items.columns()
-        tensors = md.state_dict_metadata if isinstance(md.state_dict_metadata, dict) else {}
-        names = {k: k for k in tensors}
-        with contextlib.suppress(TypeError):  # (a name of no state dict: as it is)
-            cols[0] = list(map(names.get, cols[0], cols[0]))
-        # The chunks' offsets first: the items' (a save's are tuples of ints, Written) are then
-        # the very torch.Size objects of the chunks, pickled once (none is added to them).
-        for meta in tensors.values():
-            if type(meta) is TensorStorageMetadata:
-                same.of(meta)
-        if cols[1] and set(map(type, cols[1])) <= {torch.Size, tuple, type(None)}:
-            cols[1] = same.each(cols[1], add=False)
-        state["storage_data"] = Call(*_call(pickled_items(cols)))
+    if isinstance(items, (StorageIndex, Gathered)):
+        state["storage_data"] = Call(*_call(pickled_items(_item_columns(same, md, items))))
     return (copyreg.__newobj__, (Metadata,), state)
+
+
+def _item_columns(same: _Same, md: Metadata, items: StorageIndex | Gathered) -> list[Any]:
+    """The stored items' columns as pickled: each name the state dict's key (stored once),
+    each offset its chunk's torch.Size (the items' of a save are tuples of ints, ``Written``)."""
+    tensors = md.state_dict_metadata if isinstance(md.state_dict_metadata, dict) else {}
+    for meta in tensors.values():  # (the chunks' offsets first: the items' then refer to them)
+        if type(meta) is TensorStorageMetadata:
+            same.of(meta)
+    names, values = {k: k for k in tensors}, same.values
+    if isinstance(items, Gathered):  # (a save's: each column read once, as it is written)
+        cols = items.columns()
+        fqns, offsets = map(items.column, (0, 1))
+        cols[0] = Listed(map(names.get, cols[0], fqns))
+        cols[1] = Listed(map(values.get, cols[1], offsets))
+        cols[2:] = [None if c is None else Listed(c) for c in cols[2:]]
+        return cols
+    cols = items.columns()
+    with contextlib.suppress(TypeError):  # (a name of no state dict: as it is)
+        cols[0] = list(map(names.get, cols[0], cols[0]))
+    if set(map(type, cols[1])) <= {torch.Size, tuple, type(None)}:
+        cols[1] = list(map(values.get, cols[1], cols[1]))
+    return cols
 
 
 def _tensor(same: _Same, meta: TensorStorageMetadata) -> tuple[Any, ...]:

@@ -6,13 +6,14 @@ Storage's)."""
 from muon_ckpt.store._chunks import check_held_chunks, tiling_problem
 from muon_ckpt.store._dcpfs import DelegatingFileSystem, dcp_filesystem
 from muon_ckpt.store._files import check_files
-from muon_ckpt.store._index import ChunkList, StorageIndex, Written, add_chunks
+from muon_ckpt.store._index import ChunkList, Gathered, StorageIndex, Written, add_chunks
 from muon_ckpt.store._metadata import bytes_keys, parse_metadata, tensor_entries, unpack_metadata
 from muon_ckpt.store._packed import dump_metadata, metadata_bytes
 
 __all__ = [
     "ChunkList",
     "DelegatingFileSystem",
+    "Gathered",
     "StorageIndex",
     "Written",
     "add_chunks",
