@@ -105,14 +105,13 @@ class _Same:
             seen.append(same)
         return same
 
-    def each(self, col: list[Any], add: bool = True) -> list[Any]:
+    def each(self, col: list[Any]) -> list[Any]:
         """Each value of ``col`` as the one equal value pickled: a value equal to the one before
-        it (most of a column's sizes) by a comparison, the others by their hash, in C; a value
-        of none pickled before is itself, and with ``add`` the one pickled from then on."""
+        it (most of a column's sizes) by a comparison, the others by their hash, in C."""
         n = len(col)
         new = [True, *map(operator.ne, col[1:], col)]
         firsts = list(itertools.compress(col, new))
-        same = list(map(self.values.setdefault if add else self.values.get, firsts, firsts))
+        same = list(map(self.values.setdefault, firsts, firsts))
         if len(same) == n:
             return same
         at = list(itertools.compress(range(n), new))
@@ -148,7 +147,7 @@ def _item_columns(same: _Same, md: Metadata, items: StorageIndex | Gathered) -> 
     cols = items.columns()
     with contextlib.suppress(TypeError):  # (a name of no state dict: as it is)
         cols[0] = list(map(names.get, cols[0], cols[0]))
-    if set(map(type, cols[1])) <= {torch.Size, tuple, type(None)}:
+    with contextlib.suppress(TypeError):  # (an offset of no chunk: as it is)
         cols[1] = list(map(values.get, cols[1], cols[1]))
     return cols
 
