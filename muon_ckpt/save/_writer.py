@@ -47,7 +47,7 @@ from muon_ckpt.store import DATA, METADATA, FileEntry, Storage, check_stored, da
 from muon_ckpt.store import is_storage_failure as storage_failed
 from muon_ckpt.store.checksums import Checksum
 from muon_ckpt.store.codec import DESCRIPTOR, MIN_COMPRESS_BYTES, Encoder, stride_of
-from muon_ckpt.store.dcp import StorageIndex, Written, dcp_filesystem, dump_metadata
+from muon_ckpt.store.dcp import Gathered, Written, dcp_filesystem, dump_metadata
 
 __all__ = ["StepWriter", "WritePolicy"]
 
@@ -129,15 +129,27 @@ class StepWriter(FileSystemWriter):
         # pickled in them (store.dump_metadata): DCP's dict of them and its pickle, an object
         # and a dict per item, took 22 s on rank 0 at 2,048 ranks of an 8B model.
         metadata.version = getattr(dcp_files, "CURRENT_DCP_VERSION", metadata.version)
-        with paused_gc():  # (a million results, a million rows: none of them garbage)
-            metadata.storage_data = index = StorageIndex.of_results(results)
         metadata.storage_meta = self.storage_meta()
+        # The collector paused until the metadata is dropped: its million chunks, none of them
+        # garbage, which a collection while the pickle is written would walk.
+        with paused_gc():
+            metadata.storage_data = items = Gathered(results)
+            self._write_metadata(metadata)
+            self.compressed = items.compressed()
+            # DCP then hands this metadata to every rank (dcp.save's return value, which
+            # nothing here reads), pickled an object per chunk: 4 s on rank 0 and 8 s on every
+            # other rank at 512 ranks of an 8B model, each save. The file holds all of it.
+            metadata.state_dict_metadata, metadata.storage_data = {}, {}
+        self.ended()
+
+    def _write_metadata(self, metadata: Any) -> None:
+        """DCP's ``.metadata`` file (in columns, ``store.dump_metadata``), as DCP's finish
+        writes it: a temporary name, fsync, then renamed."""
         rank, collective = getattr(self, "rank", None), getattr(self, "use_collectives", True)
         name = METADATA if collective or rank is None else f"__{rank}{METADATA}"  # (DCP's names)
         tmp = self.fs.concat_path(self.path, f"{name}.tmp")
         with self.fs.create_stream(tmp, "wb") as f:
-            with paused_gc():
-                dump_metadata(metadata, f)
+            dump_metadata(metadata, f)
             if self.sync_files:
                 try:
                     os.fsync(f.fileno())
@@ -147,12 +159,6 @@ class StepWriter(FileSystemWriter):
         if self.fs.exists(path):
             self.fs.rm_file(path)
         self.fs.rename(tmp, path)
-        self.compressed = index.how is not None and any(index.how)
-        # DCP then hands this metadata to every rank (dcp.save's return value, which nothing
-        # here reads), pickled an object per chunk: 4 s on rank 0 and 8 s on every other rank
-        # at 512 ranks of an 8B model, each save. The file holds all of it.
-        metadata.state_dict_metadata, metadata.storage_data = {}, {}
-        self.ended()
 
     def ended(self) -> None:
         """Rank 0 past DCP's finish (its ``.metadata`` written, or DCP's save over without

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from muon_ckpt._errors import CheckpointCorruptError
 from muon_ckpt._shards import chunk_of
+from muon_ckpt.store._chunklist import ChunkList
 from muon_ckpt.store._codec import DESCRIPTOR, MAX_RATIO
-from muon_ckpt.store._index import ChunkList
 from muon_ckpt.store._layouts import Layout, Layouts, rows_hold
 
 __all__ = ["check_held_chunks", "check_tensors", "tiling_problem"]

@@ -17,24 +17,24 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
-import threading
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
 
+from muon_ckpt.store._chunklist import ChunkList
+
 __all__ = [
     "Call",
-    "ChunkList",
+    "Gathered",
+    "Listed",
     "StorageIndex",
     "Written",
-    "chunk_list",
     "pickled_items",
 ]
 
@@ -42,11 +42,13 @@ _NONES = itertools.repeat(None)
 _drain = collections.deque(maxlen=0).extend  # (runs a map in C, keeps nothing)
 _INDEX, _DATA = operator.attrgetter("index"), operator.attrgetter("storage_data")
 _OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
+_COLS = operator.attrgetter("cols")
 _KEY_FIELDS = ("fqn", "offset", "index")  # MetadataIndex's
 _INFO_FIELDS = ("relative_path", "offset", "length", "transform_descriptors")  # _StorageInfo's
 _FIELDS = tuple(f"index.{f}" for f in _KEY_FIELDS) + tuple(
     f"storage_data.{f}" for f in _INFO_FIELDS
 )  # a WriteResult's, in StorageIndex's order
+_HINTS, _HOW = _FIELDS.index("index.index"), _FIELDS.index("storage_data.transform_descriptors")
 
 
 def _columns(objs: list[Any], fields: tuple[str, ...]) -> list[list[Any]]:
@@ -98,15 +100,6 @@ class StorageIndex(MutableMapping):
     def of_items(cls, keys: list[Any], infos: list[Any]) -> StorageIndex:
         """From unique DCP indexes and their ``_StorageInfo``s, in order (a dict's items)."""
         return cls.of_columns(_columns(keys, _KEY_FIELDS) + _columns(infos, _INFO_FIELDS))
-
-    @classmethod
-    def of_results(cls, results: Iterable[Any]) -> StorageIndex:
-        """From every rank's write results (a ``Written``, or DCP's list of WriteResults), in
-        order. (DCP's ``finish`` makes a dict of them, where a later result of an index
-        replaces the earlier; none does after the global plan's checks. Pickled, these
-        columns load as that dict all the same.)"""
-        parts = [r.cols if isinstance(r, Written) else Written.of(r).cols for r in results]
-        return cls.of_columns([list(itertools.chain.from_iterable(c)) for c in zip(*parts)])
 
     @classmethod
     def of_columns(cls, cols: list[list[Any]]) -> StorageIndex:
@@ -285,110 +278,69 @@ class Call:
         return (self.fn, self.args)
 
 
-def pickled_items(cols: list[list[Any]]) -> tuple[Any, ...]:
-    """What pickles stored items (``StorageIndex.columns``) as DCP's dict of them:
+class Listed:
+    """A list of the values ``it`` yields, pickled as ``list()`` and its values appended (the
+    pickle's APPENDS, as for a list), taken from ``it`` as they are written: no list made."""
+
+    __slots__ = ("it",)
+
+    def __init__(self, it: Iterable[Any]) -> None:
+        self.it = it
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (), None, iter(self.it))
+
+
+def pickled_items(cols: list[Any]) -> tuple[Any, ...]:
+    """What pickles stored items (``StorageIndex.columns``, or ``Gathered.columns``: None for
+    hints or storage transforms that no item has) as DCP's dict of them:
     ``dict(zip(map(MetadataIndex, ...), map(_StorageInfo, ...)))``, hints and storage
     transforms only where some item has them."""
     fqns, offsets, hints, paths, starts, lengths, how = cols
-    keys = [fqns, offsets] + ([] if _all_none(hints) else [hints])
-    infos = [paths, starts, lengths] + ([] if _all_none(how) else [how])
+    keys = [fqns, offsets] + ([] if _none(hints) else [hints])
+    infos = [paths, starts, lengths] + ([] if _none(how) else [how])
     return (dict, (Call(zip, Call(map, MetadataIndex, *keys), Call(map, _StorageInfo, *infos)),))
 
 
-class ChunkList(list):
-    """A tensor's chunks (DCP's list of ChunkStorageMetadata) with their offsets and sizes as
-    columns beside them, as the global plan adds them (``_dcp``): its checks and the
-    ``.metadata``'s pickle read these instead of a million chunks again (received rank by
-    rank, they lie all over rank 0's memory: a cache miss each). ``add`` a plan's chunks of
-    the tensor; pickled, a plain list."""
-
-    __slots__ = ("exact", "offsets", "sizes")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.offsets: list[Any] = []
-        self.sizes: list[Any] = []
-        self.exact = True  # every chunk a ChunkStorageMetadata, not of a class of its own
-
-    def add(self, chunk: Any) -> None:
-        self.append(chunk)
-        self.offsets.append(chunk.offsets)
-        self.sizes.append(chunk.sizes)
-        self.exact = self.exact and type(chunk) is ChunkStorageMetadata
-
-    def columns(self) -> tuple[list[Any], list[Any]] | None:
-        """The chunks' offsets and sizes, while they are those of the chunks in the list."""
-        if not len(self) == len(self.offsets) == len(self.sizes):
-            return None
-        if self and self[-1].offsets is not self.offsets[-1]:
-            return None
-        return self.offsets, self.sizes
-
-    def part(self, start: int, stop: int) -> list[Any]:
-        """``self[start:stop]``: what a rank's load plan reads (``load._overlap``)."""
-        return self[start:stop]
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (list, (list(self),))
+def _none(col: Any) -> bool:
+    return col is None or (type(col) is list and _all_none(col))
 
 
-_BUILDING_LOCK = threading.Lock()
+class Gathered:
+    """Every rank's write results (a ``Written`` each, or DCP's list of WriteResults), as DCP
+    gathers them to rank 0 for its finish: the stored items of the step, in order, whose
+    ``.metadata`` pickle (``store.dump_metadata``) reads each column as the ranks' one after
+    the other, in C, and never makes it one list of a million rows (``StorageIndex`` would:
+    seven of them, every row's objects touched to make them and again to free them). (DCP's
+    finish makes a dict of them, where a later result of an index replaces the earlier; none
+    does after the global plan's checks. Pickled, these columns load as that dict all the
+    same.)"""
 
+    __slots__ = ("parts",)
 
-class _Unbuilt(ChunkList):
-    """A ``ChunkList`` as read from a ``.metadata`` (``store._packed``): its columns only, the
-    chunk objects built at its first use as a list, when it becomes a ``ChunkList``. The
-    checks and the decision's pickle read the columns: a million chunk objects (and the
-    collector's walk over them) are made only for the tensors some reader takes chunks of."""
+    def __init__(self, results: Iterable[Any]) -> None:
+        results = list(results)
+        if set(map(type, results)) - {Written}:  # (DCP's own list of WriteResults: as Written)
+            results = [r if isinstance(r, Written) else Written.of(r) for r in results]
+        self.parts: list[list[list[Any]]] = list(map(_COLS, results))
 
-    __slots__ = ()
+    def column(self, k: int) -> Iterator[Any]:
+        """Column ``k`` (``_FIELDS``' order) of every rank's, one after the other."""
+        return itertools.chain.from_iterable(map(operator.itemgetter(k), self.parts))
 
-    def built(self) -> ChunkList:
-        with _BUILDING_LOCK:  # (two threads' first uses build them once)
-            if type(self) is _Unbuilt:
-                list.extend(self, map(ChunkStorageMetadata, self.offsets, self.sizes))
-                self.__class__ = ChunkList  # (from here on a list: its own methods, in C)
-        return self
+    def columns(self) -> list[Any]:
+        """The seven columns, each an iterable run once; hints and storage transforms None
+        where no item has one."""
+        cols: list[Any] = list(map(self.column, range(len(_FIELDS))))
+        for k in (_HINTS, _HOW):
+            parts = list(map(operator.itemgetter(k), self.parts))
+            if sum(map(list.count, parts, _NONES)) == sum(map(len, parts)):
+                cols[k] = None
+        return cols
 
-    def columns(self) -> tuple[list[Any], list[Any]]:
-        return self.offsets, self.sizes
-
-    def part(self, start: int, stop: int) -> list[Any]:
-        return list(map(ChunkStorageMetadata, self.offsets[start:stop], self.sizes[start:stop]))
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    def __radd__(self, other: Any) -> Any:
-        return other + self.built()
-
-
-def _building(name: str) -> Any:
-    def method(self: _Unbuilt, *args: Any, **kwargs: Any) -> Any:
-        # (_Unbuilt's: another use may have built it since this method was looked up)
-        return getattr(_Unbuilt.built(self), name)(*args, **kwargs)
-
-    method.__name__ = name
-    return method
-
-
-# Every other method of a list that reads or changes its items builds them first (C code
-# that reads a list's items directly takes exact lists only: a subclass's go through these)
-_BUILDING = (
-    "__add__ __contains__ __delitem__ __eq__ __ge__ __getitem__ __gt__ __iadd__ __imul__ "
-    "__iter__ __le__ __lt__ __mul__ __ne__ __repr__ __reversed__ __rmul__ __setitem__ "
-    "__sizeof__ append clear copy count extend index insert pop remove reverse sort"
-)
-for _name in _BUILDING.split():
-    setattr(_Unbuilt, _name, _building(_name))
-
-
-def chunk_list(offsets: list[Any], sizes: list[Any]) -> ChunkList:
-    """A tensor's chunks ``map(ChunkStorageMetadata, offsets, sizes)``, built when first used
-    as a list (columns of one length; else at once, as ``map`` makes them)."""
-    out = _Unbuilt()
-    out.offsets, out.sizes = offsets, sizes
-    return out if len(offsets) == len(sizes) else out.built()
+    def compressed(self) -> bool:
+        """Whether some item is stored with a storage transform (compressed)."""
+        return any(self.column(_HOW))
 
 
 class Written:

@@ -19,7 +19,8 @@ import math
 import operator
 from typing import Any
 
-from muon_ckpt.store._index import ChunkList, StorageIndex
+from muon_ckpt.store._chunklist import ChunkList
+from muon_ckpt.store._index import StorageIndex
 
 __all__ = ["Layout", "Layouts", "rows_hold"]
 

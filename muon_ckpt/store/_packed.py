@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
+import functools
 import io
 import itertools
 import operator
@@ -33,7 +34,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from muon_ckpt.store._index import Call, ChunkList, StorageIndex, chunk_list, pickled_items
+from muon_ckpt.store._chunklist import ChunkList, chunk_list
+from muon_ckpt.store._index import Call, Gathered, Listed, StorageIndex, pickled_items
 
 __all__ = ["dump_metadata", "metadata_bytes", "packed_builtins"]
 
@@ -43,42 +45,120 @@ _OFFSETS, _SIZES = operator.attrgetter("offsets"), operator.attrgetter("sizes")
 
 class _Pickler(pickle.Pickler):
     """DCP's Metadata with its chunks and stored items as columns (the module docstring): equal
-    chunk offsets and sizes one object, the stored items' names the very objects of the state
-    dict's keys, which the pickle stores once each."""
+    chunk offsets, sizes and columns one object (``_Same``), the stored items' names the very
+    objects of the state dict's keys, which the pickle stores once each."""
 
     def __init__(self, stream: Any) -> None:
         super().__init__(stream, protocol=PROTOCOL)
-        self._same: dict[Any, Any] = {}  # a chunk's offsets and sizes by value: each once
+        same = _Same()
+        # Functions of ``same``, not bound methods: a pickler in its own dispatch table is a
+        # cycle, which kept its memo of millions of objects for the collector to walk and free.
         self.dispatch_table = copyreg.dispatch_table.copy()
-        self.dispatch_table.update({Metadata: self._metadata, TensorStorageMetadata: self._tensor})
+        self.dispatch_table.update(
+            {
+                Metadata: functools.partial(_metadata, same),
+                TensorStorageMetadata: functools.partial(_tensor, same),
+            }
+        )
 
-    def _metadata(self, md: Metadata) -> tuple[Any, ...]:
-        state = dict(md.__dict__)
-        items = state.get("storage_data")
-        if _dcp_items(items):  # (a dict of DCP's own: the same columns)
-            items = StorageIndex.of_items(list(items), list(items.values()))
-        if isinstance(items, StorageIndex):
-            cols = items.columns()
-            names = {k: k for k in (md.state_dict_metadata or {})}
-            with contextlib.suppress(TypeError):  # (a name of no state dict: as it is)
-                cols[0] = list(map(names.get, cols[0], cols[0]))
-            state["storage_data"] = Call(*_call(pickled_items(cols)))
-        return (copyreg.__newobj__, (Metadata,), state)
 
-    def _tensor(self, meta: TensorStorageMetadata) -> tuple[Any, ...]:
-        state = dict(meta.__dict__)
-        chunks = state.get("chunks")
+class _Same:
+    """What one pickle stores once: each equal chunk offset and size (``values``, by value),
+    each equal column of them (``columns``, a column pickled again is a reference to the
+    first: tensors of one shape and sharding, every layer's param and state, have equal
+    ones), and each tensor's pickled columns (``chunks``)."""
+
+    __slots__ = ("chunks", "columns", "values")
+
+    def __init__(self) -> None:
+        self.values: dict[Any, Any] = {}  # (a torch.Size equals a tuple of its values)
+        self.columns: dict[tuple[Any, ...], list[list[Any]]] = {}  # by (length, first, last)
+        self.chunks: dict[int, tuple[Any, Any] | None] = {}  # id(TensorStorageMetadata) ->
+
+    def of(self, meta: TensorStorageMetadata) -> tuple[Any, Any] | None:
+        """The chunks of ``meta`` as pickled: their offsets and sizes, two columns; None where
+        they are not every one a ChunkStorageMetadata."""
+        key = id(meta)  # (meta is in the pickled metadata: alive while the pickle is written)
+        if key not in self.chunks:
+            self.chunks[key] = self._of(getattr(meta, "chunks", None))
+        return self.chunks[key]
+
+    def _of(self, chunks: Any) -> tuple[Any, Any] | None:
         cols = chunks.columns() if isinstance(chunks, ChunkList) and chunks.exact else None
         listed = cols is None and isinstance(chunks, list)
         if listed and set(map(type, chunks)) == {ChunkStorageMetadata}:
             cols = list(map(_OFFSETS, chunks)), list(map(_SIZES, chunks))
-        if cols is not None and chunks:
-            offsets, sizes = cols
-            if set(map(type, offsets)) | set(map(type, sizes)) == {torch.Size}:
-                same = self._same.setdefault  # (a torch.Size equals a tuple of its values)
-                offsets, sizes = list(map(same, offsets, offsets)), list(map(same, sizes, sizes))
-            state["chunks"] = Call(list, Call(map, ChunkStorageMetadata, offsets, sizes))
-        return (copyreg.__newobj__, (TensorStorageMetadata,), state)
+        if cols is None or not chunks:
+            return cols
+        offsets, sizes = cols
+        if set(map(type, offsets)) | set(map(type, sizes)) != {torch.Size}:
+            return cols
+        return self.column(offsets), self.column(sizes)
+
+    def column(self, col: list[Any]) -> list[Any]:
+        """``col`` (of torch.Size, not empty) as pickled: a column equal to one pickled before
+        is that one, found by one comparison of the two lists, in C (no hash of each value);
+        else its values, each the one equal value pickled (``each``)."""
+        seen = self.columns.setdefault((len(col), col[0], col[-1]), [])
+        same = next((c for c in seen if c == col), None)
+        if same is None:
+            same = self.each(col)
+            seen.append(same)
+        return same
+
+    def each(self, col: list[Any]) -> list[Any]:
+        """Each value of ``col`` as the one equal value pickled: a value equal to the one before
+        it (most of a column's sizes) by a comparison, the others by their hash, in C."""
+        n = len(col)
+        new = [True, *map(operator.ne, col[1:], col)]
+        firsts = list(itertools.compress(col, new))
+        same = list(map(self.values.setdefault, firsts, firsts))
+        if len(same) == n:
+            return same
+        at = list(itertools.compress(range(n), new))
+        runs = map(operator.sub, [*at[1:], n], at)
+        return list(itertools.chain.from_iterable(map(itertools.repeat, same, runs)))
+
+
+def _metadata(same: _Same, md: Metadata) -> tuple[Any, ...]:
+    state = dict(md.__dict__)
+    items = state.get("storage_data")
+    if _dcp_items(items):  # (a dict of DCP's own: the same columns)
+        items = StorageIndex.of_items(list(items), list(items.values()))
+    if isinstance(items, (StorageIndex, Gathered)):
+        state["storage_data"] = Call(*_call(pickled_items(_item_columns(same, md, items))))
+    return (copyreg.__newobj__, (Metadata,), state)
+
+
+def _item_columns(same: _Same, md: Metadata, items: StorageIndex | Gathered) -> list[Any]:
+    """The stored items' columns as pickled: each name the state dict's key (stored once),
+    each offset its chunk's torch.Size (the items' of a save are tuples of ints, ``Written``)."""
+    tensors = md.state_dict_metadata if isinstance(md.state_dict_metadata, dict) else {}
+    for meta in tensors.values():  # (the chunks' offsets first: the items' then refer to them)
+        if type(meta) is TensorStorageMetadata:
+            same.of(meta)
+    names, values = {k: k for k in tensors}, same.values
+    if isinstance(items, Gathered):  # (a save's: each column read once, as it is written)
+        cols = items.columns()
+        fqns, offsets = map(items.column, (0, 1))
+        cols[0] = Listed(map(names.get, cols[0], fqns))
+        cols[1] = Listed(map(values.get, cols[1], offsets))
+        cols[2:] = [None if c is None else Listed(c) for c in cols[2:]]
+        return cols
+    cols = items.columns()
+    with contextlib.suppress(TypeError):  # (a name of no state dict: as it is)
+        cols[0] = list(map(names.get, cols[0], cols[0]))
+    with contextlib.suppress(TypeError):  # (an offset of no chunk: as it is)
+        cols[1] = list(map(values.get, cols[1], cols[1]))
+    return cols
+
+
+def _tensor(same: _Same, meta: TensorStorageMetadata) -> tuple[Any, ...]:
+    state = dict(meta.__dict__)
+    cols = same.of(meta)
+    if cols is not None and state.get("chunks"):
+        state["chunks"] = Call(list, Call(map, ChunkStorageMetadata, *cols))
+    return (copyreg.__newobj__, (TensorStorageMetadata,), state)
 
 
 def _call(reduced: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -144,7 +224,10 @@ def _list(it: Any = ()) -> list[Any]:
         return list(it)
     offsets, sizes = it.cols
     it.cols = ()  # (used up, as by a pass over it)
-    return chunk_list(offsets, sizes)
+    # Copies: the pickle refers to one column from every tensor of equal ones (_Same),
+    # and a ChunkList's columns are its own to append to (the values stay the very
+    # objects: store._layouts knows a layout by them).
+    return chunk_list(list(offsets), list(sizes))
 
 
 def _dict(it: Any = ()) -> Any:

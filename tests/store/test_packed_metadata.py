@@ -1,10 +1,13 @@
 """The ``.metadata`` in columns: plain ``pickle.load`` (DCP's own readers) builds from it the
-Metadata DCP's pickle holds; store's reader keeps its stored items as columns and finds each
-as DCP's dict does; its writing is a fixed number of Python calls whatever the ranks, and it
-stores each equal offset, size and name once."""
+Metadata DCP's pickle holds, also written from a save's gathered write results; store's
+reader keeps its stored items as columns and finds each as DCP's dict does, and gives each
+tensor columns of its own; its writing is a fixed number of Python calls whatever the ranks,
+leaves nothing to the collector, and stores each equal offset, size, name and chunk column
+once."""
 
 from __future__ import annotations
 
+import gc
 import pickle
 import sys
 from collections.abc import Callable
@@ -21,13 +24,21 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.storage import WriteResult
 
 from muon_ckpt import CheckpointCorruptError
 from muon_ckpt.store._index import Call, pickled_items
-from muon_ckpt.store.dcp import StorageIndex, metadata_bytes, parse_metadata
+from muon_ckpt.store.dcp import (
+    Gathered,
+    StorageIndex,
+    Written,
+    metadata_bytes,
+    parse_metadata,
+    unpack_metadata,
+)
 
 _F32 = TensorProperties(dtype=torch.float32)
-_SHAPES = {"a": (700, 4), "b.w2": (300, 19), "c": (500,)}
+_SHAPES = {"a": (700, 4), "b.w2": (300, 19), "c": (500,), "d.w2": (300, 19)}
 
 
 def _step(n: int) -> Metadata:
@@ -143,3 +154,99 @@ def test_offsets_that_are_not_sizes_are_unreadable_as_for_dcp():
         pickle.loads(data)  # (MetadataIndex makes a torch.Size of it)
     with pytest.raises(CheckpointCorruptError, match="unreadable"):
         parse_metadata(data, "here")
+
+
+def _gathered(md: Metadata, hints_and_how: bool = False) -> tuple[list[Written], dict[Any, Any]]:
+    """Each rank's write results for ``md``'s stored items, as its writer hands them to DCP
+    (``Written``), and the dict of them DCP's finish makes; ``hints_and_how``: some with
+    index hints and storage transforms."""
+    by_rank: dict[int, list[WriteResult]] = {}
+    for k, (key, info) in enumerate(md.storage_data.items()):
+        if hints_and_how:
+            key = MetadataIndex(key.fqn, key.offset, k % 3 if key.offset is not None else None)
+            how = ["zstd"] if k % 2 else None
+            info = _StorageInfo(info.relative_path, info.offset, info.length, how)
+        rank = int(info.relative_path[2:].split("_")[0])
+        by_rank.setdefault(rank, []).append(WriteResult(key, info.length, info))
+    ranks = range(max(by_rank) + 2)  # (the last rank wrote nothing)
+    results = [Written.of(by_rank.get(r, [])) for r in ranks]
+    want = {wr.index: wr.storage_data for r in ranks for wr in by_rank.get(r, [])}
+    return results, want
+
+
+@pytest.mark.parametrize("hints_and_how", [False, True])
+@pytest.mark.parametrize("n", [1, 5, 64])
+def test_a_saves_gathered_write_results_read_as_dcps_dict_of_them(n, hints_and_how):
+    md = _step(n)
+    results, want = _gathered(md, hints_and_how)
+    md.storage_data = Gathered(results)
+    data = metadata_bytes(md)
+    got = pickle.loads(data)  # (what torch's FileSystemReader.read_metadata does)
+    assert type(got.storage_data) is dict and got.storage_data == want
+    assert [(k, k.index) for k in got.storage_data] == [(k, k.index) for k in want]
+    assert got.state_dict_metadata == md.state_dict_metadata
+    index = unpack_metadata(data, "here").storage_data
+    assert isinstance(index, StorageIndex) and dict(index.items()) == want
+    assert md.storage_data.compressed() == hints_and_how
+
+
+def _equal_tensors(n: int, k: int) -> Metadata:
+    """``k`` tensors of one shape, each sharded over ``n`` ranks, their chunks' offsets and
+    sizes objects of their own (as DCP receives them, rank by rank)."""
+    state: dict[str, Any] = {}
+    for t in range(k):
+        chunks = [
+            ChunkStorageMetadata(torch.Size([2 * r, 0]), torch.Size([2, 8])) for r in range(n)
+        ]
+        state[f"layers.{t}.w"] = TensorStorageMetadata(_F32, torch.Size([2 * n, 8]), chunks)
+    return Metadata(state)
+
+
+def test_equal_chunk_columns_are_stored_once():
+    """Tensors of one shape and sharding (every layer's matrices, params and states) have
+    equal chunk columns: one more such tensor adds the same bytes at any ranks."""
+    more = {
+        n: len(metadata_bytes(_equal_tensors(n, 9))) - len(metadata_bytes(_equal_tensors(n, 1)))
+        for n in (16, 256)
+    }
+    assert more[256] <= more[16] + 8 * 16, more  # (a memo reference may take a few bytes more)
+    md = _equal_tensors(64, 3)
+    assert pickle.loads(metadata_bytes(md)) == md
+
+
+def test_each_tensor_read_has_chunk_columns_of_its_own():
+    """The file refers to one column from every tensor of equal ones; read, each tensor's
+    chunks keep columns of their own (a ChunkList's columns are appended to)."""
+    got = unpack_metadata(metadata_bytes(_equal_tensors(8, 2)), "here").state_dict_metadata
+    a, b = (got[f"layers.{t}.w"].chunks for t in (0, 1))
+    assert a.columns() == b.columns() and a.columns() is not None
+    assert a.offsets is not b.offsets and a.sizes is not b.sizes
+
+
+def test_writing_the_metadata_leaves_nothing_to_the_collector():
+    """The pickler and what it made are freed as the file is written: nothing is left in a
+    cycle (its memo refers to every object pickled, which the collector would walk)."""
+    md = _step(64)
+    results, _ = _gathered(md)
+    gc.collect()
+    gc.disable()
+    try:
+        metadata_bytes(md)
+        md.storage_data = Gathered(results)
+        metadata_bytes(md)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
+def test_writing_a_saves_gathered_results_is_the_same_work_at_any_ranks():
+    """From the gathered write results (what rank 0's finish writes), the Python calls do
+    not grow with the ranks either: every rank's columns are read in C."""
+
+    def write(md: Metadata, results: list[Written]) -> None:
+        md.storage_data = Gathered(results)
+        metadata_bytes(md)
+
+    steps = {n: (_step(n), _gathered(_step(n))[0]) for n in (64, 256)}
+    small, large = (_calls(lambda s=s: write(*s)) for s in steps.values())
+    assert large <= 1.1 * small, f"{small} calls at 64 ranks, {large} at 256"
