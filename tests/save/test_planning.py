@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import pickle
 import random
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -35,6 +33,7 @@ from muon_ckpt.save._global import SavePlanner
 from muon_ckpt.store import FileEntry, Manifest, Storage, data_ref_name, step_dirname
 from muon_ckpt.store._steps import read_manifest
 from muon_ckpt.store.dcp import parse_metadata
+from tests._calls import calls
 
 _F32 = TensorProperties(dtype=torch.float32)
 
@@ -80,23 +79,6 @@ def _plans(
     return plans
 
 
-def _calls(fn: Callable[[], Any]) -> int:
-    """The Python and C functions ``fn()`` calls, all of them (this thread)."""
-    count = 0
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal count
-        if event in ("call", "c_call"):
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return count
-
-
 # Wider than tall, as a transformer's w2 (4096 x 14336): DCP's _validate_global_plan sweeps
 # along the widest dimension, which every shard spans, and compares each shard with all others
 _WIDE = {f"layers.{i}.w2": (256, 1024) for i in range(4)}
@@ -105,7 +87,7 @@ _WIDE = {f"layers.{i}.w2": (256, 1024) for i in range(4)}
 def test_the_save_plan_of_2n_ranks_is_about_twice_the_work_of_n():
     def work(n: int) -> int:
         plans = _plans(n, _WIDE)
-        return _calls(lambda: StagedSavePlanner(None).create_global_plan(plans))
+        return calls(lambda: StagedSavePlanner(None).create_global_plan(plans))
 
     small, large = work(64), work(128)
     assert large <= 2.2 * small, f"{small} calls at 64 ranks, {large} at 128"
@@ -191,7 +173,7 @@ def test_the_metadata_check_of_2n_ranks_is_about_twice_the_work_of_n():
                 md.storage_data[it.index] = _info(f"__{r}_0.distcp", at, n_bytes)
                 at += n_bytes
         data = pickle.dumps(md)
-        return _calls(lambda: parse_metadata(data, "here"))
+        return calls(lambda: parse_metadata(data, "here"))
 
     small, large = work(64), work(128)
     assert large <= 2.2 * small, f"{small} calls at 64 ranks, {large} at 128"

@@ -9,7 +9,6 @@ import copy
 import math
 import operator
 import pickle
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 from muon_ckpt import CheckpointCorruptError
 from muon_ckpt.store._metadata import check_ranges
 from muon_ckpt.store.dcp import ChunkList, metadata_bytes, parse_metadata
+from tests._calls import calls
 
 _F32 = TensorProperties(dtype=torch.float32)
 # (layers of one shape: their chunks are the very same offsets and sizes in the pickle)
@@ -67,28 +67,12 @@ def _check(md: Metadata, sizes: dict[str, int]) -> Metadata:
     return got
 
 
-def _calls(fn: Callable[[], Any]) -> int:
-    count = 0
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal count
-        if event in ("call", "c_call"):
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return count
-
-
 def test_reading_and_checking_a_steps_metadata_is_the_same_python_calls_at_any_ranks():
     """Passes in C over the columns, each layout checked once, no chunk object built: the
     Python calls depend on the tensors, not on the ranks (a chunk object each grew them)."""
     _check(*_save(2))  # (torch's and the unpickler's first-use work out of the count)
     steps = {n: _save(n) for n in (64, 256)}
-    small, large = (_calls(lambda md=md: _check(*md)) for md in steps.values())
+    small, large = (calls(lambda md=md: _check(*md)) for md in steps.values())
     assert large <= 1.1 * small, f"{small} calls at 64 ranks, {large} at 256"
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import gc
 import pickle
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,6 +34,7 @@ from muon_ckpt.store.dcp import (
     parse_metadata,
     unpack_metadata,
 )
+from tests._calls import calls
 
 _F32 = TensorProperties(dtype=torch.float32)
 _SHAPES = {"a": (700, 4), "b.w2": (300, 19), "c": (500,), "d.w2": (300, 19)}
@@ -67,22 +66,6 @@ def _step(n: int) -> Metadata:
     return Metadata(state, planner_data={k: (k,) for k in state}, storage_data=dict(by_rank))
 
 
-def _calls(fn: Callable[[], Any]) -> int:
-    count = 0
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal count
-        if event in ("call", "c_call"):
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return count
-
-
 @pytest.mark.parametrize("n", [1, 5, 64])
 def test_plain_pickle_reads_the_metadata_dcp_pickles(n):
     md = _step(n)
@@ -105,7 +88,7 @@ def test_writing_the_metadata_is_the_same_work_at_any_ranks_and_stores_offsets_o
     """Python calls to write it do not grow with the ranks (DCP's pickle makes one per stored
     item); it takes half the bytes of DCP's pickle or less."""
     steps = {n: _step(n) for n in (64, 256)}
-    small, large = (_calls(lambda md=md: metadata_bytes(md)) for md in steps.values())
+    small, large = (calls(lambda md=md: metadata_bytes(md)) for md in steps.values())
     assert large <= 1.1 * small, f"{small} calls at 64 ranks, {large} at 256"
     assert len(metadata_bytes(steps[256])) * 2 < len(pickle.dumps(steps[256]))
 
@@ -248,5 +231,5 @@ def test_writing_a_saves_gathered_results_is_the_same_work_at_any_ranks():
         metadata_bytes(md)
 
     steps = {n: (_step(n), _gathered(_step(n))[0]) for n in (64, 256)}
-    small, large = (_calls(lambda s=s: write(*s)) for s in steps.values())
+    small, large = (calls(lambda s=s: write(*s)) for s in steps.values())
     assert large <= 1.1 * small, f"{small} calls at 64 ranks, {large} at 256"
