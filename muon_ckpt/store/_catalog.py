@@ -38,7 +38,7 @@ from muon_ckpt.store._data import collect_data
 from muon_ckpt.store._files import check_files, check_written
 from muon_ckpt.store._layout import MANIFEST, FileEntry, Manifest, step_dirname
 from muon_ckpt.store._lease import DEFAULT_LEASE_SECONDS, Lease
-from muon_ckpt.store._lines import SavePlan, aged_out, mark_superseded, plan_save
+from muon_ckpt.store._lines import SavePlan, Steps, aged_out, mark_superseded, plan_save
 from muon_ckpt.store._memo import ManifestMemo
 from muon_ckpt.store._records import LineRecords
 from muon_ckpt.store._steps import (
@@ -73,10 +73,22 @@ class Catalog:
         self.lease.changed_hands = self._handover
         # The steps as of this catalog's last scan under the lease, kept up to date by its
         # commits and deletions: what an asynchronous save is admitted from (``plan_cached``)
-        self.known: list[StepInfo] | None = None
+        self.known = None
         # The step directories as of the last scan, kept up to date by this catalog's own
         # changes (None: not listed yet): what the index names, where a step is read from
         self._present: set[str] | None = None
+
+    @property
+    def known(self) -> list[StepInfo] | None:
+        return self._known
+
+    @known.setter
+    def known(self, infos: list[StepInfo] | None) -> None:
+        # What a save reads of them, made now (in the save's job, after a commit or a
+        # deletion): a save admitted from the cache makes no pass over a long run's steps
+        self._known = infos
+        live = None if infos is None else [i for i in infos if i.status != UNCOMMITTED]
+        self._steps = None if live is None else Steps.of(live)
 
     def _handover(self) -> None:
         self.memo.handover()
@@ -234,10 +246,9 @@ class Catalog:
     def plan_cached(self, step: int, **kw: Any) -> SavePlan | None:
         """``begin``'s decision from the steps this catalog knows, with no request (an
         asynchronous save's: its job runs ``begin`` before writing); None: nothing known."""
-        if self.known is None or not self.lease.ours:
+        if self._steps is None or not self.lease.ours:
             return None
-        infos = [i for i in self.known if i.status != UNCOMMITTED]
-        return plan_save(infos, self.storage.url, step, records=self.records.gens, **kw)
+        return plan_save(self._steps, self.storage.url, step, records=self.records.gens, **kw)
 
     def admit(self, step: int, **kw: Any) -> SavePlan:
         """Ready a save of ``step`` that writes nothing here (a memory-tier step): the same
@@ -313,10 +324,10 @@ class Catalog:
             self._swap_in(name, step)
         info = self._read_step(step_dirname(step), step)  # (remembered: what the index says)
         if self.known is not None:  # (the commit as a scan would find it now)
-            self.known = sorted(
-                [i for i in self.known if i.step != step] + [info], key=lambda i: i.step
-            )
-            mark_superseded(self.known)
+            known = [i for i in self.known if i.step != step] + [info]
+            known.sort(key=lambda i: i.step)
+            mark_superseded(known)
+            self.known = known
         return manifest
 
     def _swap_in(self, staged: str, step: int) -> None:

@@ -123,8 +123,45 @@ def aged_out(infos: list[StepInfo], kept: set[int]) -> list[int]:
     return [i.step for i in infos if i.passed_over is not None and i.step < oldest]
 
 
+@dataclass
+class Steps:
+    """What ``plan_save`` reads of a scan's steps, in one pass: made once per scan or commit
+    (``Catalog``: in the save's job), so that a save admitted from it costs no pass over a long
+    run's steps while ``save()`` blocks."""
+
+    newer: list[int]
+    by_step: dict[int, StepInfo]
+    live: list[StepInfo]  # committed, oldest first
+    carried: list[tuple[int, int]]  # superseded (step, gen)
+    corrupt: list[int]
+    passed: list[StepInfo]  # passed over by a load
+    top_gen: int  # the highest gen of a committed or superseded step (0: none)
+    committed: set[tuple[int, int]]
+
+    @classmethod
+    def of(cls, infos: list[StepInfo]) -> Steps:
+        out = cls([], {}, [], [], [], [], 0, set())
+        for i in infos:
+            out.by_step[i.step] = i
+            gen = i.gen or 0
+            if i.status == NEWER:
+                out.newer.append(i.step)
+            elif i.status == COMMITTED:
+                out.live.append(i)
+                out.committed.add((i.step, gen))
+            elif i.status == SUPERSEDED:
+                out.carried.append((i.step, gen))
+            elif i.status == CORRUPT:
+                out.corrupt.append(i.step)
+            if i.status in (COMMITTED, SUPERSEDED):
+                out.top_gen = max(out.top_gen, gen)
+            if i.passed_over is not None:
+                out.passed.append(i)
+        return out
+
+
 def plan_save(
-    infos: list[StepInfo],
+    infos: list[StepInfo] | Steps,
     url: str,
     step: int,
     *,
@@ -146,7 +183,8 @@ def plan_save(
     records (line -> gen, ``_records``), another run's where nothing was loaded but ``line``'s
     (this run's, once a memory save recorded it). Raises
     CheckpointVersionError or CheckpointExistsError, writing nothing."""
-    newer = [i.step for i in infos if i.status == NEWER]
+    known = infos if isinstance(infos, Steps) else Steps.of(infos)
+    newer = known.newer
     if newer:
         raise CheckpointVersionError(
             f"{url}: step(s) {newer} were written by a newer muon-ckpt; saving step {step} "
@@ -154,9 +192,7 @@ def plan_save(
             "never deletes them. Upgrade muon-ckpt, or save this run to another url. Nothing "
             "was written"
         )
-    by_step = {i.step: i for i in infos}
-    live = [i for i in infos if i.status == COMMITTED]
-    carried = [(i.step, i.gen or 0) for i in infos if i.status == SUPERSEDED]
+    by_step, live, carried = known.by_step, known.live, known.carried
     retires: list[tuple[int, int]] = []
     drop: list[int] = []
     others = {k: g for k, g in (records or {}).items() if k != line}
@@ -166,16 +202,16 @@ def plan_save(
         if not new_run:
             raise CheckpointExistsError(_foreign(url, step, live))
         retires += [(i.step, i.gen or 0) for i in live]
-        drop += [i.step for i in infos if i.status == CORRUPT]
+        drop += known.corrupt
     # A new run replaces every step of the old one; a resumed run keeps what it passes over.
     keeps: dict[tuple[int, int | None], str] = {}
     unread: dict[int, str] = {}  # passed over, its manifest still unreadable: retired, kept
     if resumed:
         keeps = {(s, g): why for s, g, why in pass_over or ()}
-        for i in infos:  # (kept from an earlier commit: listed again, as ``carried`` are)
-            if i.passed_over is not None and i.status == CORRUPT:
+        for i in known.passed:  # (kept from an earlier commit: listed again, as ``carried`` are)
+            if i.status == CORRUPT:
                 unread[i.step] = i.passed_over
-            elif i.passed_over is not None:
+            else:
                 keeps[i.step, i.gen or 0] = i.passed_over
     for s, g in abandon:
         info = by_step.get(s)
@@ -203,8 +239,7 @@ def plan_save(
             "save another step"
         )
     # Above every commit it could retire, the memory tier's too: a commit never retires itself.
-    known = [i.gen or 0 for i in infos if i.status in (COMMITTED, SUPERSEDED)]
-    gen = 1 + max([*known, *(g for _, g in abandon if g is not None)], default=0)
+    gen = 1 + max([known.top_gen, *(g for _, g in abandon if g is not None)])
     for s, why in unread.items():  # (``_unread``; a save of that step takes its place instead)
         if s != step:
             retires.append((s, gen))
@@ -212,11 +247,7 @@ def plan_save(
     beside = overwrite or (have is not None and have.status != UNCOMMITTED)
     base = (live[-1].step, live[-1].gen or 0, live[-1].line) if live else None
     retired = sorted(set(retires + carried))
-    referable = (
-        refer_to is not None
-        and refer_to not in retired
-        and any(i.status == COMMITTED and (i.step, i.gen or 0) == refer_to for i in infos)
-    )
+    referable = refer_to is not None and refer_to not in retired and refer_to in known.committed
     passed = sorted((s, g, why) for (s, g), why in keeps.items() if (s, g) in retired)
     referred = refer_to if referable else None
     return SavePlan(gen, retired, sorted(set(drop)), replacing, beside, base, referred, passed)
