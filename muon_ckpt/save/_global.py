@@ -113,7 +113,7 @@ def _dedup(cols: list[Columns], lowest_rank: bool, every: bool) -> list[list[int
     plans hold (a replicated tensor or object, the empty shards several ranks hold at a
     tensor's end) stays in one, the plan with the fewest bytes so far in the order the
     items first appear (the lowest rank with ``lowest_rank``), ties as DCP breaks them.
-    Counted: every item (``every``) or the ``doubtful`` ones, in C. Where DCP adds up every
+    Counted: every item (``every``) or those of ``Columns.doubt``, in C. Where DCP adds up every
     item's bytes, only those that decide are measured: a key's holders are its first holder
     and later plans, whose own items come after it, so at its turn their bytes are what they
     were given so far, and its first holder's its items before it."""
